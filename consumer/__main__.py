@@ -1,0 +1,7 @@
+"""`python -m consumer ...` is `lmpipe train ...`."""
+
+import sys
+
+from lmpipe.cli import main
+
+sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,0 +1,111 @@
+"""From a batch's arrays on the device to what the model takes: ids, positions, targets, attention mask.
+
+Targets are the next token in the same row *and the same document*; pads and the token after a
+document's end are IGNORE, so the loss never trains on padding or across documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from consumer.model import IGNORE, AttnSpec
+
+
+class MaskCache:
+    """Causal masks by (length, device) for the exact eager path. Shapes repeat (pack, pad: one length;
+    bucket: a bounded set), so building a fresh [L, L] mask per layer per step would be waste."""
+
+    name = "causal_mask"
+
+    def __init__(self, on_hit=None, on_miss=None):
+        self._masks: dict[tuple[int, str], torch.Tensor] = {}
+        self.hits = self.misses = 0
+        self._on_hit, self._on_miss = on_hit, on_miss
+
+    def causal(self, length: int, device: torch.device) -> torch.Tensor:
+        key = (length, str(device))
+        mask = self._masks.get(key)
+        if mask is None:
+            self.misses += 1
+            if self._on_miss:
+                self._on_miss()
+            mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+            self._masks[key] = mask
+        else:
+            self.hits += 1
+            if self._on_hit:
+                self._on_hit()
+        return mask
+
+
+@dataclass
+class ModelInputs:
+    idx: torch.Tensor  # [B, L] int64
+    pos: torch.Tensor  # [B, L] int64
+    targets: torch.Tensor  # [B, L] int64, IGNORE where no target
+    attn: AttnSpec
+
+
+def positions(seg: torch.Tensor) -> torch.Tensor:
+    """Position of each token inside its document: restarts at 0 where seg changes."""
+    B, L = seg.shape
+    idx = torch.arange(L, device=seg.device).expand(B, L)
+    starts = torch.zeros_like(idx)
+    starts[:, 1:] = torch.where(seg[:, 1:] != seg[:, :-1], idx[:, 1:], 0)
+    return idx - starts.cummax(dim=1).values
+
+
+def targets_for(tokens: torch.Tensor, lengths: torch.Tensor, seg: torch.Tensor | None) -> torch.Tensor:
+    B, L = tokens.shape
+    targets = torch.full_like(tokens, IGNORE)
+    valid = torch.arange(L - 1, device=tokens.device)[None, :] < (lengths[:, None] - 1)
+    if seg is not None:
+        valid &= seg[:, 1:] == seg[:, :-1]
+    targets[:, :-1] = torch.where(valid, tokens[:, 1:], IGNORE)
+    return targets
+
+
+def document_causal_mask_mod(seg: torch.Tensor):
+    """FlexAttention mask_mod: attend to earlier-or-same positions of the same document."""
+
+    def mask_mod(b, h, q, kv):
+        return (seg[b, q] == seg[b, kv]) & (q >= kv)
+
+    return mask_mod
+
+
+def build_inputs(
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    seg: torch.Tensor | None,
+    *,
+    attention: str = "auto",
+    mask_cache: MaskCache | None = None,
+    block_mask_fn=None,
+) -> ModelInputs:
+    """tokens/lengths/seg already on the model's device. `attention`: auto | flex | dense."""
+    B, L = tokens.shape
+    idx = tokens.long()
+    targets = targets_for(idx, lengths, seg)
+    if seg is None:
+        pos = torch.arange(L, device=idx.device).expand(B, L)
+        return ModelInputs(idx, pos, targets, AttnSpec("causal"))
+    seg = seg.to(torch.int32)
+    pos = positions(seg)
+    use_flex = attention == "flex" or (attention == "auto" and idx.is_cuda)
+    if use_flex:
+        if block_mask_fn is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            block_mask_fn = create_block_mask
+        bm = block_mask_fn(document_causal_mask_mod(seg), B, None, L, L, device=idx.device)
+        return ModelInputs(idx, pos, targets, AttnSpec("flex", block_mask=bm))
+    causal = (
+        mask_cache.causal(L, idx.device)
+        if mask_cache
+        else torch.ones(L, L, dtype=torch.bool, device=idx.device).tril()
+    )
+    mask = (seg[:, :, None] == seg[:, None, :]) & causal
+    return ModelInputs(idx, pos, targets, AttnSpec("dense", mask=mask[:, None]))

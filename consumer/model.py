@@ -1,0 +1,177 @@
+"""A GPT-2-like language model in one file (after nanoGPT), with document-aware attention.
+
+Rows come in two kinds. Padded rows hold one document each, padded on the right: plain causal attention
+is exact for the real tokens (they never look right), so they take SDPA with is_causal=True, which runs
+the flash kernel on CUDA. Packed rows hold several documents; `seg` says which token belongs to which,
+and attention is causal *within* a document only. That mask is built once per batch (`AttnSpec`) and
+shared by every layer: on CUDA as a FlexAttention block mask, elsewhere as an exact boolean mask for SDPA.
+Position ids restart at every document so a packed document sees the same positions it would alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = False
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(block_size=256, n_layer=2, n_head=4, n_embd=128),  # CPU tests and the default run
+    "small": GPTConfig(block_size=512, n_layer=6, n_head=6, n_embd=384),
+    "gpt2-124m": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-350m": GPTConfig(block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+}
+
+
+def preset(name: str, vocab_size: int | None = None, block_size: int | None = None) -> GPTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    cfg = PRESETS[name]
+    if vocab_size is not None:
+        cfg = replace(cfg, vocab_size=-(-vocab_size // 64) * 64)  # multiple of 64: faster matmuls
+    if block_size is not None:
+        cfg = replace(cfg, block_size=block_size)
+    return cfg
+
+
+@dataclass
+class AttnSpec:
+    """How attention is masked for one batch; built once, used by every layer."""
+
+    kind: str  # "causal" | "dense" | "flex"
+    mask: torch.Tensor | None = None  # dense: bool [B, 1, L, L], True = may attend
+    block_mask: object | None = None  # flex: torch.nn.attention.flex_attention.BlockMask
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
+        B, L, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, L, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        drop = self.dropout if self.training else 0.0
+        if attn.kind == "flex":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            y = flex_attention(q, k, v, block_mask=attn.block_mask)
+        elif attn.kind == "dense":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, dropout_p=drop)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        y = y.transpose(1, 2).contiguous().view(B, L, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.grad_checkpointing = False
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def hidden(self, idx: torch.Tensor, pos: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
+        """Final hidden states [B, L, C] (before the LM head)."""
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            if self.grad_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, attn, use_reentrant=False)
+            else:
+                x = block(x, attn)
+        return self.transformer.ln_f(x)
+
+    def forward(
+        self, idx: torch.Tensor, pos: torch.Tensor, attn: AttnSpec, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Returns (logits, summed loss over targets != IGNORE). Logits are None when targets are given,
+        so training never keeps the [B, L, vocab] tensor around longer than the loss needs it."""
+        h = self.hidden(idx, pos, attn)
+        logits = self.lm_head(h)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(
+            logits.float().view(-1, logits.size(-1)),
+            targets.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
+        )
+        return None, loss
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (PaLM appendix B: 6N + 12 * layers * dim * seq_len)."""
+        cfg = self.config
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * seq_len

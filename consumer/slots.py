@@ -1,0 +1,83 @@
+"""Preallocated host slots that received batches are decoded into.
+
+Each slot owns flat buffers sized for the largest batch (rows x seq_len), page-locked when CUDA is in use
+so the copy engine can DMA from them asynchronously. A batch of shape [B, L] fills the first B*L elements
+and is viewed as [B, L]: contiguous, so one DMA per array. A slot goes back to the receiver only once
+the step loop's copy out of it has completed (see Trainer._release_done).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.batch import Batch, Cursor
+
+
+@dataclass
+class SlotMeta:
+    worker: int
+    seq: int
+    session: str
+    cursor: Cursor
+    strategy: str
+    rows: int
+    width: int
+    real_tokens: int
+    pad_tokens: int
+    n_targets: int
+    doc_id: np.ndarray
+    doc_start: np.ndarray
+    doc_len: np.ndarray
+    received_at: float = 0.0
+
+
+class HostSlot:
+    def __init__(self, index: int, rows: int, seq_len: int, token_dtype: np.dtype, pin: bool):
+        tdt = torch.uint16 if token_dtype == np.dtype("<u2") else torch.int32
+        n = rows * seq_len
+        self.index = index
+        self.tokens = torch.empty(n, dtype=tdt, pin_memory=pin)
+        self.seg = torch.empty(n, dtype=torch.uint16, pin_memory=pin)
+        self.lengths = torch.empty(rows, dtype=torch.int32, pin_memory=pin)
+        self._np_tokens = self.tokens.numpy()
+        self._np_seg = self.seg.numpy()
+        self._np_lengths = self.lengths.numpy()
+        self.has_seg = False
+        self.meta: SlotMeta | None = None
+
+    def fill(self, batch: Batch, worker: int, seq: int, session: str, received_at: float) -> None:
+        """Copy a validated batch out of the receive buffers (the ZeroMQ frames) into this slot."""
+        B, L = batch.tokens.shape
+        self._np_tokens[: B * L] = batch.tokens.reshape(-1)
+        self._np_lengths[:B] = batch.lengths
+        self.has_seg = batch.seg is not None
+        if self.has_seg:
+            self._np_seg[: B * L] = batch.seg.reshape(-1)
+        self.meta = SlotMeta(
+            worker=worker,
+            seq=seq,
+            session=session,
+            cursor=batch.cursor,
+            strategy=batch.strategy,
+            rows=B,
+            width=L,
+            real_tokens=batch.real_tokens,
+            pad_tokens=batch.pad_tokens,
+            n_targets=batch.num_targets(),
+            doc_id=batch.doc_id.copy(),
+            doc_start=batch.doc_start.copy(),
+            doc_len=batch.doc_len.copy(),
+            received_at=received_at,
+        )
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(tokens [B, L], lengths [B], seg [B, L] or None) over this slot's buffers."""
+        m = self.meta
+        assert m is not None
+        n = m.rows * m.width
+        tokens = self.tokens[:n].view(m.rows, m.width)
+        seg = self.seg[:n].view(m.rows, m.width) if self.has_seg else None
+        return tokens, self.lengths[: m.rows], seg

@@ -1,0 +1,5 @@
+import sys
+
+from lmpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,277 @@
+"""`lmpipe` console script: one entry point, a subcommand per job.
+
+lmpipe run        N producer processes + the trainer, on this machine (the default job)
+lmpipe produce    one producer process (connects to a trainer)
+lmpipe train      the trainer (binds; producers connect to it)
+lmpipe tokenizer  train or inspect a tokenizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+from shared.config import add_pipeline_args, pipeline_from_args
+
+log = logging.getLogger("lmpipe")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    from consumer.model import PRESETS
+    from consumer.trainer import TrainConfig
+
+    d = TrainConfig()
+    g = p.add_argument_group("training")
+    g.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default=os.environ.get("LMPIPE_MODEL", d.model),
+        help="model preset (default: %(default)s)",
+    )
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=int(os.environ.get("LMPIPE_STEPS", d.steps)),
+        help="optimizer steps; 0 = until the producers' epochs are done (default: %(default)s)",
+    )
+    g.add_argument(
+        "--accum", type=int, default=d.accum, help="micro-batches per optimizer step (default: %(default)s)"
+    )
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps (default: %(default)s)")
+    g.add_argument(
+        "--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor as a fraction of --lr"
+    )
+    g.add_argument("--lr-decay-steps", type=int, default=d.lr_decay_steps, help="cosine horizon (0: --steps)")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="clip the global grad norm (0: off)")
+    g.add_argument(
+        "--device", default=os.environ.get("LMPIPE_DEVICE", d.device), help="auto | cpu | cuda | cuda:N"
+    )
+    g.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default=os.environ.get("LMPIPE_PRECISION", d.precision),
+        help="auto: bf16 on CUDA, fp32 on CPU",
+    )
+    g.add_argument(
+        "--attention",
+        choices=("auto", "flex", "dense"),
+        default=d.attention,
+        help="packed rows: FlexAttention (CUDA default) or an exact dense mask",
+    )
+    g.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false", help="use foreach AdamW")
+    g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        default=os.environ.get("LMPIPE_COMPILE", "") in ("1", "true"),
+        help="torch.compile the model",
+    )
+    g.add_argument(
+        "--no-copy-stream",
+        dest="copy_stream",
+        action="store_false",
+        help="copy batches on the compute stream (ablation)",
+    )
+    g.add_argument(
+        "--log-every", type=int, default=d.log_every, help="steps between status lines (default: %(default)s)"
+    )
+    g.add_argument("--slots", type=int, default=d.slots, help="pinned host slots (0: 2*accum+2)")
+    g.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: torch's default)")
+    g.add_argument("--train-seed", type=int, default=d.seed, help="model init seed")
+    g.add_argument("--doc-log", metavar="FILE", help="append the document pieces of every step as JSON lines")
+    g.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=d.wait_timeout,
+        help="stop when no batch arrived for this many seconds (0: wait forever)",
+    )
+
+
+def train_config_from_args(ns: argparse.Namespace, metrics_port: int | None):
+    from consumer.trainer import TrainConfig
+
+    return TrainConfig(
+        model=ns.model,
+        steps=ns.steps,
+        accum=ns.accum,
+        lr=ns.lr,
+        warmup=ns.warmup,
+        min_lr_ratio=ns.min_lr_ratio,
+        lr_decay_steps=ns.lr_decay_steps,
+        weight_decay=ns.weight_decay,
+        grad_clip=ns.grad_clip,
+        device=ns.device,
+        precision=ns.precision,
+        attention=ns.attention,
+        fused_adamw=ns.fused_adamw,
+        grad_checkpointing=ns.grad_checkpointing,
+        compile=ns.compile,
+        copy_stream=ns.copy_stream,
+        log_every=ns.log_every,
+        slots=ns.slots,
+        threads=ns.threads,
+        seed=ns.train_seed,
+        metrics_port=metrics_port,
+        doc_log=ns.doc_log,
+        wait_timeout=ns.wait_timeout,
+    )
+
+
+def _metrics_arg(p: argparse.ArgumentParser, default: int, what: str) -> None:
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("LMPIPE_METRICS_PORT", default)),
+        help=f"Prometheus /metrics port for {what} (0: any free port, -1: off; default: %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmpipe", description="Stream packed LM batches over ZeroMQ into a GPT trainer."
+    )
+    p.add_argument("--log-level", default=os.environ.get("LMPIPE_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    r = sub.add_parser(
+        "run",
+        help="start N producers and the trainer on this machine",
+        description="Start --producers producer processes and train in this process; "
+        "with no --data, on the built-in corpus and tokenizer.",
+    )
+    add_pipeline_args(r)
+    add_train_args(r)
+    _metrics_arg(r, 9400, "the trainer (producer i uses port+1+i)")
+    r.set_defaults(func=cmd_run)
+
+    pr = sub.add_parser(
+        "produce", help="run one producer", description="Tokenize, batch and stream to a trainer."
+    )
+    add_pipeline_args(pr)
+    pr.add_argument(
+        "--worker",
+        type=int,
+        default=int(os.environ.get("LMPIPE_WORKER", -1)),
+        help="worker id in 0..producers-1; -1 (default): the trainer assigns a free one, "
+        "so `docker compose --scale producer=N` needs no per-replica settings",
+    )
+    pr.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    _metrics_arg(pr, 9401, "this producer")
+    pr.set_defaults(func=cmd_produce)
+
+    t = sub.add_parser("train", help="run the trainer", description="Bind, wait for producers, train.")
+    add_pipeline_args(t)
+    add_train_args(t)
+    _metrics_arg(t, 9400, "the trainer")
+    t.set_defaults(func=cmd_train)
+
+    tk = sub.add_parser("tokenizer", help="train or inspect a tokenizer")
+    tk.add_argument("action", choices=("train", "info"))
+    tk.add_argument(
+        "--data", nargs="*", default=[], metavar="PATH", help="corpus to train on (default: built-in)"
+    )
+    tk.add_argument("--vocab-size", type=int, default=4096)
+    tk.add_argument("--out", help="where to write tokenizer.json (train)")
+    tk.add_argument("--tokenizer", help="tokenizer.json to inspect (info; default: built-in)")
+    tk.add_argument("--builtin", action="store_true", help="rebuild the shipped built-in tokenizer")
+    tk.set_defaults(func=cmd_tokenizer)
+    return p
+
+
+def cmd_produce(ns: argparse.Namespace) -> int:
+    from producer.manager import Producer, ProducerOptions, install_signal_handlers
+    from shared.log import setup
+
+    cfg = pipeline_from_args(ns)
+    setup("producer" if ns.worker < 0 else f"producer {ns.worker}", ns.log_level)
+    p = Producer(
+        cfg,
+        ProducerOptions(worker=ns.worker, metrics_port=ns.metrics_port, exit_with_parent=ns.exit_with_parent),
+    )
+    install_signal_handlers(p)
+    return p.run()
+
+
+def _trainer_signals(trainer) -> None:
+    def handler(signum, _frame):
+        name = signal.Signals(signum).name
+        log.info("%s: finishing the current step, then stopping", name)
+        trainer.request_stop(name)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    from consumer.trainer import Trainer, print_status
+
+    cfg = pipeline_from_args(ns)
+    tcfg = train_config_from_args(ns, ns.metrics_port)
+    trainer = Trainer(cfg, tcfg)
+    _trainer_signals(trainer)
+    summary = trainer.run(progress=lambda step, st: print_status(step, st, tcfg.steps))
+    report(summary, ns.summary_json)
+    return 0
+
+
+def report(summary, path: str | None) -> None:
+    print(summary.render(), flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(summary.to_dict(), f, indent=1)
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from lmpipe.launch import run_local
+
+    return run_local(ns)
+
+
+def cmd_tokenizer(ns: argparse.Namespace) -> int:
+    from producer.sources import Corpus
+    from shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
+
+    if ns.action == "info":
+        info = load_tokenizer(ns.tokenizer)
+        print(
+            f"{info.path}\n  vocab size {info.vocab_size}, end-of-text id {info.eos_id}, pad id {info.pad_id}, hash {info.hash}"
+        )
+        return 0
+    out = BUILTIN_PATH if ns.builtin else ns.out
+    if not out:
+        print("lmpipe tokenizer train: --out FILE (or --builtin) is required", file=sys.stderr)
+        return 2
+    corpus = Corpus(ns.data, builtin_docs=5000)
+    texts = (r.text for r in corpus.records() if r.text and r.bad is None)
+    print(f"training a {ns.vocab_size}-token byte-level BPE on {corpus.describe()}", file=sys.stderr)
+    tok = train_tokenizer(texts, ns.vocab_size)
+    tok.save(str(out))
+    info = load_tokenizer(out)
+    print(f"wrote {out}: vocab size {info.vocab_size}, hash {info.hash}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.cmd != "produce":
+        from shared.log import setup
+
+        setup("trainer" if ns.cmd in ("run", "train") else "lmpipe", ns.log_level)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        log.debug("details", exc_info=True)
+        log.error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

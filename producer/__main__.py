@@ -1,0 +1,7 @@
+"""`python -m producer ...` is `lmpipe produce ...`."""
+
+import sys
+
+from lmpipe.cli import main
+
+sys.exit(main(["produce", *sys.argv[1:]]))

@@ -1,0 +1,232 @@
+"""The four batch strategies: pad, pad-batch, bucket, pack.
+
+Each turns a worker's tokenized documents into fixed-shape batches and stamps every batch with the cursor
+after it, so a producer restarted at that cursor makes exactly the batches that would have come next.
+
+- pad:       one document piece per row, padded to seq_len (the naive baseline).
+- pad-batch: one piece per row, padded to the longest row of the batch.
+- bucket:    pieces of similar length batched together (longest - shortest <= k), padded to the longest.
+             Pieces are grouped by length in windows: an O(n) index by length bucket, then O(batch) per batch.
+- pack:      documents laid end to end in rows of exactly seq_len tokens; `seg` marks which document
+             each token belongs to so attention and targets never cross documents. No pad except in the
+             last row of an epoch.
+
+A piece is a document, or a seq_len-long slice of one that is longer (for the padding strategies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from producer.stream import Doc, DocStream
+from shared.batch import Batch, Cursor
+
+STRATEGIES = ("pad", "pad-batch", "bucket", "pack")
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    strategy: str = "pack"
+    seq_len: int = 256
+    batch_size: int = 16
+    bucket_k: int = 32  # bucket: longest - shortest row length <= k
+    bucket_window: int = 4096  # bucket: pieces indexed together
+    pad_multiple: int = 1  # pad-batch/bucket: round row width up to a multiple (bounded shapes for compile)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if not (
+            2 <= self.seq_len <= 65535
+            and self.batch_size >= 1
+            and self.bucket_k >= 0
+            and self.pad_multiple >= 1
+        ):
+            raise ValueError(f"bad batch spec {self}")
+
+
+@dataclass
+class Piece:
+    doc: Doc
+    start: int
+    ids: np.ndarray
+    after: Cursor  # where the stream stands once this piece is taken
+
+
+def _pieces(docs: Iterator[Doc], seq_len: int, epoch: int, offset: int) -> Iterator[Piece]:
+    for doc in docs:
+        n = len(doc.ids)
+        off, offset = offset, 0
+        while off < n:
+            end = min(off + seq_len, n)
+            after = Cursor(epoch, doc.pos, end) if end < n else Cursor(epoch, doc.pos + 1, 0)
+            yield Piece(doc, off, doc.ids[off:end], after)
+            off = end
+
+
+def _segments(pieces: list[Piece]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (
+        np.array([p.doc.doc_id for p in pieces], dtype=np.int64),
+        np.array([p.start for p in pieces], dtype=np.int32),
+        np.array([len(p.ids) for p in pieces], dtype=np.int32),
+    )
+
+
+def _padded_batch(
+    pieces: list[Piece], width: int, spec: BatchSpec, cursor: Cursor, pad_id: int, dtype
+) -> Batch:
+    tokens = np.full((len(pieces), width), pad_id, dtype=dtype)
+    lengths = np.empty(len(pieces), dtype=np.int32)
+    for r, p in enumerate(pieces):
+        tokens[r, : len(p.ids)] = p.ids
+        lengths[r] = len(p.ids)
+    doc_id, doc_start, doc_len = _segments(pieces)
+    return Batch(tokens, lengths, doc_id, doc_start, doc_len, spec.strategy, cursor)
+
+
+def _width(pieces: list[Piece], spec: BatchSpec) -> int:
+    if spec.strategy == "pad":
+        return spec.seq_len
+    longest = max(len(p.ids) for p in pieces)
+    m = spec.pad_multiple
+    return min(spec.seq_len, -(-longest // m) * m)
+
+
+def _pad(docs: Iterator[Doc], spec: BatchSpec, start: Cursor, pad_id: int, dtype) -> Iterator[Batch]:
+    buf: list[Piece] = []
+    for p in _pieces(docs, spec.seq_len, start.epoch, start.offset):
+        buf.append(p)
+        if len(buf) == spec.batch_size:
+            yield _padded_batch(buf, _width(buf, spec), spec, p.after, pad_id, dtype)
+            buf = []
+    if buf:
+        yield _padded_batch(buf, _width(buf, spec), spec, buf[-1].after, pad_id, dtype)
+
+
+def _bucket(
+    docs: Iterator[Doc], spec: BatchSpec, start: Cursor, pad_id: int, dtype, worker: int
+) -> Iterator[Batch]:
+    pieces = _pieces(docs, spec.seq_len, start.epoch, start.offset)
+    skip = start.skip
+    while True:
+        window: list[Piece] = []
+        for p in pieces:
+            window.append(p)
+            if len(window) == spec.bucket_window:
+                break
+        if not window:
+            return
+        first = window[0]
+        # O(n) index: bucket b holds lengths in [b*(k+1)+1, (b+1)*(k+1)], so max - min <= k
+        buckets: dict[int, list[Piece]] = {}
+        for p in window:
+            buckets.setdefault((len(p.ids) - 1) // (spec.bucket_k + 1), []).append(p)
+        groups = [
+            b[i : i + spec.batch_size]
+            for key in sorted(buckets)
+            for b in (buckets[key],)
+            for i in range(0, len(b), spec.batch_size)
+        ]
+        # Mix short and long batches; the order is a function of where the window starts, so a resume
+        # at (window start, skip) rebuilds the same sequence.
+        order = np.random.default_rng(
+            [spec.seed, start.epoch, worker, first.doc.pos, first.start]
+        ).permutation(len(groups))
+        for j, g in enumerate(order):
+            if j < skip:
+                continue
+            last = j + 1 == len(order)
+            cursor = window[-1].after if last else Cursor(start.epoch, first.doc.pos, first.start, j + 1)
+            yield _padded_batch(groups[g], _width(groups[g], spec), spec, cursor, pad_id, dtype)
+        skip = 0
+
+
+def _pack(docs: Iterator[Doc], spec: BatchSpec, start: Cursor, pad_id: int, dtype) -> Iterator[Batch]:
+    T, B = spec.seq_len, spec.batch_size
+
+    def fresh() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # new arrays per batch: the previous ones may still be in flight as zero-copy frames
+        return (
+            np.full((B, T), pad_id, dtype=dtype),
+            np.zeros((B, T), dtype=np.uint16),
+            np.zeros(B, dtype=np.int32),
+        )
+
+    tokens, seg, lengths = fresh()
+    segs: list[tuple[int, int, int]] = []
+    row = fill = nseg = 0
+    offset = start.offset
+    last_pos = start.pos - 1
+    for doc in docs:
+        ids, n = doc.ids, len(doc.ids)
+        off, offset = offset, 0
+        last_pos = doc.pos
+        while off < n:
+            take = min(T - fill, n - off)
+            tokens[row, fill : fill + take] = ids[off : off + take]
+            seg[row, fill : fill + take] = nseg
+            segs.append((doc.doc_id, off, take))
+            fill += take
+            off += take
+            nseg += 1
+            if fill == T:
+                lengths[row] = T
+                row, fill, nseg = row + 1, 0, 0
+                if row == B:
+                    cursor = (
+                        Cursor(start.epoch, doc.pos, off) if off < n else Cursor(start.epoch, doc.pos + 1, 0)
+                    )
+                    yield _packed(tokens, seg, lengths, segs, spec, cursor)
+                    tokens, seg, lengths = fresh()
+                    segs, row = [], 0
+    if fill:
+        seg[row, fill:] = nseg  # pad tokens form their own segment: nothing attends to them
+        lengths[row] = fill
+        row += 1
+    if row:
+        cursor = Cursor(start.epoch, last_pos + 1, 0)
+        yield _packed(tokens[:row].copy(), seg[:row].copy(), lengths[:row].copy(), segs, spec, cursor)
+
+
+def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor) -> Batch:
+    arr = np.array(segs, dtype=np.int64).reshape(-1, 3)
+    return Batch(
+        tokens,
+        lengths,
+        arr[:, 0].copy(),
+        arr[:, 1].astype(np.int32),
+        arr[:, 2].astype(np.int32),
+        spec.strategy,
+        cursor,
+        seg=seg,
+    )
+
+
+def batches(
+    stream: DocStream, spec: BatchSpec, start: Cursor | None = None, epochs: int = 0, dtype=np.uint16
+) -> Iterator[Batch]:
+    """Batches from `start` on, through `epochs` epochs (0: forever)."""
+    start = start or Cursor()
+    pad_id = stream.tok.pad_id
+    epoch, first = start.epoch, True
+    while epochs == 0 or epoch < epochs:
+        at = start if first else Cursor(epoch)
+        docs = stream.docs(epoch, at.pos)
+        produced = False
+        if spec.strategy == "pack":
+            gen = _pack(docs, spec, at, pad_id, dtype)
+        elif spec.strategy == "bucket":
+            gen = _bucket(docs, spec, at, pad_id, dtype, stream.worker)
+        else:
+            gen = _pad(docs, spec, at, pad_id, dtype)
+        for b in gen:
+            produced = True
+            yield b
+        if not produced and at.pos == 0 and at.offset == 0:
+            return  # this worker owns no documents: an endless loop of empty epochs helps nobody
+        first = False
+        epoch += 1

@@ -1,0 +1,220 @@
+"""Corpus readers: plain text, JSONL and the built-in corpus, each a stream of numbered records.
+
+Every record gets an id: its index across all files in the order given. Good records are documents;
+bad ones (invalid UTF-8, broken JSON, empty, over-long lines) are reported with file and line, counted by
+reason, and skipped. Each record is reported by exactly one worker, the one that owns its id, so N
+producers reading the same files do not report a bad line N times.
+
+Plain text: a document is a block of non-blank lines (`--doc-split blank`, the default), or everything
+from one top-level ` = Heading = ` line to the next (`--doc-split heading`, WikiText's article layout).
+JSONL: one object per line with a `text` string, or pre-tokenized `ids` (a list of token ids).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from producer import builtin_corpus
+
+DEFAULT_MAX_LINE_BYTES = 1 << 20
+HEADING = re.compile(r"^ = [^=].* = $")
+
+# reason, "file:line", detail
+BadRecordHook = Callable[[str, str, str], None]
+
+
+@dataclass
+class Record:
+    rid: int  # record id: index across the corpus
+    text: str | None = None
+    ids: list[int] | None = None
+    where: str = ""  # file:line of the record's first line
+    bad: tuple[str, str] | None = None  # (reason, detail) when the whole record is rejected
+    warnings: list[tuple[str, str, str]] | None = None  # (reason, where, detail) for skipped lines inside
+
+
+def _lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, raw bytes without newline or None when over the limit, full length)."""
+    with open(path, "rb") as f:
+        lineno = 0
+        while True:
+            raw = f.readline(max_line_bytes + 1)
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                size = len(raw)
+                while raw and not raw.endswith(b"\n"):  # drain the rest of the line without keeping it
+                    raw = f.readline(1 << 20)
+                    size += len(raw)
+                yield lineno, None, size
+                continue
+            yield lineno, raw.rstrip(b"\r\n"), len(raw)
+
+
+def _text_records(path: Path, first_rid: int, doc_split: str, max_line_bytes: int) -> Iterator[Record]:
+    rid = first_rid
+    lines: list[str] = []
+    warnings: list[tuple[str, str, str]] = []
+    start = 0
+
+    def flush() -> Record:
+        text = "\n".join(lines).strip()
+        rec = Record(rid=rid, text=text, where=f"{path}:{start}", warnings=warnings or None)
+        if not text:
+            rec.bad = ("empty", "document is empty after skipping bad lines")
+        return rec
+
+    for lineno, raw, size in _lines(path, max_line_bytes):
+        where = f"{path}:{lineno}"
+        if raw is None:
+            line, problem = (
+                None,
+                ("line_too_long", where, f"line of {size} bytes exceeds {max_line_bytes}; line skipped"),
+            )
+        else:
+            try:
+                line, problem = raw.decode("utf-8"), None
+            except UnicodeDecodeError as exc:
+                line, problem = (
+                    None,
+                    ("invalid_utf8", where, f"invalid UTF-8 at byte {exc.start}; line skipped"),
+                )
+        if line is not None:
+            blank = not line.strip()
+            boundary = blank if doc_split == "blank" else bool(HEADING.match(line))
+            if boundary and (lines or warnings):
+                yield flush()
+                rid += 1
+                lines, warnings = [], []
+            if doc_split == "blank" and blank:
+                continue
+        if not lines and not warnings:
+            start = lineno
+        if line is None:
+            warnings.append(problem)
+        else:
+            lines.append(line)
+    if lines or warnings:
+        yield flush()
+
+
+def _jsonl_records(
+    path: Path, first_rid: int, max_line_bytes: int, vocab_size: int | None
+) -> Iterator[Record]:
+    rid = first_rid
+    for lineno, raw, size in _lines(path, max_line_bytes):
+        where = f"{path}:{lineno}"
+        if raw is not None and not raw.strip():
+            continue  # blank lines are not records
+        rec = Record(rid=rid, where=where)
+        rid += 1
+        if raw is None:
+            rec.bad = ("line_too_long", f"line of {size} bytes exceeds {max_line_bytes}")
+            yield rec
+            continue
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            rec.bad = ("invalid_utf8", f"invalid UTF-8 at byte {exc.start}")
+        except json.JSONDecodeError as exc:
+            rec.bad = ("bad_json", f"not valid JSON ({exc.msg} at column {exc.colno})")
+        else:
+            if not isinstance(obj, dict):
+                rec.bad = ("bad_json", "line is not a JSON object")
+            elif isinstance(obj.get("text"), str):
+                rec.text = obj["text"]
+                if not rec.text.strip():
+                    rec.bad = ("empty", "empty text")
+            elif isinstance(obj.get("ids"), list):
+                ids = obj["ids"]
+                limit = vocab_size or (1 << 31)
+                if not ids:
+                    rec.bad = ("empty", "empty ids")
+                elif not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in ids):
+                    rec.bad = ("bad_ids", f"ids must be integers in [0, {limit})")
+                else:
+                    rec.ids = ids
+            else:
+                rec.bad = ("missing_text", 'object has no "text" string or "ids" list')
+        yield rec
+
+
+class Corpus:
+    """Records from a list of files (.jsonl/.json lines, anything else plain text), or the built-in
+    corpus when no files are given."""
+
+    def __init__(
+        self,
+        paths: list[str] | None = None,
+        *,
+        doc_split: str = "blank",
+        builtin_docs: int = 20_000,
+        builtin_seed: int = 0,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        vocab_size: int | None = None,
+    ):
+        if doc_split not in ("blank", "heading"):
+            raise ValueError(f"doc_split must be 'blank' or 'heading', not {doc_split!r}")
+        self.paths = [Path(p) for p in expand_paths(paths or [])]
+        self.doc_split = doc_split
+        self.builtin_docs = builtin_docs
+        self.builtin_seed = builtin_seed
+        self.max_line_bytes = max_line_bytes
+        self.vocab_size = vocab_size
+
+    @property
+    def builtin(self) -> bool:
+        return not self.paths
+
+    def describe(self) -> str:
+        if self.builtin:
+            return f"built-in corpus ({self.builtin_docs} documents, seed {self.builtin_seed})"
+        return ", ".join(str(p) for p in self.paths)
+
+    def fingerprint(self) -> str:
+        """Identifies the data for the handshake and checkpoints: names, sizes and mtimes, not contents."""
+        if self.builtin:
+            return f"builtin:{self.builtin_seed}:{self.builtin_docs}"
+        parts = []
+        for p in self.paths:
+            st = p.stat()
+            parts.append(f"{p.name}:{st.st_size}")
+        return f"{self.doc_split}|" + "|".join(parts)
+
+    def records(self, worker: int = 0, num_workers: int = 1) -> Iterator[Record]:
+        """Records whose id % num_workers == worker, in corpus order."""
+        if self.builtin:
+            for i in range(worker, self.builtin_docs, num_workers):
+                yield Record(rid=i, text=builtin_corpus.document(self.builtin_seed, i), where=f"builtin:{i}")
+            return
+        rid = 0
+        for p in self.paths:
+            if p.suffix in (".jsonl", ".json", ".ndjson"):
+                it = _jsonl_records(p, rid, self.max_line_bytes, self.vocab_size)
+            else:
+                it = _text_records(p, rid, self.doc_split, self.max_line_bytes)
+            for rec in it:
+                rid = rec.rid + 1
+                if rec.rid % num_workers == worker:
+                    yield rec
+
+
+def expand_paths(paths: list[str]) -> list[str]:
+    """Files as given; a directory stands for its *.txt, *.jsonl files, sorted."""
+    out: list[str] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            out += sorted(str(q) for q in path.iterdir() if q.suffix in (".txt", ".jsonl", ".ndjson"))
+        elif path.is_file():
+            out.append(str(path))
+        else:
+            raise FileNotFoundError(f"corpus file not found: {p}")
+    if paths and not out:
+        raise FileNotFoundError(f"no .txt or .jsonl files in {', '.join(paths)}")
+    return out

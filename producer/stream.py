@@ -1,0 +1,126 @@
+"""A worker's deterministic document stream: which documents it owns, in what order, tokenized in batches.
+
+Worker w of n owns records with id % n == w. Its good documents are numbered 0, 1, 2, ... in corpus order
+and shuffled in fixed windows (a bounded shuffle buffer whose permutation depends only on seed, epoch,
+worker and window), so position `pos` names the same document every time: a cursor is just a position.
+Sources with random access (the built-in corpus, pre-tokenized shards) get a full seeded permutation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+
+import numpy as np
+
+from producer.sources import Corpus, Record
+from shared.tokenizer import TokenizerInfo
+
+
+@dataclass
+class Doc:
+    pos: int  # position in this worker's order for the epoch
+    doc_id: int  # record id in the corpus
+    ids: np.ndarray  # token ids with the end-of-text token appended
+
+
+@dataclass
+class StreamStats:
+    documents: int = 0
+    tokens: int = 0
+    tokenize_seconds: float = 0.0
+
+
+def window_order(n: int, seed: int, epoch: int, worker: int, window: int) -> np.ndarray:
+    """The permutation applied to one window of n documents (identity when shuffling is off)."""
+    if n <= 1 or window <= 1:
+        return np.arange(n)
+    return np.random.default_rng([seed, epoch, worker, window]).permutation(n)
+
+
+class DocStream:
+    def __init__(
+        self,
+        corpus: Corpus,
+        tok: TokenizerInfo,
+        worker: int = 0,
+        num_workers: int = 1,
+        *,
+        seed: int = 0,
+        shuffle_window: int = 1000,
+        encode_batch: int = 512,
+        on_bad: Callable[[str, str, str], None] | None = None,
+    ):
+        if not 0 <= worker < num_workers:
+            raise ValueError(f"worker id {worker} is outside 0..{num_workers - 1}")
+        self.corpus = corpus
+        self.tok = tok
+        self.worker = worker
+        self.num_workers = num_workers
+        self.seed = seed
+        self.shuffle_window = shuffle_window
+        self.encode_batch = encode_batch
+        self.on_bad = on_bad
+        self.stats = StreamStats()
+        self._reported = False
+
+    def _owned(self) -> Iterator[Record]:
+        """Good records this worker owns, reporting bad ones (only on the first pass, not every epoch)."""
+        report = self.on_bad is not None and not self._reported
+        for rec in self.corpus.records(self.worker, self.num_workers):
+            if report and rec.warnings:
+                for reason, where, detail in rec.warnings:
+                    self.on_bad(reason, where, detail)
+            if rec.bad is not None:
+                if report:
+                    self.on_bad(rec.bad[0], rec.where, rec.bad[1])
+                continue
+            yield rec
+        self._reported = True
+
+    def _ordered(self, epoch: int, start_pos: int) -> Iterator[tuple[int, Record]]:
+        """(pos, record) from start_pos on, in this epoch's shuffled order."""
+        w = max(1, self.shuffle_window)
+        records = self._owned()
+        # Windows before the one holding start_pos are read but not kept; nothing is tokenized for them.
+        first_window = start_pos // w
+        for _ in islice(records, first_window * w):
+            pass
+        k = first_window
+        while True:
+            chunk = list(islice(records, w))
+            if not chunk:
+                return
+            order = window_order(len(chunk), self.seed, epoch, self.worker, k)
+            for i, j in enumerate(order):
+                pos = k * w + i
+                if pos >= start_pos:
+                    yield pos, chunk[j]
+            k += 1
+
+    def docs(self, epoch: int, start_pos: int = 0) -> Iterator[Doc]:
+        """Tokenized documents of `epoch` from position `start_pos`, tokenized `encode_batch` at a time."""
+        eos = self.tok.eos_id
+        it = self._ordered(epoch, start_pos)
+        while True:
+            chunk = list(islice(it, self.encode_batch))
+            if not chunk:
+                return
+            texts = [(i, rec.text) for i, (_, rec) in enumerate(chunk) if rec.ids is None]
+            encoded: dict[int, list[int]] = {}
+            if texts:
+                t0 = time.perf_counter()
+                # encode_batch runs in Rust threads with the GIL released
+                encs = self.tok.tokenizer.encode_batch([t for _, t in texts], add_special_tokens=False)
+                self.stats.tokenize_seconds += time.perf_counter() - t0
+                encoded = {i: e.ids for (i, _), e in zip(texts, encs)}
+            for i, (pos, rec) in enumerate(chunk):
+                ids = encoded[i] if rec.ids is None else rec.ids
+                arr = np.empty(len(ids) + 1, dtype=np.int64)
+                arr[:-1] = ids
+                arr[-1] = eos
+                self.stats.documents += 1
+                self.stats.tokens += arr.size
+                yield Doc(pos=pos, doc_id=rec.rid, ids=arr)

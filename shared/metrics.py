@@ -1,0 +1,147 @@
+"""Prometheus metrics of every process: one class per role, each on its own registry and HTTP port.
+
+Names follow Prometheus rules: `lmpipe_` prefix, base units (seconds, bytes), counters end in `_total`
+(prometheus_client appends it), latencies are histograms. The Grafana dashboard and README read these
+names; change them in all three places or not at all.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+log = logging.getLogger(__name__)
+
+# step/data-wait latencies span ~1 ms (GPU step) to seconds (CPU step, starved trainer)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def serve(registry: CollectorRegistry, port: int | None, addr: str = "0.0.0.0") -> int | None:
+    """Expose `registry` on http://addr:port/metrics; port 0 picks a free one. Returns the bound port."""
+    if port is None or port < 0:
+        return None
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:  # a busy port must not stop training; say so and go on without
+        log.warning("cannot serve metrics on %s:%d (%s); this process exports no metrics", addr, port, exc)
+        return None
+    bound = server.server_port
+    log.info("metrics on http://%s:%d/metrics", addr, bound)
+    return bound
+
+
+class ProducerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.info = Info("lmpipe_producer", "Producer identity and configuration", registry=r)
+        self.documents = Counter("lmpipe_producer_documents", "Documents tokenized", registry=r)
+        self.tokens = Counter(
+            "lmpipe_producer_tokens", "Real tokens sent in batches", ["strategy"], registry=r
+        )
+        self.padding = Counter(
+            "lmpipe_producer_padding_tokens", "Pad tokens sent in batches", ["strategy"], registry=r
+        )
+        self.batches = Counter("lmpipe_producer_batches_sent", "Batches sent to the trainer", registry=r)
+        self.bad_records = Counter(
+            "lmpipe_producer_bad_records", "Corpus records skipped", ["reason"], registry=r
+        )
+        self.tokenize = Histogram(
+            "lmpipe_producer_tokenize_seconds",
+            "Tokenizer time spent building one batch",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.send_blocked = Counter(
+            "lmpipe_producer_send_blocked_seconds",
+            "Time a ready batch waited for the trainer (backpressure)",
+            registry=r,
+        )
+        self.connected = Gauge(
+            "lmpipe_producer_connected", "1 while the trainer has welcomed this producer", registry=r
+        )
+        self.handshakes = Counter(
+            "lmpipe_producer_handshakes", "Handshake answers by result", ["result"], registry=r
+        )
+        self.resets = Counter(
+            "lmpipe_producer_stream_resets", "Stream restarts at a cursor the trainer sent", registry=r
+        )
+        self.cursor_pos = Gauge(
+            "lmpipe_producer_cursor_position", "Document position of the last batch sent", registry=r
+        )
+        self.epoch = Gauge("lmpipe_producer_epoch", "Epoch of the last batch sent", registry=r)
+
+
+class TrainerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.info = Info("lmpipe_trainer", "Trainer identity and configuration", registry=r)
+        self.tokens = Counter("lmpipe_trainer_tokens", "Real tokens trained on", registry=r)
+        self.padding = Counter("lmpipe_trainer_padding_tokens", "Pad tokens in trained batches", registry=r)
+        self.steps = Counter(
+            "lmpipe_trainer_steps", "Optimizer steps taken (including skipped ones)", registry=r
+        )
+        self.step_seconds = Histogram(
+            "lmpipe_trainer_step_seconds",
+            "Wall time of one optimizer step",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.data_wait = Histogram(
+            "lmpipe_trainer_data_wait_seconds",
+            "Time a step waited for a ready batch",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.h2d = Histogram(
+            "lmpipe_trainer_h2d_seconds",
+            "Host-to-device copy time of one batch",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.received = Counter(
+            "lmpipe_trainer_batches_received", "Valid batches received", ["worker"], registry=r
+        )
+        self.rejected = Counter(
+            "lmpipe_trainer_batches_rejected", "Messages dropped as malformed", ["reason"], registry=r
+        )
+        self.stale = Counter(
+            "lmpipe_trainer_stale_batches",
+            "Batches dropped as already consumed or from an old session",
+            ["reason"],
+            registry=r,
+        )
+        self.ready_slots = Gauge(
+            "lmpipe_trainer_ready_slots", "Filled host slots waiting for the step loop", registry=r
+        )
+        self.producers = Gauge(
+            "lmpipe_trainer_producers_connected", "Producers heard from in the last 5 s", registry=r
+        )
+        self.loss = Gauge("lmpipe_trainer_loss", "Training loss at the last logging interval", registry=r)
+        self.lr = Gauge("lmpipe_trainer_learning_rate", "Learning rate", registry=r)
+        self.grad_norm = Gauge("lmpipe_trainer_grad_norm", "Gradient norm before clipping", registry=r)
+        self.loss_scale = Gauge(
+            "lmpipe_trainer_loss_scale", "Current loss scale (1 when not scaling)", registry=r
+        )
+        self.overflows = Counter(
+            "lmpipe_trainer_scaler_overflows", "Steps whose gradients had inf/NaN", registry=r
+        )
+        self.skipped = Counter(
+            "lmpipe_trainer_skipped_steps", "Optimizer steps skipped by the loss scaler", registry=r
+        )
+        self.cache_hits = Counter("lmpipe_trainer_cache_hits", "Cache hits", ["cache"], registry=r)
+        self.cache_misses = Counter("lmpipe_trainer_cache_misses", "Cache misses", ["cache"], registry=r)
+        self.recompiles = Counter(
+            "lmpipe_trainer_compile_recompiles", "torch.compile graph compilations", registry=r
+        )
+        self.gpu_memory = Gauge("lmpipe_trainer_gpu_memory_bytes", "GPU memory", ["kind"], registry=r)
+        self.mfu = Gauge(
+            "lmpipe_trainer_mfu_ratio", "Model FLOPs utilization against the card's bf16 peak", registry=r
+        )
+        self.checkpoints = Counter("lmpipe_trainer_checkpoints", "Checkpoints written", registry=r)
+        self.checkpoint_seconds = Histogram(
+            "lmpipe_trainer_checkpoint_seconds",
+            "Time to write one checkpoint",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )

@@ -1,0 +1,68 @@
+"""Tokenizer loading, hashing and training (Hugging Face `tokenizers`).
+
+The built-in tokenizer is a byte-level BPE trained by `lmpipe tokenizer train --builtin` on the built-in
+corpus and shipped as `shared/assets/builtin-tokenizer.json`, so the default run downloads nothing. Any
+Hugging Face `tokenizer.json` works through `--tokenizer FILE`. Producers and trainer compare the hash of
+the tokenizer's canonical serialization during the handshake.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+BUILTIN_PATH = Path(__file__).parent / "assets" / "builtin-tokenizer.json"
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
+
+
+@dataclass
+class TokenizerInfo:
+    tokenizer: Tokenizer
+    path: str
+    hash: str
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+
+
+def load_tokenizer(path: str | Path | None = None) -> TokenizerInfo:
+    """Load a tokenizer.json (the built-in one when `path` is None) and find its end-of-text token."""
+    p = Path(path) if path else BUILTIN_PATH
+    if not p.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {p}")
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as exc:
+        raise ValueError(f"{p}: not a Hugging Face tokenizer.json ({exc})") from None
+    eos = next((tok.token_to_id(t) for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+    if eos is None:
+        raise ValueError(f"{p}: no end-of-text token; expected one of {', '.join(EOS_CANDIDATES)}")
+    pad = tok.token_to_id("<|pad|>")
+    digest = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+    return TokenizerInfo(
+        tokenizer=tok,
+        path=str(p),
+        hash=digest,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        eos_id=eos,
+        pad_id=eos if pad is None else pad,  # pads are never trained on, so eos is a safe filler
+    )
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style) with `<|endoftext|>` as its only special token."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok

@@ -1,0 +1,138 @@
+"""Model semantics: packed rows behave like separate documents; accumulation equals a bigger batch."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from consumer.inputs import MaskCache, build_inputs, positions, targets_for
+from consumer.model import GPT, IGNORE, AttnSpec, preset
+from consumer.trainer import StepRunner, TrainConfig, lr_at, make_optimizer
+from producer.batching import BatchSpec, batches
+
+from .test_batching import ListStream
+
+
+def tiny_model(seed=0, vocab=97) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(preset("tiny", vocab_size=vocab, block_size=64)).eval()
+
+
+def test_packed_attention_equals_each_document_alone():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(1, 97, (n,), generator=g) for n in (7, 19, 1, 12, 25)]
+    row = torch.cat(docs)[None]  # 64 tokens, five documents, one row
+    seg = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    inp = build_inputs(row, torch.tensor([row.shape[1]]), seg, attention="dense")
+    with torch.no_grad():
+        packed, _ = model(inp.idx, inp.pos, inp.attn)
+        start = 0
+        for d in docs:
+            alone, _ = model(d[None], torch.arange(len(d))[None], AttnSpec("causal"))
+            torch.testing.assert_close(packed[0, start : start + len(d)], alone[0], rtol=1e-5, atol=1e-5)
+            start += len(d)
+
+
+def test_without_the_document_mask_documents_would_leak():
+    """The check above is meaningful: plain causal attention over the same row gives different logits."""
+    model = tiny_model()
+    row = torch.randint(1, 97, (1, 30))
+    seg = torch.tensor([[0] * 10 + [1] * 20])
+    inp = build_inputs(row, torch.tensor([30]), seg, attention="dense")
+    with torch.no_grad():
+        masked, _ = model(inp.idx, inp.pos, inp.attn)
+        leaky, _ = model(inp.idx, inp.pos, AttnSpec("causal"))
+    assert torch.allclose(masked[0, :10], leaky[0, :10], atol=1e-6)  # the first document sees nothing new
+    assert not torch.allclose(masked[0, 10:], leaky[0, 10:], atol=1e-3)
+
+
+def test_positions_and_targets_stay_inside_documents():
+    seg = torch.tensor([[0, 0, 0, 1, 1, 2, 3, 3]])
+    assert positions(seg).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+    tokens = torch.tensor([[10, 11, 12, 20, 21, 30, 0, 0]])
+    t = targets_for(tokens, torch.tensor([6]), seg)
+    assert t.tolist() == [[11, 12, IGNORE, 21, IGNORE, IGNORE, IGNORE, IGNORE]]
+    t = targets_for(tokens, torch.tensor([6]), None)  # a padded row: one document of 6 tokens
+    assert t.tolist() == [[11, 12, 20, 21, 30, IGNORE, IGNORE, IGNORE]]
+
+
+def test_mask_cache_counts_hits_and_misses():
+    cache = MaskCache()
+    for L in (8, 8, 16, 8):
+        build_inputs(torch.ones(2, L, dtype=torch.long), torch.tensor([L, L]), torch.zeros(2, L), attention="dense", mask_cache=cache)
+    assert (cache.hits, cache.misses) == (2, 2)
+
+
+def _micro_batches(strategy: str):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 97, size=n).tolist() for n in rng.integers(2, 40, size=24)]
+    spec = BatchSpec(strategy=strategy, seq_len=32, batch_size=2, bucket_k=5)
+    return list(batches(ListStream(docs), spec, epochs=1))[:4]
+
+
+@pytest.mark.parametrize("strategy", ["pad-batch", "pack"])
+def test_accumulation_equals_one_big_batch(strategy):
+    micro = _micro_batches(strategy)
+    assert len(micro) == 4
+    width = max(b.width for b in micro)
+
+    def tensors(b, width):
+        tok = np.zeros((b.rows, width), dtype=np.int64)
+        tok[:, : b.width] = b.tokens
+        seg = None
+        if b.seg is not None:
+            seg = np.full((b.rows, width), 1000, dtype=np.int64)
+            seg[:, : b.width] = b.seg
+        return torch.from_numpy(tok), torch.from_numpy(b.lengths.copy()), None if seg is None else torch.from_numpy(seg)
+
+    cfg = TrainConfig(grad_clip=1.0, fused_adamw=False)
+    n_targets = sum(b.num_targets() for b in micro)
+    base = tiny_model(seed=3)
+    results = []
+    for accumulate in (True, False):
+        model = copy.deepcopy(base).train()
+        # SGD: the update is the gradient itself, so any difference in the accumulated gradient shows
+        # (Adam's first step is ~lr * sign(g) and would magnify rounding noise in near-zero gradients)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        runner = StepRunner(model, opt, cfg, None)
+        if accumulate:
+            inputs = [build_inputs(*tensors(b, b.width), attention="dense") for b in micro]
+        else:
+            parts = [tensors(b, width) for b in micro]
+            cat = [torch.cat([p[i] for p in parts]) if parts[0][i] is not None else None for i in range(3)]
+            inputs = [build_inputs(*cat, attention="dense")]
+        loss, norm = runner.step(inputs, n_targets, lr=1.0)
+        results.append((loss, norm, [p.detach().clone() for p in model.parameters()]))
+    (la, na, pa), (lb, nb, pb) = results
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(na, nb, rtol=1e-5, atol=1e-6)
+    for a, b in zip(pa, pb):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    assert not torch.equal(pa[0], next(base.parameters())), "the step changed the weights"
+
+
+def test_fused_adamw_is_used_when_available():
+    opt = make_optimizer(tiny_model(), TrainConfig(fused_adamw=True), torch.device("cpu"))
+    assert opt.defaults["fused"] is True
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(lr=1.0, warmup=10, steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.55)
+    assert lr_at(110, cfg) == pytest.approx(0.1)
+    assert lr_at(500, cfg) == pytest.approx(0.1)
+
+
+def test_presets_build_and_gpt2_has_124m_parameters():
+    m = GPT(preset("gpt2-124m", vocab_size=50257))
+    assert m.config.vocab_size == 50304
+    assert 123e6 < m.num_params(non_embedding=False) < 125e6
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("gpt5")

@@ -1,0 +1,106 @@
+"""Corpus readers: document splitting, and bad input skipped with file:line, counted, never fatal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from producer.sources import Corpus
+from producer.stream import DocStream
+
+from .conftest import WIKITEXT
+
+
+def write_bad_corpus(tmp_path):
+    txt = tmp_path / "a.txt"
+    txt.write_bytes(
+        b"first document\nsecond line\n\n"
+        b"bad \xff\xfe line\nstill the second document\n\n"
+        + b"x" * (10 * 1024 * 1024)
+        + b"\n\nthird document\n\n\n\n\xc3\x28\n\nlast document\n"
+    )
+    jl = tmp_path / "b.jsonl"
+    jl.write_text(
+        "\n".join(
+            [
+                json.dumps({"text": "a good json document"}),
+                '{"text": "broken',
+                json.dumps({"text": "   "}),
+                json.dumps({"title": "no text here"}),
+                json.dumps({"ids": [1, 2, 3]}),
+                json.dumps({"ids": [1, -5]}),
+                "[1, 2]",
+                json.dumps({"text": "the end"}),
+            ]
+        )
+        + "\n"
+    )
+    return txt, jl
+
+
+def test_bad_records_are_skipped_named_and_counted(tmp_path, tok):
+    txt, jl = write_bad_corpus(tmp_path)
+    bad = []
+    stream = DocStream(
+        Corpus([str(txt), str(jl)], max_line_bytes=1 << 20, vocab_size=tok.vocab_size),
+        tok,
+        shuffle_window=0,
+        on_bad=lambda reason, where, detail: bad.append((reason, where)),
+    )
+    docs = list(stream.docs(0))
+    texts = [tok.tokenizer.decode(d.ids[:-1].tolist()) for d in docs]
+    assert texts[0] == "first document\nsecond line"
+    assert texts[1] == "still the second document"
+    assert "third document" in texts and "last document" in texts
+    assert "a good json document" in texts and "the end" in texts
+    assert [d.ids[:-1].tolist() for d in docs if d.ids.size == 4] == [[1, 2, 3]]
+    assert sorted(bad) == sorted(
+        [
+            ("invalid_utf8", f"{txt}:4"),
+            ("line_too_long", f"{txt}:7"),
+            ("empty", f"{txt}:7"),  # the block held only the over-long line
+            ("invalid_utf8", f"{txt}:13"),
+            ("empty", f"{txt}:13"),
+            ("bad_json", f"{jl}:2"),
+            ("empty", f"{jl}:3"),
+            ("missing_text", f"{jl}:4"),
+            ("bad_ids", f"{jl}:6"),
+            ("bad_json", f"{jl}:7"),
+        ]
+    )
+    # a record id is a position in the corpus, bad records included, so ids are stable
+    assert [d.doc_id for d in docs] == [0, 1, 3, 5, 6, 10, 13]
+
+
+def test_each_bad_record_is_reported_by_exactly_one_worker(tmp_path, tok):
+    txt, jl = write_bad_corpus(tmp_path)
+    reports = []
+    for w in range(3):
+        s = DocStream(Corpus([str(txt), str(jl)]), tok, w, 3, on_bad=lambda *a: reports.append(a[:2]))
+        list(s.docs(0))
+        list(s.docs(1))  # a second epoch reports nothing again
+    assert len(reports) == len(set(reports)) == 10
+
+
+def test_wikitext_heading_split_gives_articles():
+    path = WIKITEXT / "valid.txt"
+    if not path.exists():
+        pytest.skip("WikiText-2 not present beside the checkout")
+    articles = [r for r in Corpus([str(path)], doc_split="heading").records() if r.bad is None]
+    paragraphs = [r for r in Corpus([str(path)]).records() if r.bad is None]
+    assert 50 <= len(articles) <= 70  # WikiText-2 valid has 60 articles
+    assert articles[1].text.startswith("= ") and len(paragraphs) > 10 * len(articles)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        Corpus([str(tmp_path / "nope.txt")])
+
+
+def test_builtin_corpus_is_deterministic_and_varied():
+    from producer import builtin_corpus
+
+    assert builtin_corpus.document(0, 5) == builtin_corpus.document(0, 5)
+    lengths = [len(builtin_corpus.document(0, i).split()) for i in range(500)]
+    assert min(lengths) < 20 and max(lengths) > 500
