@@ -315,11 +315,10 @@ class Receiver(threading.Thread):
         if hello.session == self.session and w.identity == identity:
             w.last_seen = now  # a heartbeat
             return
-        if not self.fingerprint.get("data") and not mismatches(
-            self.fingerprint, hello.fingerprint, skip=("data",)
-        ):
+        pinned = bool(self.fingerprint.get("data"))
+        diff = mismatches(self.fingerprint, hello.fingerprint, skip=() if pinned else ("data",))
+        if not pinned and not diff:
             self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
-        diff = mismatches(self.fingerprint, hello.fingerprint)
         if diff:
             return self._refuse(identity, where, "config mismatch: " + "; ".join(diff))
         if w.identity is not None and w.identity != identity and now - w.last_seen < ALIVE_SECONDS:

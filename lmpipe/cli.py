@@ -85,6 +85,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: torch's default)")
     g.add_argument("--train-seed", type=int, default=d.seed, help="model init seed")
     g.add_argument("--doc-log", metavar="FILE", help="append the document pieces of every step as JSON lines")
+    g.add_argument("--summary-json", metavar="FILE", help="write the end-of-run summary as JSON")
     g.add_argument(
         "--wait-timeout",
         type=float,

@@ -56,7 +56,9 @@ def rebuild(out: list[Batch]) -> dict[int, dict[int, np.ndarray]]:
                 assert start not in pieces.setdefault(did, {}), "a piece arrived twice"
                 pieces[did][start] = b.tokens[r, fill : fill + n].astype(np.int64)
                 if b.seg is not None:
-                    assert len(set(b.seg[r, fill : fill + n].tolist())) == 1, "one document piece, one segment id"
+                    assert len(set(b.seg[r, fill : fill + n].tolist())) == 1, (
+                        "one document piece, one segment id"
+                    )
                 fill += n
                 k += 1
                 if b.seg is None:
@@ -100,7 +102,7 @@ def test_shapes_padding_and_bounds(docs, spec):
             # pads never share a segment with real tokens
             for r in range(b.rows):
                 L = b.lengths[r]
-                if L < b.width:
+                if b.width > L:
                     assert b.seg[r, L] != b.seg[r, L - 1]
         elif spec.strategy == "pad":
             assert b.width == spec.seq_len
@@ -179,5 +181,7 @@ def test_bucket_bound_is_tight_on_every_length(k):
     if k:
         assert max(spreads) == k, "buckets are as wide as allowed, not narrower"
     # bucketing is the point: far less padding than padding each batch to its longest row
-    padded = list(batches(ListStream(docs), BatchSpec(strategy="pad-batch", seq_len=64, batch_size=4), epochs=1))
+    padded = list(
+        batches(ListStream(docs), BatchSpec(strategy="pad-batch", seq_len=64, batch_size=4), epochs=1)
+    )
     assert sum(b.pad_tokens for b in out) < 0.3 * sum(b.pad_tokens for b in padded)

@@ -63,7 +63,13 @@ def test_positions_and_targets_stay_inside_documents():
 def test_mask_cache_counts_hits_and_misses():
     cache = MaskCache()
     for L in (8, 8, 16, 8):
-        build_inputs(torch.ones(2, L, dtype=torch.long), torch.tensor([L, L]), torch.zeros(2, L), attention="dense", mask_cache=cache)
+        build_inputs(
+            torch.ones(2, L, dtype=torch.long),
+            torch.tensor([L, L]),
+            torch.zeros(2, L),
+            attention="dense",
+            mask_cache=cache,
+        )
     assert (cache.hits, cache.misses) == (2, 2)
 
 
@@ -87,7 +93,11 @@ def test_accumulation_equals_one_big_batch(strategy):
         if b.seg is not None:
             seg = np.full((b.rows, width), 1000, dtype=np.int64)
             seg[:, : b.width] = b.seg
-        return torch.from_numpy(tok), torch.from_numpy(b.lengths.copy()), None if seg is None else torch.from_numpy(seg)
+        return (
+            torch.from_numpy(tok),
+            torch.from_numpy(b.lengths.copy()),
+            None if seg is None else torch.from_numpy(seg),
+        )
 
     cfg = TrainConfig(grad_clip=1.0, fused_adamw=False)
     n_targets = sum(b.num_targets() for b in micro)

@@ -55,7 +55,9 @@ def test_round_trip_every_strategy(strategy, dtype):
 
 
 def _valid_frames():
-    (b,) = list(batches(ListStream([[1, 2, 3, 4]]), BatchSpec(strategy="pack", seq_len=8, batch_size=2), epochs=1))
+    (b,) = list(
+        batches(ListStream([[1, 2, 3, 4]]), BatchSpec(strategy="pack", seq_len=8, batch_size=2), epochs=1)
+    )
     return as_bytes(b.to_frames("s", 0, 1))
 
 
@@ -82,7 +84,10 @@ MALFORMED = {
     "bad shape": (_one_array(["tokens", "uint16", [-1, 4]], b"x" * 8), "bad_shape"),
     "too many dims": (_one_array(["tokens", "uint16", [1, 1, 1, 1]], b"x" * 2), "bad_shape"),
     "truncated frame": (_valid_frames()[:1] + [_valid_frames()[1][:-3]] + _valid_frames()[2:], "truncated"),
-    "frame too long": (_valid_frames()[:1] + [_valid_frames()[1] + b"xx"] + _valid_frames()[2:], "bad_length"),
+    "frame too long": (
+        _valid_frames()[:1] + [_valid_frames()[1] + b"xx"] + _valid_frames()[2:],
+        "bad_length",
+    ),
     "missing frame": (_valid_frames()[:-1], "bad_frames"),
     "oversized header": ([msgpack.packb({"v": 1, "pad": "x" * 70_000})], "oversized"),
     "oversized array": (_one_array(["tokens", "int64", [1 << 14, 1 << 14]], b"x"), "oversized"),
@@ -123,7 +128,11 @@ def test_batches_that_do_not_add_up_are_rejected(change, reason):
 
 
 def test_batch_larger_than_the_slots_is_rejected():
-    (b,) = list(batches(ListStream([list(range(1, 30))]), BatchSpec(strategy="pack", seq_len=8, batch_size=4), epochs=1))
+    (b,) = list(
+        batches(
+            ListStream([list(range(1, 30))]), BatchSpec(strategy="pack", seq_len=8, batch_size=4), epochs=1
+        )
+    )
     msg = decode(as_bytes(b.to_frames("s", 0, 1)))
     with pytest.raises(WireError, match="exceeds slot"):
         batch_from_message(msg, vocab_size=100, seq_len=8, max_rows=2)
@@ -135,7 +144,9 @@ def test_end_message_round_trip():
 
 
 def test_control_messages_round_trip_and_reject_garbage():
-    hello = messages.Hello(worker=1, num_workers=2, fingerprint={"tokenizer": "abc", "seq_len": 128}, pid=7, host="h")
+    hello = messages.Hello(
+        worker=1, num_workers=2, fingerprint={"tokenizer": "abc", "seq_len": 128}, pid=7, host="h"
+    )
     assert messages.unpack(messages.pack(hello)) == hello
     w = messages.Welcome("sess", 1, Cursor(0, 5, 3, 0).to_dict(), 12)
     assert messages.unpack(messages.pack(w)) == w

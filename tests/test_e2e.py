@@ -1,0 +1,169 @@
+"""End to end with real processes and real sockets: `lmpipe run`, `lmpipe train` + `lmpipe produce`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from producer import builtin_corpus
+from shared.tokenizer import train_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+def read_doc_log(path) -> dict[int, list[tuple[int, int]]]:
+    """doc id -> [(start, length), ...] over every trained step; a torn last line is ignored."""
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        for b in step["batches"]:
+            for did, start, n in b["docs"]:
+                pieces.setdefault(did, []).append((start, n))
+    return pieces
+
+
+def assert_exactly_once(pieces, expected_lengths: dict[int, int]):
+    assert sorted(pieces) == sorted(expected_lengths), "every document arrived, and no other"
+    for did, parts in pieces.items():
+        covered = np.zeros(expected_lengths[did], dtype=np.int32)
+        for start, n in parts:
+            covered[start : start + n] += 1
+        assert (covered == 1).all(), f"document {did}: tokens seen {sorted(set(covered.tolist()))} times"
+
+
+def builtin_lengths(tok, n: int, seed: int = 0) -> dict[int, int]:
+    encs = tok.tokenizer.encode_batch(
+        [builtin_corpus.document(seed, i) for i in range(n)], add_special_tokens=False
+    )
+    return {i: len(e.ids) + 1 for i, e in enumerate(encs)}  # + end-of-text
+
+
+@pytest.mark.parametrize("strategy,docs", [("pack", 1500), ("pad", 300), ("pad-batch", 300), ("bucket", 300)])
+def test_run_trains_every_document_exactly_once(procs, tmp_path, port, tok, strategy, docs):
+    log, summary = tmp_path / "docs.jsonl", tmp_path / "summary.json"
+    p = procs.start(
+        "run", "--strategy", strategy, "--builtin-docs", str(docs), "--epochs", "1", "--steps", "0",
+        "--bucket-window", "64", "--port", str(port), "--metrics-port", "-1", "--log-every", "5",
+        "--doc-log", str(log), "--summary-json", str(summary), "--threads", "1",
+        name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=180) == 0, procs.log(p)
+    out = json.loads(summary.read_text())
+    assert out["stopped_by"] == "end of data"
+    assert out["rejected"] == 0 and out["stale"] == 0
+    assert_exactly_once(read_doc_log(log), builtin_lengths(tok, docs))
+    if strategy == "pack":
+        assert out["padding_efficiency"] > 0.99
+        assert out["first_loss"] - out["last_loss"] > 1.5, "the model learns"
+    text = procs.log(p)
+    assert "summary:" in text and "tok/s" in text and "data wait" in text
+    assert "producer 0 finished its data" in text and "producer 1 finished its data" in text
+
+
+def test_producer_started_first_waits_for_the_trainer(procs, tmp_path, port):
+    common = ["--port", str(port), "--producers", "1", "--builtin-docs", "200", "--metrics-port", "-1"]
+    prod = procs.start("produce", *common, name="producer")
+    procs.wait_for(prod, "waiting for the trainer")
+    time.sleep(1.5)
+    assert prod.poll() is None
+    train = procs.start("train", *common, "--steps", "5", "--log-every", "1", name="trainer")
+    assert train.wait(timeout=120) == 0, procs.log(train)
+    assert "step 5/5" in procs.log(train)
+    assert prod.wait(timeout=10) == 0, "the trainer's stop reached the producer"
+    assert "trainer says stop" in procs.log(prod)
+
+
+def test_mismatched_tokenizer_is_refused_on_both_sides(procs, tmp_path, port):
+    other = tmp_path / "other.json"
+    train_tokenizer((builtin_corpus.document(7, i) for i in range(300)), 500).save(str(other))
+    common = ["--port", str(port), "--producers", "1", "--metrics-port", "-1"]
+    train = procs.start("train", *common, "--steps", "5", name="trainer")
+    prod = procs.start("produce", *common, "--tokenizer", str(other), name="producer")
+    assert prod.wait(timeout=60) == 2
+    assert "trainer refused this producer: config mismatch: " in procs.log(prod)
+    assert "tokenizer: producer has" in procs.log(prod)
+    procs.wait_for(train, "refused producer")
+    assert "tokenizer: producer has" in procs.log(train)
+    assert train.poll() is None, "a refused producer does not take the trainer down"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_every_process_quickly(procs, port, sig):
+    p = procs.start(
+        "run", "--steps", "0", "--port", str(port), "--metrics-port", "-1", "--log-every", "5", name="run"
+    )
+    procs.wait_for(p, "step 10")
+    children = [int(pid) for pid in procs.log(p).split("pids ")[1].split("\n")[0].split()]
+    t0 = time.monotonic()
+    if sig == signal.SIGINT:
+        os.killpg(p.pid, sig)  # Ctrl-C reaches the whole foreground group
+    else:
+        p.send_signal(sig)  # SIGTERM to the launcher alone
+    assert p.wait(timeout=15) == 0, procs.log(p)
+    assert time.monotonic() - t0 < 8
+    time.sleep(0.5)
+    for pid in children:
+        status = Path(f"/proc/{pid}/status")
+        assert not status.exists() or "zombie" in status.read_text().lower(), f"orphan producer {pid}"
+    assert "summary:" in procs.log(p)
+
+
+def test_bad_corpus_records_are_skipped_and_the_run_goes_on(procs, tmp_path, port):
+    from .test_sources import write_bad_corpus
+
+    txt, jl = write_bad_corpus(tmp_path)
+    summary = tmp_path / "s.json"
+    p = procs.start(
+        "run", "--data", str(txt), str(jl), "--epochs", "1", "--steps", "0", "--port", str(port),
+        "--metrics-port", "-1", "--seq-len", "16", "--batch-size", "2", "--summary-json", str(summary),
+        name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=120) == 0, procs.log(p)
+    text = procs.log(p)
+    assert f"{txt}:4: invalid UTF-8" in text and f"{jl}:2: not valid JSON" in text
+    assert "line_too_long" in text
+    assert json.loads(summary.read_text())["tokens"] > 0
+
+
+def test_hostile_messages_are_counted_and_training_goes_on(procs, tmp_path, port):
+    summary = tmp_path / "s.json"
+    common = [
+        "--port",
+        str(port),
+        "--producers",
+        "1",
+        "--builtin-docs",
+        "300",
+        "--metrics-port",
+        "-1",
+        "--epochs",
+        "1",
+    ]
+    train = procs.start("train", *common, "--steps", "0", "--summary-json", str(summary), "--log-every", "2",
+                        name="trainer")  # fmt: skip
+    procs.wait_for(train, "listening on")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    garbage = [[b"\x00\x01garbage"], [b"\x81\xa1v\x63"], [b"\x80", b"extra"], [os.urandom(3000)]]
+    for frames in garbage:
+        push.send_multipart(frames)
+    push.close()
+    ctx.term()
+    prod = procs.start("produce", *common, name="producer")
+    assert train.wait(timeout=120) == 0, procs.log(train)
+    out = json.loads(summary.read_text())
+    assert out["rejected"] == len(garbage)
+    assert out["stopped_by"] == "end of data" and out["tokens"] > 0
+    assert prod.wait(timeout=10) == 0
