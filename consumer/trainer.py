@@ -217,6 +217,8 @@ class Trainer:
         self.step_model = torch.compile(self.model) if tcfg.compile else self.model
         self.runner = StepRunner(self.step_model, self.optimizer, tcfg, self.autocast_dtype)
         self.metrics = TrainerMetrics()
+        for w in range(pcfg.producers):
+            self.metrics.received.labels(str(w))
         self.mask_cache = MaskCache(
             on_hit=self.metrics.cache_hits.labels(MaskCache.name).inc,
             on_miss=self.metrics.cache_misses.labels(MaskCache.name).inc,
@@ -247,6 +249,10 @@ class Trainer:
 
     def request_stop(self, reason: str = "signal") -> None:
         self._stop_reason = reason
+
+    @property
+    def interrupted(self) -> bool:
+        return bool(self._stop_reason)
 
     # -- host -> device ------------------------------------------------------------------------------
 
@@ -504,6 +510,7 @@ class Trainer:
         m.loss.set(stats["loss"])
         m.grad_norm.set(stats["grad_norm"])
         m.loss_scale.set(stats["loss_scale"])
+        m.mfu.set(0.0)  # stays 0 where the card's peak is unknown (and on CPU)
         if self.device.type == "cuda":
             m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(self.device))
             m.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(self.device))

@@ -9,11 +9,13 @@ lmpipe tokenizer  train or inspect a tokenizer
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+import time
 
 from shared.config import add_pipeline_args, pipeline_from_args
 
@@ -131,6 +133,22 @@ def _metrics_arg(p: argparse.ArgumentParser, default: int, what: str) -> None:
         default=int(os.environ.get("LMPIPE_METRICS_PORT", default)),
         help=f"Prometheus /metrics port for {what} (0: any free port, -1: off; default: %(default)s)",
     )
+    p.add_argument(
+        "--metrics-linger",
+        type=float,
+        default=float(os.environ.get("LMPIPE_METRICS_LINGER", 0)),
+        metavar="SECONDS",
+        help="keep /metrics up this long after the work is done, for a last scrape (default: %(default)s)",
+    )
+
+
+def linger(seconds: float) -> None:
+    """Sleep after the work, /metrics still served by its daemon thread; a signal cuts it short."""
+    if seconds <= 0:
+        return
+    log.info("work done; serving metrics for %.0f s more", seconds)
+    with contextlib.suppress(KeyboardInterrupt):
+        time.sleep(seconds)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,7 +214,10 @@ def cmd_produce(ns: argparse.Namespace) -> int:
         ProducerOptions(worker=ns.worker, metrics_port=ns.metrics_port, exit_with_parent=ns.exit_with_parent),
     )
     install_signal_handlers(p)
-    return p.run()
+    code = p.run()
+    if not p.interrupted:
+        linger(ns.metrics_linger)
+    return code
 
 
 def _trainer_signals(trainer) -> None:
@@ -218,6 +239,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     _trainer_signals(trainer)
     summary = trainer.run(progress=lambda step, st: print_status(step, st, tcfg.steps))
     report(summary, ns.summary_json)
+    if not trainer.interrupted:
+        linger(ns.metrics_linger)
     return 0
 
 

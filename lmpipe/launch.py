@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from lmpipe.cli import _trainer_signals, report, train_config_from_args
+from lmpipe.cli import _trainer_signals, linger, report, train_config_from_args
 from shared.config import pipeline_argv, pipeline_from_args
 
 log = logging.getLogger("lmpipe")
@@ -34,6 +34,7 @@ def spawn_producers(ns: argparse.Namespace, cfg, metrics_base: int | None) -> li
             else (0 if metrics_base == 0 else metrics_base + 1 + i)
         )
         env["LMPIPE_LOG_LEVEL"] = ns.log_level
+        linger = ["--metrics-linger", str(ns.metrics_linger)] if ns.metrics_linger > 0 else []
         cmd = [
             sys.executable,
             "-m",
@@ -44,6 +45,7 @@ def spawn_producers(ns: argparse.Namespace, cfg, metrics_base: int | None) -> li
             "--metrics-port",
             str(port),
             "--exit-with-parent",
+            *linger,
         ]
         procs.append(subprocess.Popen(cmd, env=env))
     return procs
@@ -85,9 +87,11 @@ def run_local(ns: argparse.Namespace) -> int:
     trainer.health_check = producers_alive
     try:
         summary = trainer.run(progress=lambda step, st: print_status(step, st, tcfg.steps))
+        report(summary, ns.summary_json)
+        if not trainer.interrupted:
+            linger(ns.metrics_linger)  # the producers linger as long, side by side
     finally:
         reap(procs)
-    report(summary, ns.summary_json)
     bad = [p.returncode for p in procs if p.returncode not in (0, -15)]
     if bad:
         log.error("producer exit codes: %s", [p.returncode for p in procs])

@@ -78,10 +78,13 @@ class Producer:
             seed=cfg.seed,
         )
         self.dtype = token_dtype(self.tok.vocab_size)
+        for m in (self.metrics.tokens, self.metrics.padding):
+            m.labels(cfg.strategy)
         self.fingerprint = fingerprint(cfg, self.tok.hash, self.tok.vocab_size, self.corpus.fingerprint())
         self.session = ""
         self._stop = False
         self._docs_counted = 0
+        self.interrupted = False
         self._end_cursor = Cursor()
         self._parent = os.getppid()
         if self.worker >= 0:
@@ -128,6 +131,7 @@ class Producer:
     def request_stop(self, signum=None, _frame=None) -> None:
         if signum is not None:
             log.info("%s: stopping", signal.Signals(signum).name)
+            self.interrupted = True
         self._stop = True
 
     def _parent_gone(self) -> bool:

@@ -14,6 +14,23 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 log = logging.getLogger(__name__)
 
 # step/data-wait latencies span ~1 ms (GPU step) to seconds (CPU step, starved trainer)
+# Label values created up front, so every series exists (at 0) from the first scrape: dashboards and
+# alerts then see "no problems" instead of "no data".
+BAD_RECORD_REASONS = ("invalid_utf8", "line_too_long", "empty", "bad_json", "missing_text", "bad_ids")
+REJECT_REASONS = (
+    "bad_header", "bad_version", "bad_kind", "bad_dtype", "bad_shape", "truncated", "bad_length",
+    "bad_frames", "oversized", "bad_batch", "bad_worker", "bad_control", "handshake",
+)  # fmt: skip
+STALE_REASONS = ("old_session", "duplicate", "gap")
+CACHES = ("causal_mask", "block_mask")
+GPU_MEMORY_KINDS = ("allocated", "reserved", "peak")
+
+
+def _init_labels(metric, values) -> None:
+    for v in values:
+        metric.labels(v)
+
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -70,6 +87,8 @@ class ProducerMetrics:
             "lmpipe_producer_cursor_position", "Document position of the last batch sent", registry=r
         )
         self.epoch = Gauge("lmpipe_producer_epoch", "Epoch of the last batch sent", registry=r)
+        _init_labels(self.bad_records, BAD_RECORD_REASONS)
+        _init_labels(self.handshakes, ("welcome", "refuse"))
 
 
 class TrainerMetrics:
@@ -139,6 +158,11 @@ class TrainerMetrics:
             "lmpipe_trainer_mfu_ratio", "Model FLOPs utilization against the card's bf16 peak", registry=r
         )
         self.checkpoints = Counter("lmpipe_trainer_checkpoints", "Checkpoints written", registry=r)
+        _init_labels(self.rejected, REJECT_REASONS)
+        _init_labels(self.stale, STALE_REASONS)
+        _init_labels(self.cache_hits, CACHES)
+        _init_labels(self.cache_misses, CACHES)
+        _init_labels(self.gpu_memory, GPU_MEMORY_KINDS)
         self.checkpoint_seconds = Histogram(
             "lmpipe_trainer_checkpoint_seconds",
             "Time to write one checkpoint",
