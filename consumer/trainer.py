@@ -22,9 +22,11 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
+from consumer.checkpoint import CheckpointManager, load, resolve_resume
 from consumer.inputs import MaskCache, ModelInputs, build_inputs
 from consumer.model import GPT, preset
 from consumer.receiver import EndOfStream, Receiver, WorkerTable
@@ -64,6 +66,10 @@ class TrainConfig:
     metrics_port: int | None = None
     doc_log: str | None = None  # append every trained (worker, seq, doc pieces) as JSON lines
     wait_timeout: float = 0.0  # give up when no batch came for this long (0: wait forever)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps; 0: only at the end and on SIGTERM/SIGINT
+    keep_checkpoints: int = 3
+    resume: str | None = None  # "auto" | a checkpoint path
 
 
 @dataclass
@@ -231,6 +237,15 @@ class Trainer:
         dt = token_dtype(self.tok.vocab_size)
         self.slots = [HostSlot(i, pcfg.batch_size, pcfg.seq_len, dt, pin) for i in range(n_slots)]
         self.fingerprint = fingerprint(pcfg, self.tok.hash, self.tok.vocab_size)
+        self.checkpoints = (
+            CheckpointManager(tcfg.checkpoint_dir, tcfg.keep_checkpoints) if tcfg.checkpoint_dir else None
+        )
+        self.resumed_from: Path | None = None
+        resume_path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
+        if resume_path is not None:
+            self._restore(load(resume_path, self._identity()))
+        elif tcfg.resume:
+            log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
         self.copy_stream = torch.cuda.Stream() if (pin and tcfg.copy_stream) else None
         self._in_flight: list[tuple[object, HostSlot]] = []  # (copy-done event, slot)
         self._stop_reason = ""
@@ -246,6 +261,57 @@ class Trainer:
                 "session": self.session,
             }
         )
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def _identity(self) -> dict:
+        """What a checkpoint must match to be resumed by this run."""
+        return {
+            "model": asdict(self.model.config),
+            "tokenizer": self.tok.hash,
+            "vocab_size": self.tok.vocab_size,
+            "stream": self.pcfg.stream_fields(),
+        }
+
+    def save_checkpoint(self) -> Path | None:
+        if self.checkpoints is None:
+            return None
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "workers": self.table.state_dict(),
+            "rng": {"torch": torch.get_rng_state()},
+        }
+        if self.device.type == "cuda":
+            state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
+        header = {
+            **self._identity(),
+            "session": self.session,
+            "data": self.receiver.fingerprint.get("data", ""),
+        }
+        path = self.checkpoints.save(self.step, header, state)
+        self.metrics.checkpoints.inc()
+        self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+        return path
+
+    def _restore(self, ck) -> None:
+        st = ck.state
+        self.model.load_state_dict(st["model"])
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.step = int(st["step"])
+        self.table.load_state_dict(st["workers"])
+        torch.set_rng_state(st["rng"]["torch"])
+        if "cuda" in st["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(st["rng"]["cuda"], self.device)
+        if ck.header.get("data"):
+            self.fingerprint["data"] = ck.header["data"]  # producers must serve the same corpus
+        self.resumed_from = ck.path
+        cursors = ", ".join(f"w{w.worker}@seq{w.last_seq}" for w in self.table.workers)
+        log.info("resumed from %s: step %d, producer cursors %s", ck.path, self.step, cursors)
 
     def request_stop(self, reason: str = "signal") -> None:
         self._stop_reason = reason
@@ -455,6 +521,8 @@ class Trainer:
             m.lr.set(lr)
             self._release_done()
             m.step_seconds.observe(time.perf_counter() - t0 + waited)
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                 loss = (loss_acc / max(targets_acc, 1)).item()  # the one host sync of the interval
                 now = time.perf_counter()
@@ -488,6 +556,8 @@ class Trainer:
                 interval_start = now
         if targets_acc:  # the tail interval
             summary.losses.append((loss_acc / targets_acc).item())
+        if self.checkpoints is not None and self.step and self.checkpoints.latest_step() != self.step:
+            self.save_checkpoint()  # at the end, and after SIGTERM/SIGINT once the current step is done
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         end = time.perf_counter()

@@ -88,6 +88,29 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-seed", type=int, default=d.seed, help="model init seed")
     g.add_argument("--doc-log", metavar="FILE", help="append the document pieces of every step as JSON lines")
     g.add_argument("--summary-json", metavar="FILE", help="write the end-of-run summary as JSON")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument(
+        "--checkpoint-dir",
+        default=os.environ.get("LMPIPE_CHECKPOINT_DIR"),
+        metavar="DIR",
+        help="where checkpoints go (none: no checkpoints)",
+    )
+    c.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=int(os.environ.get("LMPIPE_CHECKPOINT_EVERY", 0)),
+        metavar="STEPS",
+        help="also checkpoint every STEPS steps (always: at the end and on SIGTERM)",
+    )
+    c.add_argument(
+        "--keep-checkpoints", type=int, default=3, metavar="K", help="keep the last K (default: %(default)s)"
+    )
+    c.add_argument(
+        "--resume",
+        default=os.environ.get("LMPIPE_RESUME"),
+        metavar="auto|PATH",
+        help="auto: the latest checkpoint in --checkpoint-dir if any; PATH: that checkpoint",
+    )
     g.add_argument(
         "--wait-timeout",
         type=float,
@@ -123,6 +146,10 @@ def train_config_from_args(ns: argparse.Namespace, metrics_port: int | None):
         metrics_port=metrics_port,
         doc_log=ns.doc_log,
         wait_timeout=ns.wait_timeout,
+        checkpoint_dir=ns.checkpoint_dir,
+        checkpoint_every=ns.checkpoint_every,
+        keep_checkpoints=ns.keep_checkpoints,
+        resume=ns.resume,
     )
 
 
@@ -200,6 +227,29 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--tokenizer", help="tokenizer.json to inspect (info; default: built-in)")
     tk.add_argument("--builtin", action="store_true", help="rebuild the shipped built-in tokenizer")
     tk.set_defaults(func=cmd_tokenizer)
+
+    pp = sub.add_parser(
+        "prepare",
+        help="tokenize a corpus once into memory-mapped shards",
+        description="Tokenize text/JSONL into shards that producers serve with no tokenizing (--data DIR).",
+    )
+    pp.add_argument(
+        "--data", nargs="+", required=True, metavar="PATH", help="text/JSONL files or directories"
+    )
+    pp.add_argument("--out", required=True, metavar="DIR", help="shard directory to create")
+    pp.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: built-in)")
+    pp.add_argument("--doc-split", choices=("blank", "heading"), default="blank")
+    pp.add_argument(
+        "--shard-tokens", type=int, default=1 << 26, help="tokens per shard file (default: %(default)s)"
+    )
+    pp.add_argument("--max-line-bytes", type=int, default=1 << 20)
+    pp.add_argument("--force", action="store_true", help="replace --out if it exists")
+    pp.set_defaults(func=cmd_prepare)
+
+    ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors")
+    ex.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir (its latest)")
+    ex.add_argument("--out", required=True, help="output .safetensors file")
+    ex.set_defaults(func=cmd_export)
     return p
 
 
@@ -281,7 +331,47 @@ def cmd_tokenizer(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(ns: argparse.Namespace) -> int:
+    from producer.shards import prepare
+    from producer.sources import Corpus
+    from producer.stream import DocStream
+    from shared.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ns.tokenizer)
+    corpus = Corpus(
+        ns.data, doc_split=ns.doc_split, max_line_bytes=ns.max_line_bytes, vocab_size=tok.vocab_size
+    )
+    if corpus.random_access:
+        raise ValueError("--data must be text or JSONL files, not the built-in corpus or shards")
+    bad: dict[str, int] = {}
+
+    def on_bad(reason: str, where: str, detail: str) -> None:
+        bad[reason] = bad.get(reason, 0) + 1
+        log.warning("%s: %s (%s), skipped", where, detail, reason)
+
+    stream = DocStream(corpus, tok, shuffle_window=0, on_bad=on_bad)
+    meta = prepare(stream, ns.out, shard_tokens=ns.shard_tokens, source=corpus.fingerprint(), force=ns.force)
+    skipped = f"; skipped {sum(bad.values())} bad records ({bad})" if bad else ""
+    print(
+        f"wrote {ns.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens, {len(meta['shards'])} shard(s){skipped}"
+    )
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from consumer.checkpoint import export_safetensors, resolve_resume
+
+    path = resolve_resume(ns.checkpoint, None)
+    meta = export_safetensors(path, Path(ns.out))
+    print(f"wrote {ns.out} from {path} (step {meta['step']})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from consumer.checkpoint import CheckpointError
+
     ns = build_parser().parse_args(argv)
     if ns.cmd != "produce":
         from shared.log import setup
@@ -289,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         setup("trainer" if ns.cmd in ("run", "train") else "lmpipe", ns.log_level)
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError, OSError) as exc:
+    except (ValueError, OSError, CheckpointError) as exc:
         log.debug("details", exc_info=True)
         log.error("%s", exc)
         return 2

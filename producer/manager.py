@@ -67,6 +67,12 @@ class Producer:
             max_line_bytes=cfg.max_line_bytes,
             vocab_size=self.tok.vocab_size,
         )
+        shards = self.corpus.shards
+        if shards is not None and shards.meta["tokenizer_hash"] != self.tok.hash:
+            raise ValueError(
+                f"{shards.path} was prepared with tokenizer {shards.meta['tokenizer_hash']}, "
+                f"this producer uses {self.tok.hash} ({self.tok.path}); pass the same --tokenizer or prepare again"
+            )
         self.stream: DocStream | None = None
         self.spec = BatchSpec(
             strategy=cfg.strategy,
@@ -97,6 +103,8 @@ class Producer:
             self.tok,
             worker,
             self.cfg.producers,
+            rank=self.cfg.rank,
+            world_size=self.cfg.world_size,
             seed=self.cfg.seed,
             shuffle_window=self.cfg.shuffle_window,
             on_bad=self._bad_record,

@@ -5,6 +5,7 @@ bad ones (invalid UTF-8, broken JSON, empty, over-long lines) are reported with 
 reason, and skipped. Each record is reported by exactly one worker, the one that owns its id, so N
 producers reading the same files do not report a bad line N times.
 
+A directory written by `lmpipe prepare` (it holds meta.json) is read as pre-tokenized shards.
 Plain text: a document is a block of non-blank lines (`--doc-split blank`, the default), or everything
 from one top-level ` = Heading = ` line to the next (`--doc-split heading`, WikiText's article layout).
 JSONL: one object per line with a `text` string, or pre-tokenized `ids` (a list of token ids).
@@ -18,7 +19,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from producer import builtin_corpus
+from producer.shards import ShardSet, is_shard_dir
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
 HEADING = re.compile(r"^ = [^=].* = $")
@@ -160,7 +164,12 @@ class Corpus:
     ):
         if doc_split not in ("blank", "heading"):
             raise ValueError(f"doc_split must be 'blank' or 'heading', not {doc_split!r}")
-        self.paths = [Path(p) for p in expand_paths(paths or [])]
+        self.shards: ShardSet | None = None
+        if paths and len(paths) == 1 and is_shard_dir(paths[0]):
+            self.shards = ShardSet(paths[0])
+            self.paths: list[Path] = []
+        else:
+            self.paths = [Path(p) for p in expand_paths(paths or [])]
         self.doc_split = doc_split
         self.builtin_docs = builtin_docs
         self.builtin_seed = builtin_seed
@@ -169,15 +178,25 @@ class Corpus:
 
     @property
     def builtin(self) -> bool:
-        return not self.paths
+        return not self.paths and self.shards is None
+
+    @property
+    def random_access(self) -> bool:
+        """Any document can be read by index, so a whole epoch can be shuffled, not just a window."""
+        return self.shards is not None or self.builtin
 
     def describe(self) -> str:
+        if self.shards is not None:
+            m = self.shards.meta
+            return f"shards in {self.shards.path} ({m['documents']:,} documents, {m['tokens']:,} tokens)"
         if self.builtin:
             return f"built-in corpus ({self.builtin_docs} documents, seed {self.builtin_seed})"
         return ", ".join(str(p) for p in self.paths)
 
     def fingerprint(self) -> str:
-        """Identifies the data for the handshake and checkpoints: names, sizes and mtimes, not contents."""
+        """Identifies the data for the handshake and checkpoints: names and sizes, not contents."""
+        if self.shards is not None:
+            return self.shards.fingerprint()
         if self.builtin:
             return f"builtin:{self.builtin_seed}:{self.builtin_docs}"
         parts = []
@@ -186,11 +205,31 @@ class Corpus:
             parts.append(f"{p.name}:{st.st_size}")
         return f"{self.doc_split}|" + "|".join(parts)
 
+    # -- random access (built-in corpus, shards) -----------------------------------------------------
+
+    def owned(self, worker: int, num_workers: int) -> np.ndarray:
+        """Indices of the documents whose record id % num_workers == worker."""
+        if self.shards is not None:
+            return np.flatnonzero(self.shards.rids % num_workers == worker)
+        return np.arange(worker, self.builtin_docs, num_workers)
+
+    def record(self, index: int) -> Record:
+        if self.shards is not None:
+            rid = int(self.shards.rids[index])
+            return Record(rid=rid, ids=self.shards.ids(index), where=f"{self.shards.path}#{index}")
+        return Record(
+            rid=int(index),
+            text=builtin_corpus.document(self.builtin_seed, int(index)),
+            where=f"builtin:{index}",
+        )
+
+    # -- streaming --------------------------------------------------------------------------------------
+
     def records(self, worker: int = 0, num_workers: int = 1) -> Iterator[Record]:
         """Records whose id % num_workers == worker, in corpus order."""
-        if self.builtin:
-            for i in range(worker, self.builtin_docs, num_workers):
-                yield Record(rid=i, text=builtin_corpus.document(self.builtin_seed, i), where=f"builtin:{i}")
+        if self.random_access:
+            for i in self.owned(worker, num_workers):
+                yield self.record(i)
             return
         rid = 0
         for p in self.paths:

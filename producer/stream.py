@@ -33,11 +33,11 @@ class StreamStats:
     tokenize_seconds: float = 0.0
 
 
-def window_order(n: int, seed: int, epoch: int, worker: int, window: int) -> np.ndarray:
-    """The permutation applied to one window of n documents (identity when shuffling is off)."""
-    if n <= 1 or window <= 1:
+def permutation(n: int, shuffle: bool, *key: int) -> np.ndarray:
+    """A permutation of range(n) that depends only on `key` (identity when not shuffling)."""
+    if not shuffle or n <= 1:
         return np.arange(n)
-    return np.random.default_rng([seed, epoch, worker, window]).permutation(n)
+    return np.random.default_rng(list(key)).permutation(n)
 
 
 class DocStream:
@@ -48,13 +48,18 @@ class DocStream:
         worker: int = 0,
         num_workers: int = 1,
         *,
+        rank: int = 0,
+        world_size: int = 1,
         seed: int = 0,
         shuffle_window: int = 1000,
         encode_batch: int = 512,
         on_bad: Callable[[str, str, str], None] | None = None,
     ):
-        if not 0 <= worker < num_workers:
-            raise ValueError(f"worker id {worker} is outside 0..{num_workers - 1}")
+        if not 0 <= worker < num_workers or not 0 <= rank < world_size:
+            raise ValueError(f"worker {worker} of {num_workers}, rank {rank} of {world_size}: out of range")
+        # rank r's workers own global slots r*num_workers .. (r+1)*num_workers - 1
+        self.worker_global = rank * num_workers + worker
+        self.total_workers = world_size * num_workers
         self.corpus = corpus
         self.tok = tok
         self.worker = worker
@@ -69,7 +74,7 @@ class DocStream:
     def _owned(self) -> Iterator[Record]:
         """Good records this worker owns, reporting bad ones (only on the first pass, not every epoch)."""
         report = self.on_bad is not None and not self._reported
-        for rec in self.corpus.records(self.worker, self.num_workers):
+        for rec in self.corpus.records(self.worker_global, self.total_workers):
             if report and rec.warnings:
                 for reason, where, detail in rec.warnings:
                     self.on_bad(reason, where, detail)
@@ -82,6 +87,12 @@ class DocStream:
 
     def _ordered(self, epoch: int, start_pos: int) -> Iterator[tuple[int, Record]]:
         """(pos, record) from start_pos on, in this epoch's shuffled order."""
+        if self.corpus.random_access:
+            owned = self.corpus.owned(self.worker_global, self.total_workers)
+            order = permutation(len(owned), self.shuffle_window > 1, self.seed, epoch, self.worker_global, 1)
+            for pos in range(start_pos, len(owned)):
+                yield pos, self.corpus.record(owned[order[pos]])
+            return
         w = max(1, self.shuffle_window)
         records = self._owned()
         # Windows before the one holding start_pos are read but not kept; nothing is tokenized for them.
@@ -93,7 +104,7 @@ class DocStream:
             chunk = list(islice(records, w))
             if not chunk:
                 return
-            order = window_order(len(chunk), self.seed, epoch, self.worker, k)
+            order = permutation(len(chunk), True, self.seed, epoch, self.worker_global, 0, k)
             for i, j in enumerate(order):
                 pos = k * w + i
                 if pos >= start_pos:

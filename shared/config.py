@@ -33,6 +33,8 @@ class PipelineConfig:
     builtin_docs: int = 20_000
     epochs: int = 0  # 0: loop over the corpus until the trainer stops
     producers: int = 2
+    rank: int = 0  # trainer rank this pipeline feeds, of world_size data-parallel ranks
+    world_size: int = 1
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     trusted_network: bool = False
@@ -178,6 +180,18 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
         help="number of producer workers the corpus is split across (default: %(default)s)",
     )
     g.add_argument(
+        "--rank",
+        type=int,
+        default=_env("rank", d.rank),
+        help="data-parallel rank this pipeline feeds (default: 0)",
+    )
+    g.add_argument(
+        "--world-size",
+        type=int,
+        default=_env("world_size", d.world_size),
+        help="data-parallel ranks; each rank's producers get a disjoint share of the corpus (default: 1)",
+    )
+    g.add_argument(
         "--max-line-bytes",
         type=int,
         default=_env("max_line_bytes", d.max_line_bytes),
@@ -219,6 +233,8 @@ def pipeline_from_args(ns: argparse.Namespace) -> PipelineConfig:
         builtin_docs=ns.builtin_docs,
         epochs=ns.epochs,
         producers=ns.producers,
+        rank=ns.rank,
+        world_size=ns.world_size,
         host=ns.host,
         port=ns.port,
         trusted_network=ns.trusted_network,
@@ -234,6 +250,8 @@ def validate(cfg: PipelineConfig) -> None:
         problems.append(f"--seq-len must be in 2..65535, got {cfg.seq_len}")
     if cfg.batch_size < 1:
         problems.append(f"--batch-size must be >= 1, got {cfg.batch_size}")
+    if not 0 <= cfg.rank < cfg.world_size:
+        problems.append(f"--rank must be in 0..--world-size-1, got rank {cfg.rank} of {cfg.world_size}")
     if cfg.producers < 1:
         problems.append(f"--producers must be >= 1, got {cfg.producers}")
     if cfg.bucket_k < 0 or cfg.bucket_window < 1 or cfg.pad_multiple < 1:

@@ -1,0 +1,221 @@
+"""Checkpoints the trainer can resume from without losing or repeating a sample.
+
+Layout: one directory per checkpoint, `<dir>/step-00000100/` holding
+  header.json  format version, lmpipe version, model dims, vocabulary, tokenizer hash, batching settings,
+               step, session, and the sha256 of state.pt
+  state.pt     model, optimizer, loss scaler, step, RNG states and, per producer, the cursor and sequence
+               number of the last batch trained on (loaded with torch.load(weights_only=True))
+and `<dir>/latest`, a one-line pointer. A checkpoint is written into a temporary directory, fsynced and
+renamed into place, then `latest` is replaced the same way: a crash at any moment leaves either the old
+or the new checkpoint, never half of one. The header is read and compared before any tensor is loaded;
+any mismatch is refused with the field named, and nothing on disk is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared import __version__
+
+log = logging.getLogger("lmpipe.trainer")
+
+FORMAT_VERSION = 1
+_PREFIX = "step-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that must not be used; the message says which field or file and why."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Loaded:
+    path: Path
+    header: dict[str, Any]
+    state: dict[str, Any]
+
+
+class CheckpointManager:
+    def __init__(self, directory: str | Path, keep: int = 3):
+        self.dir = Path(directory)
+        self.keep = keep
+
+    # -- writing -------------------------------------------------------------------------------------
+
+    def save(self, step: int, header: dict[str, Any], state: dict[str, Any]) -> Path:
+        """Write atomically; returns the checkpoint's directory."""
+        t0 = time.perf_counter()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.dir / f"{_PREFIX}{step:08d}"
+        tmp = self.dir / f".{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        with open(tmp / "state.pt", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        hdr = {
+            **header,
+            "format_version": FORMAT_VERSION,
+            "lmpipe_version": __version__,
+            "step": step,
+            "state_sha256": _sha256(tmp / "state.pt"),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        with open(tmp / "header.json", "w") as f:
+            json.dump(hdr, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (e.g. at SIGTERM right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = self.dir / f".latest.tmp-{os.getpid()}"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, self.dir / "latest")
+        _fsync_dir(self.dir)
+        self._prune()
+        log.info("checkpoint %s written in %.2f s", final, time.perf_counter() - t0)
+        return final
+
+    def _prune(self) -> None:
+        done = self.list()
+        for old in done[: -self.keep] if self.keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        for tmp in self.dir.glob(".*.tmp-*"):  # left by a writer that was killed
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    # -- reading -------------------------------------------------------------------------------------
+
+    def list(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
+
+    def latest_step(self) -> int | None:
+        p = self.latest()
+        return int(p.name[len(_PREFIX) :]) if p else None
+
+    def latest(self) -> Path | None:
+        pointer = self.dir / "latest"
+        if pointer.is_file():
+            p = self.dir / pointer.read_text().strip()
+            if (p / "header.json").is_file():
+                return p
+        done = self.list()
+        return done[-1] if done else None
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    f = path / "header.json"
+    if not f.is_file():
+        raise CheckpointError(f"{path}: no header.json; not an lmpipe checkpoint")
+    try:
+        hdr = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{f}: unreadable header ({exc})") from None
+    if not isinstance(hdr, dict):
+        raise CheckpointError(f"{f}: header is not a JSON object")
+    version = hdr.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{f}: format_version {version!r} is newer than this lmpipe ({__version__}) understands "
+            f"(up to {FORMAT_VERSION}); upgrade lmpipe to resume it"
+        )
+    return hdr
+
+
+def compare(header: dict[str, Any], expected: dict[str, Any], where: Path) -> None:
+    """Refuse a checkpoint whose model, tokenizer or batching differs from this run's."""
+    problems = []
+    for key, want in expected.items():
+        have = header.get(key)
+        if isinstance(want, dict) and isinstance(have, dict):
+            for sub in sorted(set(want) | set(have)):
+                if want.get(sub) != have.get(sub):
+                    problems.append(
+                        f"{key}.{sub}: checkpoint has {have.get(sub)!r}, this run has {want.get(sub)!r}"
+                    )
+        elif have != want:
+            problems.append(f"{key}: checkpoint has {have!r}, this run has {want!r}")
+    if problems:
+        raise CheckpointError(f"{where} does not match this run: " + "; ".join(problems))
+
+
+def load(path: Path, expected: dict[str, Any]) -> Loaded:
+    """Read and check a checkpoint; raises CheckpointError, never returns something half-valid."""
+    header = read_header(path)
+    compare(header, expected, path)
+    state_file = path / "state.pt"
+    if not state_file.is_file():
+        raise CheckpointError(f"{state_file}: missing")
+    digest = _sha256(state_file)
+    if digest != header.get("state_sha256"):
+        raise CheckpointError(f"{state_file}: checksum mismatch (truncated or corrupt file)")
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{state_file}: cannot be loaded ({type(exc).__name__}: {exc})") from None
+    return Loaded(path, header, state)
+
+
+def resolve_resume(arg: str | None, directory: str | None) -> Path | None:
+    """--resume auto: the latest checkpoint in --checkpoint-dir, or None for a fresh start.
+    --resume PATH: that checkpoint directory (or the latest inside a checkpoint root)."""
+    if not arg:
+        return None
+    if arg == "auto":
+        if not directory:
+            raise CheckpointError("--resume auto needs --checkpoint-dir")
+        return CheckpointManager(directory).latest()
+    p = Path(arg)
+    if (p / "header.json").is_file():
+        return p
+    found = CheckpointManager(p).latest()
+    if found is None:
+        raise CheckpointError(f"--resume {arg}: no checkpoint there")
+    return found
+
+
+def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
+    """Write the model weights of a checkpoint as safetensors (tied weights stored once)."""
+    from safetensors.torch import save_file
+
+    header = read_header(path)
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    weights = {k: v.contiguous() for k, v in state["model"].items()}
+    # lm_head and wte share storage; safetensors refuses aliases, and loaders re-tie them
+    weights.pop("transformer.wte.weight", None)
+    meta = {
+        "model": json.dumps(header.get("model", {})),
+        "tokenizer": str(header.get("tokenizer", "")),
+        "step": str(header["step"]),
+    }
+    save_file(weights, str(out), metadata=meta)
+    return meta

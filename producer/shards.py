@@ -1,0 +1,190 @@
+"""Pre-tokenized shards: `lmpipe prepare` writes them once, producers memory-map them and skip tokenizing.
+
+A shard directory holds `meta.json` and, per shard k,
+  tokens-k.bin  every document's token ids back to back (uint16 or int32, little-endian, no end-of-text:
+                the stream appends it, as it does for text)
+  index-k.bin   int64 offsets, documents + 1 of them: document i is tokens[index[i]:index[i+1]]
+  rids-k.bin    int64 record id of each document in the source corpus (ids of text and shards agree)
+meta.json records the format version, dtype, vocabulary size, tokenizer hash, counts, and a sha256 per file.
+Opening a shard set checks all of it (sizes, offsets, checksums, ids inside the vocabulary) before a
+document is served; a mismatch names the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.batch import token_dtype
+
+FORMAT_VERSION = 1
+META = "meta.json"
+
+
+class ShardError(ValueError):
+    pass
+
+
+def is_shard_dir(path: str | Path) -> bool:
+    return (Path(path) / META).is_file()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _ShardWriter:
+    def __init__(self, out: Path, k: int, dtype: np.dtype):
+        self.names = {n: f"{n}-{k:05d}.bin" for n in ("tokens", "index", "rids")}
+        self.files = {n: open(out / name, "wb") for n, name in self.names.items()}  # noqa: SIM115 - closed in close()
+        self.dtype = dtype
+        self.tokens = 0
+        self.docs = 0
+        self.files["index"].write(np.zeros(1, dtype="<i8").tobytes())
+
+    def add(self, rid: int, ids: np.ndarray) -> None:
+        self.files["tokens"].write(ids.astype(self.dtype).tobytes())
+        self.tokens += len(ids)
+        self.docs += 1
+        self.files["index"].write(np.array([self.tokens], dtype="<i8").tobytes())
+        self.files["rids"].write(np.array([rid], dtype="<i8").tobytes())
+
+    def close(self, out: Path) -> dict[str, Any]:
+        for f in self.files.values():
+            f.close()
+        return {
+            "documents": self.docs,
+            "tokens": self.tokens,
+            "files": {n: {"name": name, "sha256": _sha256(out / name)} for n, name in self.names.items()},
+        }
+
+
+def prepare(stream, out: str | Path, *, shard_tokens: int = 1 << 26, source: str = "", force: bool = False,
+            progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Tokenize every document of `stream` (a DocStream over the whole corpus, one worker, no shuffle)
+    into shards under `out`. Written to a temporary directory and renamed, so `out` is whole or absent."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise ShardError(f"{out} already exists; pass --force to replace it")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok = stream.tok
+    dtype = token_dtype(tok.vocab_size)
+    shards: list[dict[str, Any]] = []
+    writer = _ShardWriter(tmp, 0, dtype)
+    docs = tokens = 0
+    t0 = last = time.monotonic()
+    tty = progress and sys.stderr.isatty()
+    for doc in stream.docs(0):
+        ids = doc.ids[:-1]  # drop the end-of-text token; the reader adds it back
+        writer.add(doc.doc_id, ids)
+        docs += 1
+        tokens += len(ids)
+        if writer.tokens >= shard_tokens:
+            shards.append(writer.close(tmp))
+            writer = _ShardWriter(tmp, len(shards), dtype)
+        now = time.monotonic()
+        if progress and (now - last > (0.5 if tty else 10)):
+            rate = tokens / (now - t0)
+            msg = f"prepared {docs:,} documents, {tokens:,} tokens ({rate:,.0f} tokens/s)"
+            sys.stderr.write(("\r" + msg) if tty else (msg + "\n"))
+            sys.stderr.flush()
+            last = now
+    shards.append(writer.close(tmp))
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "vocab_size": tok.vocab_size,
+        "tokenizer_hash": tok.hash,
+        "documents": docs,
+        "tokens": tokens,
+        "source": source,
+        "shards": shards,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    if progress:
+        dt = time.monotonic() - t0
+        sys.stderr.write(
+            f"{chr(13) if tty else ''}prepared {docs:,} documents, {tokens:,} tokens in {dt:.1f} s\n"
+        )
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return meta
+
+
+class ShardSet:
+    """Read-only, memory-mapped view of a prepared shard directory, checked on open."""
+
+    def __init__(self, path: str | Path, *, verify_checksums: bool = True):
+        self.path = Path(path)
+        meta_file = self.path / META
+        try:
+            self.meta = json.loads(meta_file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ShardError(f"{meta_file}: unreadable ({exc})") from None
+        m = self.meta
+        version = m.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ShardError(
+                f"{meta_file}: format_version {version!r}; this lmpipe reads up to {FORMAT_VERSION}"
+            )
+        if m.get("dtype") not in ("uint16", "int32"):
+            raise ShardError(f"{meta_file}: dtype {m.get('dtype')!r} is not uint16 or int32")
+        dtype = np.dtype(m["dtype"]).newbyteorder("<")
+        self.tokens: list[np.memmap] = []
+        offsets, rids = [], []
+        for k, sh in enumerate(m["shards"]):
+            files = {n: self.path / sh["files"][n]["name"] for n in ("tokens", "index", "rids")}
+            sizes = {
+                "tokens": sh["tokens"] * dtype.itemsize,
+                "index": (sh["documents"] + 1) * 8,
+                "rids": sh["documents"] * 8,
+            }
+            for n, f in files.items():
+                if not f.is_file():
+                    raise ShardError(f"{f}: missing")
+                if f.stat().st_size != sizes[n]:
+                    raise ShardError(
+                        f"{f}: {f.stat().st_size} bytes, meta.json says {sizes[n]} (truncated or corrupt)"
+                    )
+                if verify_checksums and _sha256(f) != sh["files"][n]["sha256"]:
+                    raise ShardError(f"{f}: checksum mismatch (corrupt file)")
+            toks = np.memmap(files["tokens"], dtype=dtype, mode="r") if sh["tokens"] else np.zeros(0, dtype)
+            index = np.fromfile(files["index"], dtype="<i8")
+            if index[0] != 0 or index[-1] != sh["tokens"] or (np.diff(index) < 0).any():
+                raise ShardError(
+                    f"{files['index']}: offsets are not a valid index into {files['tokens'].name}"
+                )
+            if toks.size and int(toks.max()) >= m["vocab_size"]:
+                raise ShardError(f"{files['tokens']}: token id outside the vocabulary of {m['vocab_size']}")
+            self.tokens.append(toks)
+            offsets.append(np.stack([np.full(sh["documents"], k), index[:-1], index[1:]], axis=1))
+            rids.append(np.fromfile(files["rids"], dtype="<i8"))
+        # one row per document: (shard, start, end); plus its record id
+        self.docs = np.concatenate(offsets) if offsets else np.zeros((0, 3), np.int64)
+        self.rids = np.concatenate(rids) if rids else np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def ids(self, i: int) -> np.ndarray:
+        k, a, b = self.docs[i]
+        return self.tokens[k][a:b]
+
+    def fingerprint(self) -> str:
+        m = self.meta
+        return f"shards:{m['tokenizer_hash']}:{m['documents']}:{m['tokens']}:{m['created']}"

@@ -1,0 +1,328 @@
+"""Checkpoints, resume and crashes: nothing lost, nothing repeated (real processes, CPU).
+
+What "exactly once" means when a trainer is killed: the steps it took after its last checkpoint are lost
+with it, and their batches are trained again after the restart. So the documents trained on are those of
+the first session's steps below the resumed checkpoint's step S, plus everything the resumed session
+trained; over one epoch that must cover every token of every document exactly once. The replayed batches
+are also checked to be the very same batches (same worker, sequence number and document pieces).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from consumer.checkpoint import CheckpointManager
+from producer.shards import ShardError, ShardSet, prepare
+from producer.sources import Corpus
+from producer.stream import DocStream
+from shared.tokenizer import train_tokenizer
+
+from .test_e2e import assert_exactly_once, builtin_lengths
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "--builtin-docs",
+    "240",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--bucket-window",
+    "32",
+    "--metrics-port",
+    "-1",
+]
+
+
+def steps_logged(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def doc_log_entries(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # the line a kill -9 tore
+            out.append(json.loads(line))
+    return out
+
+
+def trained_pieces(
+    entries: list[dict], first_session: str, resumed_step: int
+) -> dict[int, list[tuple[int, int]]]:
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for e in entries:
+        sessions = {b["session"] for b in e["batches"]}
+        assert len(sessions) == 1
+        if sessions == {first_session} and e["step"] >= resumed_step:
+            continue  # trained after the last checkpoint by the killed trainer: replayed later
+        for b in e["batches"]:
+            for did, start, n in b["docs"]:
+                pieces.setdefault(did, []).append((start, n))
+    return pieces
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def resumed_step(text: str) -> int:
+    return int(text.split("resumed from ")[1].split(": step ")[1].split(",")[0])
+
+
+@pytest.mark.parametrize("strategy", ["pack", "pad", "pad-batch", "bucket"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_kill_trainer_at_a_random_step(procs, tmp_path, port, tok, strategy, seed):
+    common = ["--port", str(port), "--strategy", strategy, "--epochs", "1", "--producers", "2", *SMALL]
+    log, ck = tmp_path / "docs.jsonl", tmp_path / "ck"
+    train_args = ["train", *common, "--steps", "0", "--checkpoint-dir", str(ck), "--checkpoint-every", "4",
+                  "--doc-log", str(log), "--resume", "auto", "--log-every", "5"]  # fmt: skip
+    t1 = procs.start(*train_args, name="trainer1")
+    for w in range(2):
+        procs.start("produce", *common, "--worker", str(w), name=f"producer{w}")
+    kill_at = random.Random(seed * 100 + len(strategy)).randint(6, 25)
+    wait_until(lambda: steps_logged(log) >= kill_at, 90, f"step {kill_at}")
+    os.kill(t1.pid, signal.SIGKILL)
+    t1.wait()
+    first = doc_log_entries(log)
+    first_session = first[0]["batches"][0]["session"]
+    t2 = procs.start(*train_args, name="trainer2")
+    assert t2.wait(timeout=120) == 0, procs.log(t2)
+    text = procs.log(t2)
+    assert "summary:" in text and "(end of data)" in text
+    s = resumed_step(text)
+    assert 4 <= s <= len(first) and s % 4 == 0  # the last checkpoint before the kill
+    entries = doc_log_entries(log)
+    assert_exactly_once(trained_pieces(entries, first_session, s), builtin_lengths(tok, 240))
+    # the batches lost with the killed trainer came back identical
+    key = lambda b: (b["worker"], b["seq"])  # noqa: E731
+    lost = {key(b): b["docs"] for e in first if e["step"] >= s for b in e["batches"]}
+    replayed = {
+        key(b): b["docs"]
+        for e in entries
+        if e["batches"][0]["session"] != first_session
+        for b in e["batches"]
+    }
+    assert lost and all(replayed[k] == docs for k, docs in lost.items())
+
+
+@pytest.mark.parametrize("strategy", ["pack", "bucket"])
+def test_kill_a_producer_and_restart_it(procs, tmp_path, port, tok, strategy):
+    common = ["--port", str(port), "--strategy", strategy, "--epochs", "1", "--producers", "2", *SMALL]
+    log = tmp_path / "docs.jsonl"
+    train = procs.start("train", *common, "--steps", "0", "--doc-log", str(log), name="trainer")
+    p0 = procs.start("produce", *common, "--worker", "0", name="producer0")
+    p1 = procs.start("produce", *common, "--worker", "1", name="producer1")
+    wait_until(lambda: steps_logged(log) >= 8, 90, "step 8")
+    os.kill(p1.pid, signal.SIGKILL)
+    p1.wait()
+    time.sleep(1.0)
+    # --worker -1: the trainer hands the restarted process the free id (1) once the old one is gone
+    p1b = procs.start("produce", *common, name="producer1b")
+    assert train.wait(timeout=120) == 0, procs.log(train)
+    assert "assigned worker id 1" in procs.log(p1b)
+    entries = doc_log_entries(log)
+    assert len({b["session"] for e in entries for b in e["batches"]}) == 1
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for e in entries:
+        for b in e["batches"]:
+            for did, start, n in b["docs"]:
+                pieces.setdefault(did, []).append((start, n))
+    assert_exactly_once(pieces, builtin_lengths(tok, 240))
+    assert p0.wait(timeout=10) == 0 and p1b.wait(timeout=10) == 0
+
+
+def _final_state(ck: Path) -> dict:
+    latest = CheckpointManager(ck).latest()
+    return torch.load(latest / "state.pt", weights_only=True)
+
+
+def test_resume_equals_an_uninterrupted_run_bitwise(procs, tmp_path, port):
+    """1 producer (a deterministic batch order), fp32 on CPU, 1 thread: resume must be bitwise exact."""
+    common = [
+        "run",
+        "--port",
+        str(port),
+        "--producers",
+        "1",
+        "--threads",
+        "1",
+        "--lr-decay-steps",
+        "24",
+        *SMALL,
+    ]
+    a = procs.start(*common, "--steps", "24", "--checkpoint-dir", str(tmp_path / "a"), name="a")
+    assert a.wait(timeout=120) == 0, procs.log(a)
+    b1 = procs.start(*common, "--steps", "12", "--checkpoint-dir", str(tmp_path / "b"), name="b1")
+    assert b1.wait(timeout=120) == 0, procs.log(b1)
+    b2 = procs.start(
+        *common, "--steps", "24", "--checkpoint-dir", str(tmp_path / "b"), "--resume", "auto", name="b2"
+    )
+    assert b2.wait(timeout=120) == 0, procs.log(b2)
+    assert "resumed from" in procs.log(b2)
+    sa, sb = _final_state(tmp_path / "a"), _final_state(tmp_path / "b")
+    assert sa["step"] == sb["step"] == 24
+    for k, v in sa["model"].items():
+        assert torch.equal(v, sb["model"][k]), k
+    for pa, pb in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values()):
+        assert torch.equal(pa["exp_avg"], pb["exp_avg"]) and torch.equal(pa["exp_avg_sq"], pb["exp_avg_sq"])
+    assert sa["workers"] == sb["workers"]
+
+
+def _tree_digest(path: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_mismatched_checkpoints_are_refused_and_left_alone(procs, tmp_path, port):
+    ck = tmp_path / "ck"
+    base = ["--port", str(port), "--producers", "1", *SMALL]
+    r = procs.start("run", *base, "--steps", "4", "--checkpoint-dir", str(ck), name="make")
+    assert r.wait(timeout=120) == 0, procs.log(r)
+    step_dir = CheckpointManager(ck).latest()
+    other_tok = tmp_path / "tok.json"
+    from producer import builtin_corpus
+
+    train_tokenizer((builtin_corpus.document(3, i) for i in range(200)), 400).save(str(other_tok))
+
+    def refused(extra: list[str], expect: str, name: str) -> None:
+        before = _tree_digest(ck)
+        p = procs.start(
+            "train", *base, "--steps", "8", "--checkpoint-dir", str(ck), "--resume", "auto", *extra, name=name
+        )
+        assert p.wait(timeout=60) == 2, procs.log(p)
+        assert expect in procs.log(p), procs.log(p)
+        assert _tree_digest(ck) == before, "a refused resume must not touch the checkpoints"
+
+    refused(["--model", "small"], "model.n_layer: checkpoint has 2, this run has 6", "dims")
+    refused(["--tokenizer", str(other_tok)], "tokenizer: checkpoint has", "tok")
+    refused(["--seq-len", "32"], "stream.seq_len: checkpoint has 64, this run has 32", "seqlen")
+
+    header = step_dir / "header.json"
+    good = header.read_text()
+    header.write_text(json.dumps({**json.loads(good), "format_version": 99}))
+    refused([], "format_version 99 is newer than this lmpipe", "future")
+    header.write_text(good)
+
+    state = step_dir / "state.pt"
+    data = state.read_bytes()
+    state.write_bytes(data[: len(data) // 2])
+    refused([], "checksum mismatch (truncated or corrupt file)", "truncated")
+    state.write_bytes(data)
+    header.write_text("{ not json")
+    refused([], "unreadable header", "badheader")
+
+
+def test_shards_round_trip_the_tokenizer_exactly(tmp_path, tok):
+    src = tmp_path / "c.jsonl"
+    rng = random.Random(0)
+    with open(src, "w") as f:
+        for i in range(300):
+            f.write(
+                json.dumps(
+                    {
+                        "text": f"doc {i}: "
+                        + " ".join(rng.choice(["alpha", "beta", "é", "x"]) for _ in range(i % 40))
+                    }
+                )
+                + "\n"
+            )
+            if i % 50 == 0:
+                f.write("{broken\n")
+    corpus = Corpus([str(src)])
+    meta = prepare(
+        DocStream(corpus, tok, shuffle_window=0), tmp_path / "sh", shard_tokens=1000, progress=False
+    )
+    assert len(meta["shards"]) > 3 and meta["tokenizer_hash"] == tok.hash
+    text_docs = {d.doc_id: d.ids for d in DocStream(corpus, tok, shuffle_window=0).docs(0)}
+    shard_corpus = Corpus([str(tmp_path / "sh")])
+    shard_docs = {d.doc_id: d.ids for d in DocStream(shard_corpus, tok, shuffle_window=0).docs(0)}
+    assert shard_docs.keys() == text_docs.keys() and len(shard_docs) == 300
+    for k, ids in text_docs.items():
+        np.testing.assert_array_equal(shard_docs[k], ids)
+    # sharded across two workers, shuffled: still a partition of the same documents
+    split = [[d.doc_id for d in DocStream(shard_corpus, tok, w, 2, seed=5).docs(0)] for w in range(2)]
+    assert sorted(split[0] + split[1]) == sorted(text_docs) and split[0] != sorted(split[0])
+
+
+def test_corrupt_shards_are_detected(tmp_path, tok):
+    src = tmp_path / "c.txt"
+    src.write_text("\n\n".join(f"paragraph {i} " * (i % 7 + 1) for i in range(100)))
+    prepare(DocStream(Corpus([str(src)]), tok, shuffle_window=0), tmp_path / "sh", progress=False)
+    sh = tmp_path / "sh"
+    ShardSet(sh)  # intact: opens
+    toks = sh / "tokens-00000.bin"
+    good = toks.read_bytes()
+    toks.write_bytes(good[:10] + bytes([good[10] ^ 1]) + good[11:])
+    with pytest.raises(ShardError, match="tokens-00000.bin: checksum mismatch"):
+        ShardSet(sh)
+    toks.write_bytes(good)
+    index = sh / "index-00000.bin"
+    idx = np.fromfile(index, dtype="<i8")
+    index.write_bytes(idx[:-1].tobytes())
+    with pytest.raises(ShardError, match="index-00000.bin: .* bytes, meta.json says"):
+        ShardSet(sh)
+    bad = idx.copy()
+    bad[5], bad[6] = bad[6], bad[5]
+    index.write_bytes(bad.tobytes())
+    with pytest.raises(ShardError, match="offsets are not a valid index"):
+        ShardSet(sh, verify_checksums=False)
+    with pytest.raises(ShardError, match="already exists"):
+        prepare(DocStream(Corpus([str(src)]), tok, shuffle_window=0), sh, progress=False)
+
+
+def test_producer_refuses_shards_from_another_tokenizer(procs, tmp_path, port, tok):
+    src = tmp_path / "c.txt"
+    src.write_text("\n\n".join(f"paragraph {i}" for i in range(50)))
+    prepare(DocStream(Corpus([str(src)]), tok, shuffle_window=0), tmp_path / "sh", progress=False)
+    other = tmp_path / "tok.json"
+    train_tokenizer([f"paragraph {i}" for i in range(50)], 300).save(str(other))
+    p = procs.start(
+        "produce", "--data", str(tmp_path / "sh"), "--tokenizer", str(other), "--port", str(port), name="p"
+    )
+    assert p.wait(timeout=60) == 2
+    assert "was prepared with tokenizer" in procs.log(p)
+
+
+def test_ranks_and_workers_partition_the_corpus(tok):
+    corpus = Corpus(builtin_docs=500)
+    seen = []
+    for rank in range(3):
+        for w in range(2):
+            seen += [d.doc_id for d in DocStream(corpus, tok, w, 2, rank=rank, world_size=3).docs(0)]
+    assert sorted(seen) == list(range(500))
+
+
+def test_two_epochs_see_every_document_twice_in_new_orders(procs, tmp_path, port, tok):
+    log = tmp_path / "docs.jsonl"
+    p = procs.start(
+        "run", "--port", str(port), "--epochs", "2", "--steps", "0", "--doc-log", str(log), *SMALL, name="run"
+    )
+    assert p.wait(timeout=120) == 0, procs.log(p)
+    entries = doc_log_entries(log)
+    counts: dict[int, int] = {}
+    for e in entries:
+        for b in e["batches"]:
+            for did, start, _ in b["docs"]:
+                if start == 0:
+                    counts[did] = counts.get(did, 0) + 1
+    assert set(counts) == set(range(240)) and set(counts.values()) == {2}
