@@ -33,7 +33,7 @@ FORMAT_VERSION = 1
 _PREFIX = "step-"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A checkpoint that must not be used; the message says which field or file and why."""
 
 

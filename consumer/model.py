@@ -10,6 +10,7 @@ Position ids restart at every document so a packed document sees the same positi
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -75,9 +76,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, L, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         drop = self.dropout if self.training else 0.0
         if attn.kind == "flex":
-            from torch.nn.attention.flex_attention import flex_attention
-
-            y = flex_attention(q, k, v, block_mask=attn.block_mask)
+            y = _flex_attention()(q, k, v, block_mask=attn.block_mask)
         elif attn.kind == "dense":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, dropout_p=drop)
         else:
@@ -126,6 +125,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.grad_checkpointing = False
+        self.fused_ce = None  # set to fused_linear_cross_entropy() to never materialise the logits
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -160,6 +160,12 @@ class GPT(nn.Module):
         """Returns (logits, summed loss over targets != IGNORE). Logits are None when targets are given,
         so training never keeps the [B, L, vocab] tensor around longer than the loss needs it."""
         h = self.hidden(idx, pos, attn)
+        if targets is not None and self.fused_ce is not None:
+            w = self.lm_head.weight
+            if torch.is_autocast_enabled(h.device.type):  # LayerNorm left h in fp32; match the matmuls
+                dt = torch.get_autocast_dtype(h.device.type)
+                h, w = h.to(dt), w.to(dt)
+            return None, self.fused_ce(w, h.reshape(-1, h.size(-1)), targets.reshape(-1))
         logits = self.lm_head(h)
         if targets is None:
             return logits, None
@@ -175,3 +181,22 @@ class GPT(nn.Module):
         """Training FLOPs per token (PaLM appendix B: 6N + 12 * layers * dim * seq_len)."""
         cfg = self.config
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+@functools.cache
+def _flex_attention():
+    """FlexAttention, compiled once: uncompiled it runs a slow reference path. Inside a compiled model
+    the outer torch.compile traces through this just the same."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def fused_linear_cross_entropy():
+    """liger-kernel's fused linear + cross-entropy (summed over targets != IGNORE), or None when it is
+    not installed. It computes the loss chunk by chunk and never holds the [tokens, vocab] logits."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")

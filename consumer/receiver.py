@@ -170,8 +170,8 @@ class Receiver(threading.Thread):
         self._router = router
         for s in (pull, router):
             s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        router.setsockopt(zmq.HEARTBEAT_IVL, 2000)  # not on the data socket; see producer/manager.py
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
         pull.setsockopt(zmq.RCVHWM, RECV_HWM)
         pull.setsockopt(zmq.RCVBUF, max(1 << 16, 2 * batch_bytes(self.cfg)))
         pull.setsockopt(zmq.MAXMSGSIZE, self._max_frame)  # a peer sending bigger frames is disconnected

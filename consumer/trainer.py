@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from consumer.checkpoint import CheckpointManager, load, resolve_resume
+from consumer.checkpoint import CheckpointError, CheckpointManager, load, resolve_resume
 from consumer.inputs import MaskCache, ModelInputs, build_inputs
-from consumer.model import GPT, preset
+from consumer.model import GPT, fused_linear_cross_entropy, preset
 from consumer.receiver import EndOfStream, Receiver, WorkerTable
+from consumer.scaler import LossScaler, make_scaler
 from consumer.slots import HostSlot
 from shared.batch import token_dtype
 from shared.config import PipelineConfig, fingerprint, is_loopback
@@ -54,11 +55,15 @@ class TrainConfig:
     grad_clip: float = 1.0
     device: str = "auto"
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    loss_scale: str = "dynamic"  # fp16 only: dynamic | static:VALUE | none
+    fused_ce: bool = True  # fused linear + cross-entropy (liger-kernel) on CUDA when installed
+    vocab_size: int = 0  # model vocabulary; 0: the tokenizer's (rounded up to a multiple of 64)
     attention: str = "auto"  # auto | flex | dense (packed rows)
     fused_adamw: bool = True
     grad_checkpointing: bool = False
     compile: bool = False
     copy_stream: bool = True
+    tf32: bool = True  # TF32 matmuls for whatever still runs in fp32
     log_every: int = 10
     slots: int = 0  # host slots; 0: 2 * accum + 2
     threads: int = 0  # torch CPU threads; 0: torch's default
@@ -84,6 +89,7 @@ class Summary:
     losses: list[float] = field(default_factory=list)
     rejected: int = 0
     stale: int = 0
+    compiled_graphs: int = 0
     stopped_by: str = ""
 
     @property
@@ -148,11 +154,17 @@ class StepRunner:
     """Forward/backward over a step's micro-batches and one optimizer step. Returns device tensors only."""
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig, autocast_dtype
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: TrainConfig,
+        autocast_dtype,
+        scaler: LossScaler | None = None,
     ):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
         self.device_type = next(model.parameters()).device.type
         self.autocast_dtype = autocast_dtype
+        self.scaler = scaler
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -169,15 +181,22 @@ class StepRunner:
         for inp in micro:
             with self._autocast():
                 _, loss = self.model(inp.idx, inp.pos, inp.attn, inp.targets)
-            (loss / denom).backward()
+            scaled = loss / denom
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         if self.cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         else:
             norm = torch.linalg.vector_norm(
                 torch.stack([p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None])
             )
-        self.optimizer.step()
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # skipped on the device when gradients overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, norm
 
@@ -210,18 +229,35 @@ class Trainer:
         torch.manual_seed(tcfg.seed)
         self.device = resolve_device(tcfg.device)
         self.precision, self.autocast_dtype = resolve_precision(tcfg.precision, self.device)
-        if self.precision == "fp16":
-            raise ValueError("--precision fp16 needs a loss scaler; use bf16 or fp32")
         if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cuda.matmul.allow_tf32 = tcfg.tf32
+            torch.backends.cudnn.allow_tf32 = tcfg.tf32
         self.tok = load_tokenizer(pcfg.tokenizer)
-        mcfg = preset(tcfg.model, vocab_size=self.tok.vocab_size, block_size=max(pcfg.seq_len, 1))
+        if tcfg.vocab_size and tcfg.vocab_size < self.tok.vocab_size:
+            raise ValueError(
+                f"--vocab-size {tcfg.vocab_size} is smaller than the tokenizer's {self.tok.vocab_size}"
+            )
+        mcfg = preset(
+            tcfg.model, vocab_size=max(tcfg.vocab_size, self.tok.vocab_size), block_size=pcfg.seq_len
+        )
         self.model = GPT(mcfg).to(self.device)
         self.model.grad_checkpointing = tcfg.grad_checkpointing
+        if tcfg.fused_ce and self.device.type == "cuda":
+            self.model.fused_ce = fused_linear_cross_entropy()
+            if self.model.fused_ce is None:
+                log.info("liger-kernel not installed: plain cross-entropy (pip install 'lmpipe[fused]')")
         self.optimizer = make_optimizer(self.model, tcfg, self.device)
-        self.step_model = torch.compile(self.model) if tcfg.compile else self.model
-        self.runner = StepRunner(self.step_model, self.optimizer, tcfg, self.autocast_dtype)
+        self.scaler = make_scaler(tcfg.loss_scale, self.device) if self.precision == "fp16" else None
+        self._published = (0.0, 0.0)  # scaler overflow/skip counts already added to the metrics
+        self._graphs = 0  # torch.compile graphs counted so far
+        if self.scaler is not None and not getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            log.warning("fp16 with a non-fused optimizer: the scaler reads found_inf on the host every step")
+        self.step_model = self.model
+        if tcfg.compile:
+            # one graph per row width: pack/pad have one, bucket/pad-batch as many as --pad-multiple allows
+            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            self.step_model = torch.compile(self.model, dynamic=False)
+        self.runner = StepRunner(self.step_model, self.optimizer, tcfg, self.autocast_dtype, self.scaler)
         self.metrics = TrainerMetrics()
         for w in range(pcfg.producers):
             self.metrics.received.labels(str(w))
@@ -248,6 +284,7 @@ class Trainer:
             log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
         self.copy_stream = torch.cuda.Stream() if (pin and tcfg.copy_stream) else None
         self._in_flight: list[tuple[object, HostSlot]] = []  # (copy-done event, slot)
+        self._h2d_timing: list[tuple[object, object]] = []  # (start, done) timing events of each copy
         self._stop_reason = ""
         self.health_check = None  # optional callable: returns a reason to stop (e.g. a dead producer)
         self._doc_log = open(tcfg.doc_log, "a") if tcfg.doc_log else None  # noqa: SIM115 - closed in run()
@@ -271,6 +308,7 @@ class Trainer:
             "tokenizer": self.tok.hash,
             "vocab_size": self.tok.vocab_size,
             "stream": self.pcfg.stream_fields(),
+            "precision": self.precision,
         }
 
     def save_checkpoint(self) -> Path | None:
@@ -286,6 +324,8 @@ class Trainer:
             "workers": self.table.state_dict(),
             "rng": {"torch": torch.get_rng_state()},
         }
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
         if self.device.type == "cuda":
             state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
         header = {
@@ -302,6 +342,13 @@ class Trainer:
         st = ck.state
         self.model.load_state_dict(st["model"])
         self.optimizer.load_state_dict(st["optimizer"])
+        if (self.scaler is None) != ("scaler" not in st):
+            raise CheckpointError(
+                f"{ck.path}: precision differs (loss scaler {'absent' if self.scaler is None else 'present'} here)"
+            )
+        if self.scaler is not None:
+            self.scaler.load_state_dict(st["scaler"])
+            self._published = self.scaler.counters()
         self.step = int(st["step"])
         self.table.load_state_dict(st["workers"])
         torch.set_rng_state(st["rng"]["torch"])
@@ -325,17 +372,22 @@ class Trainer:
     def _to_device(self, slot: HostSlot) -> ModelInputs:
         tokens, lengths, seg = slot.views()
         if self.device.type != "cuda":
+            t0 = time.perf_counter()
             out = (tokens.to(torch.int64), lengths.clone(), None if seg is None else seg.to(torch.int32))
+            self.metrics.h2d.observe(time.perf_counter() - t0)
             self.receiver.release(slot)  # converted copies: the slot is free again
         else:
             stream = self.copy_stream or torch.cuda.current_stream()
             with torch.cuda.stream(stream):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
                 out = tuple(
                     None if t is None else t.to(self.device, non_blocking=True)
                     for t in (tokens, lengths, seg)
                 )
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(enable_timing=True)
                 done.record(stream)
+            self._h2d_timing.append((start, done))  # read at the logging interval, once complete
             if self.copy_stream is not None:
                 compute = torch.cuda.current_stream()
                 compute.wait_event(done)
@@ -351,6 +403,15 @@ class Trainer:
         return build_inputs(
             tokens_d, lengths_d, seg_d, attention=self.cfg.attention, mask_cache=self.mask_cache
         )
+
+    def _observe_h2d(self) -> None:
+        pending = []
+        for start, done in self._h2d_timing:
+            if done.query():
+                self.metrics.h2d.observe(start.elapsed_time(done) / 1e3)
+            else:
+                pending.append((start, done))
+        self._h2d_timing = pending
 
     def _release_done(self) -> None:
         keep = []
@@ -489,6 +550,7 @@ class Trainer:
         interval_wait = 0.0
         interval_start = None
         run_start = None
+        interval_step = self.step
         flops_per_token = self.model.flops_per_token(self.pcfg.seq_len)
         while not self._stop_reason and (cfg.steps == 0 or self.step < cfg.steps):
             slots, waited = self._take(cfg.accum)
@@ -521,6 +583,8 @@ class Trainer:
             m.lr.set(lr)
             self._release_done()
             m.step_seconds.observe(time.perf_counter() - t0 + waited)
+            if cfg.compile:
+                self._count_compiles()
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
@@ -533,9 +597,11 @@ class Trainer:
                     "grad_norm": float(norm),
                     "tokens_per_second": interval_tokens / dt if dt > 0 else 0.0,
                     "data_wait": interval_wait / dt if dt > 0 else 0.0,
+                    "step_seconds": dt / max(self.step - interval_step, 1),
+                    "step": self.step,
                     "padding_efficiency": summary.padding_efficiency,
                     "mfu": 0.0,
-                    "loss_scale": 1.0,
+                    "loss_scale": self.scaler.get_scale() if self.scaler else 1.0,
                 }
                 self._publish(stats, flops_per_token)
                 summary.losses.append(loss)
@@ -553,7 +619,7 @@ class Trainer:
                 loss_acc.zero_()
                 targets_acc = interval_tokens = 0
                 interval_wait = 0.0
-                interval_start = now
+                interval_start, interval_step = now, self.step
         if targets_acc:  # the tail interval
             summary.losses.append((loss_acc / targets_acc).item())
         if self.checkpoints is not None and self.step and self.checkpoints.latest_step() != self.step:
@@ -567,6 +633,7 @@ class Trainer:
         summary.last_loss = summary.losses[-1] if summary.losses else float("nan")
         summary.rejected = int(sum(s.value for s in _samples(m.rejected)))
         summary.stale = int(sum(s.value for s in _samples(m.stale)))
+        summary.compiled_graphs = self._graphs
         if self._stop_reason:
             summary.stopped_by = self._stop_reason
         elif cfg.steps and self.step >= cfg.steps:
@@ -575,11 +642,26 @@ class Trainer:
             summary.stopped_by = "end of data"
         return summary
 
+    def _count_compiles(self) -> None:
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        if graphs > self._graphs:
+            self.metrics.recompiles.inc(graphs - self._graphs)
+            if self._graphs:
+                log.info("torch.compile: %d graph(s) compiled so far", graphs)
+            self._graphs = graphs
+
     def _publish(self, stats: dict, flops_per_token: float) -> None:
         m = self.metrics
+        self._observe_h2d()
         m.loss.set(stats["loss"])
         m.grad_norm.set(stats["grad_norm"])
         m.loss_scale.set(stats["loss_scale"])
+        if self.scaler is not None:
+            overflows, skipped = self.scaler.counters()
+            m.overflows.inc(overflows - self._published[0])
+            m.skipped.inc(skipped - self._published[1])
+            self._published = (overflows, skipped)
+            stats["overflows"], stats["skipped"] = overflows, skipped
         m.mfu.set(0.0)  # stays 0 where the card's peak is unknown (and on CPU)
         if self.device.type == "cuda":
             m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(self.device))

@@ -61,6 +61,17 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="auto: bf16 on CUDA, fp32 on CPU",
     )
     g.add_argument(
+        "--loss-scale",
+        default=os.environ.get("LMPIPE_LOSS_SCALE", d.loss_scale),
+        metavar="dynamic|static:VALUE|none",
+        help="fp16 loss scaling (default: %(default)s)",
+    )
+    g.add_argument("--no-tf32", dest="tf32", action="store_false", help="no TF32 for fp32 matmuls on CUDA")
+    g.add_argument("--no-fused-ce", dest="fused_ce", action="store_false", help="plain cross-entropy on CUDA")
+    g.add_argument(
+        "--vocab-size", type=int, default=d.vocab_size, help="model vocabulary (0: the tokenizer's)"
+    )
+    g.add_argument(
         "--attention",
         choices=("auto", "flex", "dense"),
         default=d.attention,
@@ -134,6 +145,10 @@ def train_config_from_args(ns: argparse.Namespace, metrics_port: int | None):
         grad_clip=ns.grad_clip,
         device=ns.device,
         precision=ns.precision,
+        loss_scale=ns.loss_scale,
+        fused_ce=ns.fused_ce,
+        tf32=ns.tf32,
+        vocab_size=ns.vocab_size,
         attention=ns.attention,
         fused_adamw=ns.fused_adamw,
         grad_checkpointing=ns.grad_checkpointing,
@@ -178,7 +193,9 @@ def linger(seconds: float) -> None:
         time.sleep(seconds)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_training: bool = True) -> argparse.ArgumentParser:
+    """`with_training=False` leaves out the trainer's flags, whose defaults import torch: a producer
+    process (`lmpipe produce`) then starts without it."""
     p = argparse.ArgumentParser(
         prog="lmpipe", description="Stream packed LM batches over ZeroMQ into a GPT trainer."
     )
@@ -192,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
         "with no --data, on the built-in corpus and tokenizer.",
     )
     add_pipeline_args(r)
-    add_train_args(r)
+    if with_training:
+        add_train_args(r)
     _metrics_arg(r, 9400, "the trainer (producer i uses port+1+i)")
     r.set_defaults(func=cmd_run)
 
@@ -213,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="run the trainer", description="Bind, wait for producers, train.")
     add_pipeline_args(t)
-    add_train_args(t)
+    if with_training:
+        add_train_args(t)
     _metrics_arg(t, 9400, "the trainer")
     t.set_defaults(func=cmd_train)
 
@@ -370,16 +389,19 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from consumer.checkpoint import CheckpointError
-
-    ns = build_parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    command = next(
+        (a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "--log-level")),
+        None,
+    )
+    ns = build_parser(with_training=command not in ("produce", "tokenizer", "prepare")).parse_args(args)
     if ns.cmd != "produce":
         from shared.log import setup
 
         setup("trainer" if ns.cmd in ("run", "train") else "lmpipe", ns.log_level)
     try:
         return ns.func(ns)
-    except (ValueError, OSError, CheckpointError) as exc:
+    except (ValueError, OSError) as exc:  # bad input or config, a refused checkpoint: say it, exit 2
         log.debug("details", exc_info=True)
         log.error("%s", exc)
         return 2

@@ -108,6 +108,7 @@ class Producer:
             seed=self.cfg.seed,
             shuffle_window=self.cfg.shuffle_window,
             on_bad=self._bad_record,
+            on_tokenize=self.metrics.tokenize.observe,
         )
         self.metrics.info.info(
             {
@@ -160,8 +161,10 @@ class Producer:
             s.setsockopt(
                 zmq.IMMEDIATE, 1
             )  # queue only to live connections: a dead trainer's backlog is useless
-            s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        # No ZeroMQ heartbeats on the data socket: a trainer busy for seconds (or a starved CPU) must not
+        # look dead and lose the batches queued on the connection. A crashed peer closes its TCP socket.
+        ctrl.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        ctrl.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
         data.setsockopt(zmq.SNDHWM, SEND_HWM)
         # ZeroMQ's HWM counts messages in its own queues; the kernel's socket buffer holds more on top.
         # Keep that to a couple of batches too, so backpressure reaches the tokenizer quickly.
@@ -200,7 +203,6 @@ class Producer:
                     waiting_logged = now
             if self.session and pending is None and not finished:
                 t0 = time.perf_counter()
-                tok_before = self.stream.stats.tokenize_seconds
                 try:
                     batch = next(gen)
                     seq += 1
@@ -216,9 +218,6 @@ class Producer:
                         self.cfg.epochs,
                         seq - 1,
                     )
-                tok_time = self.stream.stats.tokenize_seconds - tok_before
-                if tok_time > 0:
-                    self.metrics.tokenize.observe(tok_time)
                 log.debug("batch %d built in %.1f ms", seq, 1e3 * (time.perf_counter() - t0))
                 pending_since = time.perf_counter()
             flags = dict(poller.poll(timeout=50 if pending is None else 0))

@@ -54,6 +54,7 @@ class DocStream:
         shuffle_window: int = 1000,
         encode_batch: int = 512,
         on_bad: Callable[[str, str, str], None] | None = None,
+        on_tokenize: Callable[[float], None] | None = None,
     ):
         if not 0 <= worker < num_workers or not 0 <= rank < world_size:
             raise ValueError(f"worker {worker} of {num_workers}, rank {rank} of {world_size}: out of range")
@@ -68,6 +69,7 @@ class DocStream:
         self.shuffle_window = shuffle_window
         self.encode_batch = encode_batch
         self.on_bad = on_bad
+        self.on_tokenize = on_tokenize  # called with the seconds of each encode_batch call
         self.stats = StreamStats()
         self._reported = False
 
@@ -125,7 +127,10 @@ class DocStream:
                 t0 = time.perf_counter()
                 # encode_batch runs in Rust threads with the GIL released
                 encs = self.tok.tokenizer.encode_batch([t for _, t in texts], add_special_tokens=False)
-                self.stats.tokenize_seconds += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                self.stats.tokenize_seconds += seconds
+                if self.on_tokenize:
+                    self.on_tokenize(seconds)
                 encoded = {i: e.ids for (i, _), e in zip(texts, encs)}
             for i, (pos, rec) in enumerate(chunk):
                 ids = encoded[i] if rec.ids is None else rec.ids

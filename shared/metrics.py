@@ -22,7 +22,7 @@ REJECT_REASONS = (
     "bad_frames", "oversized", "bad_batch", "bad_worker", "bad_control", "handshake",
 )  # fmt: skip
 STALE_REASONS = ("old_session", "duplicate", "gap")
-CACHES = ("causal_mask", "block_mask")
+CACHES = ("causal_mask",)
 GPU_MEMORY_KINDS = ("allocated", "reserved", "peak")
 
 
@@ -65,7 +65,7 @@ class ProducerMetrics:
         )
         self.tokenize = Histogram(
             "lmpipe_producer_tokenize_seconds",
-            "Tokenizer time spent building one batch",
+            "Wall time of one encode_batch call (a chunk of documents)",
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
@@ -158,6 +158,7 @@ class TrainerMetrics:
             "lmpipe_trainer_mfu_ratio", "Model FLOPs utilization against the card's bf16 peak", registry=r
         )
         self.checkpoints = Counter("lmpipe_trainer_checkpoints", "Checkpoints written", registry=r)
+        self.loss_scale.set(1.0)
         _init_labels(self.rejected, REJECT_REASONS)
         _init_labels(self.stale, STALE_REASONS)
         _init_labels(self.cache_hits, CACHES)

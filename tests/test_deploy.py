@@ -371,7 +371,8 @@ def test_every_minimum_metric_is_served_by_its_process_with_sane_values(finite_r
     wait_count, wait_sum = t.histogram("lmpipe_trainer_data_wait_seconds")
     assert step_count == wait_count == steps, "one step time and one data-wait time per step"
     assert step_sum > 0 and wait_sum <= step_sum, "step time includes its data wait"
-    t.histogram("lmpipe_trainer_h2d_seconds")  # served; a CPU trainer copies nothing to a device
+    h2d_count, _ = t.histogram("lmpipe_trainer_h2d_seconds")
+    assert h2d_count == steps, "one host-to-device copy (on CPU: the conversion) per batch trained"
     assert 0 <= t.get("lmpipe_trainer_ready_slots") <= 4, "at most the 2*accum+2 host slots"
     loss = t.get("lmpipe_trainer_loss")
     assert 0 < loss < math.log(load_tokenizer().vocab_size) + 1, "a cross-entropy near or below ln(vocab)"
@@ -451,7 +452,7 @@ def prom_query(port: int, expr: str) -> list[dict]:
 
 # Dashboard series that may be NaN on a CPU run (a quantile of a histogram that saw nothing in the window).
 # Every other query must return finite values.
-NAN_ALLOWED = {"lmpipe_trainer_h2d_seconds_bucket": "a CPU trainer copies no batch to a device"}
+NAN_ALLOWED: dict[str, str] = {}
 
 
 @pytest.mark.slow
@@ -546,8 +547,9 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
         assert 0 <= value(find("lmpipe_trainer_data_wait_seconds_sum")) <= 1
         assert value(find("max(lmpipe_trainer_producers_connected)")) == n, "every replica got a worker id"
         assert value(find("lmpipe_producer_padding_tokens_total"), strategy="pack") > 0.99
-        assert value(find("clamp_min"), cache="causal_mask") > 0.5
-        assert value(find("clamp_min"), cache="block_mask") == 0, "unused cache: 0, not 'no data'"
+        assert value(find("clamp_min"), cache="causal_mask") > 0.5, (
+            "packed rows on CPU hit the causal-mask cache"
+        )
         assert 0 < value("lmpipe_trainer_loss") < math.log(load_tokenizer().vocab_size) + 1
         assert value("lmpipe_trainer_grad_norm") > 0 and value("lmpipe_trainer_learning_rate") > 0
         assert value("lmpipe_trainer_loss_scale") == 1, "fp32: not scaling"

@@ -1,0 +1,129 @@
+"""Precision: fp32, fp16 without scaling, fp16 static, fp16 dynamic, bf16 on WikiText-2.
+
+    python -m bench.precision                    # GPT-2 124M, T=1024, 300 steps each, eager
+
+Same data order, same init, same schedule for every mode; reports the loss averaged over the last 20
+steps, time per step, loss-scaler overflows, and plots the loss curves (bench/results/precision-<date>.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS, table, write_result
+from bench.trainbench import bench_data, device_batches, pipeline_config
+from consumer.inputs import build_inputs
+from consumer.trainer import TrainConfig, Trainer, lr_at
+
+MODES = [
+    ("fp32", "fp32", "dynamic"),
+    ("fp16, no scaling", "fp16", "none"),
+    ("fp16, static 1024", "fp16", "static:1024"),
+    ("fp16, dynamic", "fp16", "dynamic"),
+    ("bf16", "bf16", "dynamic"),
+]
+
+
+def run(mode: tuple[str, str, str], data, pcfg, args) -> dict:
+    name, precision, scale = mode
+    tcfg = TrainConfig(
+        model=args.model, steps=args.steps, lr=args.lr, warmup=20, precision=precision, loss_scale=scale,
+        vocab_size=args.vocab_size, compile=False, seed=1234,
+    )  # fmt: skip
+    trainer = Trainer(pcfg, tcfg)
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    losses = []
+    sync()
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        tok, lengths, seg, n_targets, _ = data[i % len(data)]
+        inp = build_inputs(tok, lengths, seg, mask_cache=trainer.mask_cache)
+        loss, _ = trainer.runner.step([inp], n_targets, lr_at(i, tcfg))
+        losses.append(loss / n_targets)
+    sync()
+    seconds = time.perf_counter() - t0
+    curve = [float(x) for x in losses]
+    overflows = trainer.scaler.counters()[0] if trainer.scaler else 0
+    del trainer
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    tail = [x for x in curve[-20:] if x == x]  # NaN-free tail
+    return {
+        "mode": name,
+        "loss": sum(tail) / len(tail) if tail else float("nan"),
+        "step_ms": 1e3 * seconds / args.steps,
+        "overflows": overflows,
+        "curve": curve,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt2-124m")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--vocab-size", type=int, default=50304)
+    p.add_argument("--work", default="/tmp/lmpipe-bench")
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, few steps: checks the script")
+    args = p.parse_args()
+    if args.smoke:
+        args.model, args.seq_len, args.batch_size, args.steps, args.vocab_size = "tiny", 64, 4, 12, 0
+    args.producers = 1
+    tok, shards = bench_data(Path(args.work))
+    pcfg = pipeline_config(shards, tok, args)
+    data = device_batches(pcfg, args.steps, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    modes = MODES if torch.cuda.is_available() or not args.smoke else [m for m in MODES if m[1] != "fp16"]
+    results = [run(m, data, pcfg, args) for m in modes]
+    for r in results:
+        print(
+            f"{r['mode']}: loss {r['loss']:.4f}, {r['step_ms']:.1f} ms/step, {r['overflows']:.0f} overflows",
+            flush=True,
+        )
+    out = Path(args.out or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d")
+    (out / f"precision-{stamp}.json").write_text(json.dumps(results))
+    png = plot(results, out / f"precision-{stamp}.png")
+    rows = [[r["mode"], r["loss"], r["step_ms"], int(r["overflows"])] for r in results]
+    body = (
+        f"{args.model}, T={args.seq_len}, batch {args.batch_size} rows, packed WikiText-2, {args.steps} steps, "
+        f"lr {args.lr} with 20 warmup steps, eager (no compile). Loss: mean of the last 20 steps.\n\n"
+        + table(["precision", "loss", "ms/step", "scaler overflows"], rows)
+        + (f"\n\n![loss curves]({png.name})" if png else "")
+    )
+    print(body)
+    write_result("precision", "Precision modes: loss and speed", body, args.out)
+
+
+def plot(results: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (the curves are in the .json)")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        ax.plot(r["curve"], label=r["mode"], linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

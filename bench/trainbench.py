@@ -1,0 +1,201 @@
+"""Measuring the trainer: fed by the real pipeline, or by batches already on the device.
+
+Both paths run the same Trainer (model, optimizer, step function, input building); the only difference
+is where batches come from. Pipeline: producer processes + ZeroMQ + pinned slots + copy stream.
+Synthetic: a few real batches copied to the device once, replayed. The first `warmup` steps (compile,
+allocator warm-up) are not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.common import WIKITEXT, free_port_pair, start_producers, stop
+from consumer.inputs import build_inputs
+from consumer.trainer import TrainConfig, Trainer, lr_at
+from producer.batching import BatchSpec, batches
+from producer.shards import is_shard_dir, prepare
+from producer.sources import Corpus
+from producer.stream import DocStream
+from shared.batch import token_dtype
+from shared.config import PipelineConfig, pipeline_argv
+from shared.tokenizer import load_tokenizer, train_tokenizer
+
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
+
+
+@dataclass
+class Result:
+    tokens_per_second: float
+    step_ms: float
+    data_wait: float
+    mfu: float
+    peak_memory_gib: float
+    final_loss: float = float("nan")
+
+
+def bench_data(work: Path, vocab: int = 32768) -> tuple[str, str]:
+    """A WikiText-2 tokenizer and shards of WikiText-2 valid+test, built once under `work`."""
+    work.mkdir(parents=True, exist_ok=True)
+    files = [str(WIKITEXT / "valid.txt"), str(WIKITEXT / "test.txt")]
+    tok_path = work / f"wt2-{vocab}.json"
+    if not tok_path.exists():
+        texts = [r.text for r in Corpus(files).records() if r.bad is None]
+        train_tokenizer(texts, vocab).save(str(tok_path))
+    shards = work / f"wt2-shards-{vocab}"
+    if not is_shard_dir(shards):
+        tok = load_tokenizer(tok_path)
+        prepare(DocStream(Corpus(files), tok, shuffle_window=0), shards, force=True, progress=False)
+    return str(tok_path), str(shards)
+
+
+def pipeline_config(data: str, tokenizer: str, args: argparse.Namespace, **over) -> PipelineConfig:
+    cfg = PipelineConfig(
+        data=[data],
+        tokenizer=tokenizer,
+        strategy="pack",
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        producers=args.producers,
+        port=free_port_pair(),
+        shuffle_window=1000,
+    )
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def train_config(args: argparse.Namespace, **over) -> TrainConfig:
+    cfg = TrainConfig(
+        model=args.model,
+        steps=args.warmup + args.steps,
+        lr=6e-4,
+        warmup=10,
+        precision=args.precision,
+        compile=args.compile,
+        vocab_size=args.vocab_size,
+        log_every=5,
+        metrics_port=None,
+    )
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def _reset() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def measure_pipeline(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int) -> Result:
+    _reset()
+    trainer = Trainer(pcfg, tcfg)
+    flops = trainer.model.flops_per_token(pcfg.seq_len)
+    procs = start_producers(pipeline_argv(pcfg), pcfg.producers)
+    records: list[dict] = []
+    try:
+        trainer.run(progress=lambda step, st: records.append(dict(st)))
+    finally:
+        stop(procs)
+    timed = [r for r in records if r["step"] - tcfg.log_every >= warmup]
+    seconds = sum(r["step_seconds"] * tcfg.log_every for r in timed)
+    tokens = sum(r["tokens_per_second"] * r["step_seconds"] * tcfg.log_every for r in timed)
+    wait = sum(r["data_wait"] * r["step_seconds"] * tcfg.log_every for r in timed)
+    tps = tokens / seconds
+    res = Result(
+        tps,
+        1e3 * seconds / (len(timed) * tcfg.log_every),
+        wait / seconds,
+        tps * flops / PEAK_BF16,
+        _peak(),
+        records[-1]["loss"],
+    )
+    del trainer
+    return res
+
+
+def device_batches(pcfg: PipelineConfig, n: int, device: torch.device):
+    """n real batches of the same corpus and settings, on the device (host-side work done up front)."""
+    tok = load_tokenizer(pcfg.tokenizer)
+    stream = DocStream(Corpus(pcfg.data), tok, seed=pcfg.seed, shuffle_window=pcfg.shuffle_window)
+    spec = BatchSpec(
+        strategy=pcfg.strategy, seq_len=pcfg.seq_len, batch_size=pcfg.batch_size, bucket_k=pcfg.bucket_k
+    )
+    out = []
+    for b in batches(stream, spec, dtype=token_dtype(tok.vocab_size)):
+        t = torch.from_numpy(b.tokens.astype("int64")).to(device)
+        seg = None if b.seg is None else torch.from_numpy(b.seg.astype("int32")).to(device)
+        out.append((t, torch.from_numpy(b.lengths).to(device), seg, b.num_targets(), b.real_tokens))
+        if len(out) == n:
+            return out
+    return out
+
+
+def measure_synthetic(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int, n_batches: int = 16) -> Result:
+    _reset()
+    trainer = Trainer(pcfg, tcfg)  # never started: no sockets, the same model/optimizer/step
+    flops = trainer.model.flops_per_token(pcfg.seq_len)
+    data = device_batches(pcfg, n_batches, trainer.device)
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    tokens, t0 = 0, 0.0
+    loss = torch.zeros(())
+    for i in range(tcfg.steps):
+        if i == warmup:
+            sync()
+            t0 = time.perf_counter()
+        tok, lengths, seg, n_targets, real = data[i % len(data)]
+        inp = build_inputs(tok, lengths, seg, attention=tcfg.attention, mask_cache=trainer.mask_cache)
+        loss, _ = trainer.runner.step([inp], n_targets, lr_at(i, tcfg))
+        if i >= warmup:
+            tokens += real
+    sync()
+    seconds = time.perf_counter() - t0
+    tps = tokens / seconds
+    res = Result(
+        tps,
+        1e3 * seconds / (tcfg.steps - warmup),
+        0.0,
+        tps * flops / PEAK_BF16,
+        _peak(),
+        float(loss) / max(n_targets, 1),
+    )
+    del trainer
+    return res
+
+
+def common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt2-124m")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--producers", type=int, default=4)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--vocab-size", type=int, default=50304)
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps (compile, warm-up)")
+    p.add_argument("--steps", type=int, default=60, help="timed steps")
+    p.add_argument("--work", default="/tmp/lmpipe-bench", help="tokenizer and shards are built here once")
+    p.add_argument("--out", default=None, help="results directory (default: bench/results)")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing"
+    )
+
+
+def apply_smoke(args: argparse.Namespace) -> argparse.Namespace:
+    if args.smoke:
+        args = copy.copy(args)
+        args.model, args.seq_len, args.batch_size, args.producers = "tiny", 128, 4, 2
+        args.precision, args.compile, args.vocab_size, args.warmup, args.steps = "fp32", False, 0, 5, 10
+    return args

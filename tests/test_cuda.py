@@ -1,0 +1,174 @@
+"""GPU behaviour: flash for unpacked rows, exact FlexAttention for packed rows, copy-stream slots, fused
+loss, compile with bounded shapes, and the trainer end to end on CUDA. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from consumer.inputs import build_inputs
+from consumer.model import GPT, AttnSpec, fused_linear_cross_entropy, preset
+
+pytestmark = pytest.mark.cuda
+DEV = torch.device("cuda")
+
+
+def model(seed=0, vocab=512, block=256) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(preset("tiny", vocab_size=vocab, block_size=block)).to(DEV).eval()
+
+
+def test_flash_attention_is_chosen_for_unpacked_rows():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    m = model()
+    x = torch.randint(0, 512, (4, 256), device=DEV)
+    pos = torch.arange(256, device=DEV).expand(4, 256)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # raises if flash cannot run these inputs
+            flash, _ = m(x, pos, AttnSpec("causal"))
+        with sdpa_kernel([SDPBackend.MATH]):
+            math, _ = m(x, pos, AttnSpec("causal"))
+    torch.testing.assert_close(flash.float(), math.float(), rtol=2e-2, atol=2e-2)
+
+
+def _packed(seed: int, L: int = 256, B: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    rows, segs, docs = [], [], []
+    for _ in range(B):
+        lens, total = [], 0
+        while total < L:
+            n = min(int(torch.randint(1, 90, (1,), generator=g)), L - total)
+            lens.append(n)
+            total += n
+        toks = [torch.randint(1, 512, (n,), generator=g) for n in lens]
+        rows.append(torch.cat(toks))
+        segs.append(torch.cat([torch.full((n,), i) for i, n in enumerate(lens)]))
+        docs.append(toks)
+    return torch.stack(rows).to(DEV), torch.stack(segs).to(DEV), docs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_packed_attention_equals_each_document_alone(dtype):
+    m = model()
+    tokens, seg, docs = _packed(1)
+    lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=DEV)
+    inp = build_inputs(tokens, lengths, seg, attention="flex")
+    assert inp.attn.kind == "flex"
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        packed, _ = m(inp.idx, inp.pos, inp.attn)
+        dense = build_inputs(tokens, lengths, seg, attention="dense")
+        packed_dense, _ = m(dense.idx, dense.pos, dense.attn)
+        torch.testing.assert_close(packed.float(), packed_dense.float(), **tol)
+        for b, row_docs in enumerate(docs):
+            start = 0
+            for d in row_docs:
+                d = d.to(DEV)
+                alone, _ = m(d[None], torch.arange(len(d), device=DEV)[None], AttnSpec("causal"))
+                torch.testing.assert_close(packed[b, start : start + len(d)].float(), alone[0].float(), **tol)
+                start += len(d)
+
+
+def test_flex_has_no_cross_document_leakage():
+    m = model()
+    tokens, seg, docs = _packed(2, B=1)
+    lengths = torch.tensor([tokens.shape[1]], device=DEV)
+    first = len(docs[0][0])
+    other = tokens.clone()
+    other[0, :first] = torch.randint(1, 512, (first,), device=DEV)  # rewrite the first document only
+    with torch.no_grad():
+        a, _ = m(*(lambda i: (i.idx, i.pos, i.attn))(build_inputs(tokens, lengths, seg, attention="flex")))
+        b, _ = m(*(lambda i: (i.idx, i.pos, i.attn))(build_inputs(other, lengths, seg, attention="flex")))
+    assert not torch.allclose(a[0, :first], b[0, :first])
+    torch.testing.assert_close(
+        a[0, first:], b[0, first:], rtol=0, atol=0
+    )  # later documents saw nothing of it
+
+
+def test_fused_cross_entropy_matches_the_plain_loss():
+    if fused_linear_cross_entropy() is None:
+        pytest.skip("liger-kernel not installed")
+    plain, fused = model(vocab=4096), model(vocab=4096)
+    fused.fused_ce = fused_linear_cross_entropy()
+    x = torch.randint(0, 4096, (4, 256), device=DEV)
+    pos = torch.arange(256, device=DEV).expand(4, 256)
+    t = torch.randint(0, 4096, (4, 256), device=DEV)
+    t[:, -5:] = -100
+    losses = []
+    for m in (plain, fused):
+        m.train()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = m(x, pos, AttnSpec("causal"), t)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=2e-2, atol=0)
+    torch.testing.assert_close(plain.lm_head.weight.grad, fused.lm_head.weight.grad, rtol=5e-2, atol=5e-3)
+
+
+def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
+    from consumer.slots import HostSlot
+    from producer.batching import BatchSpec, batches
+
+    from .test_batching import ListStream
+
+    (b,) = list(
+        batches(
+            ListStream([list(range(1, 200))]), BatchSpec(strategy="pack", seq_len=64, batch_size=4), epochs=1
+        )
+    )
+    slot = HostSlot(0, 4, 64, np.dtype("<u2"), pin=True)
+    slot.fill(b, 0, 1, "s", 0.0)
+    assert slot.tokens.is_pinned()
+    copy = torch.cuda.Stream()
+    tokens, lengths, seg = slot.views()
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy so the copy really runs beside it
+    with torch.cuda.stream(copy):
+        dev = tokens.to(DEV, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(copy)
+    torch.cuda.current_stream().wait_event(done)
+    dev.record_stream(torch.cuda.current_stream())
+    done.synchronize()
+    assert done.query()
+    np.testing.assert_array_equal(dev.cpu().numpy(), b.tokens)
+
+
+def test_trainer_end_to_end_on_cuda(procs, tmp_path, port):
+    summary = tmp_path / "s.json"
+    p = procs.start(
+        "run", "--port", str(port), "--steps", "40", "--log-every", "10", "--metrics-port", "-1",
+        "--model", "small", "--seq-len", "256", "--summary-json", str(summary), name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=300) == 0, procs.log(p)
+    out = json.loads(summary.read_text())
+    assert out["first_loss"] - out["last_loss"] > 1.0
+    assert "on cuda (bf16)" in procs.log(p)
+
+
+def test_fp16_dynamic_scaling_end_to_end(procs, tmp_path, port):
+    summary = tmp_path / "s.json"
+    p = procs.start(
+        "run", "--port", str(port), "--steps", "40", "--log-every", "10", "--metrics-port", "-1",
+        "--precision", "fp16", "--loss-scale", "dynamic", "--summary-json", str(summary), name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=300) == 0, procs.log(p)
+    assert "| scale " in procs.log(p)
+    out = json.loads(summary.read_text())
+    assert out["last_loss"] < out["first_loss"]
+
+
+def test_compile_keeps_bucket_shapes_bounded(procs, tmp_path, port):
+    summary = tmp_path / "s.json"
+    p = procs.start(
+        "run", "--port", str(port), "--steps", "60", "--log-every", "20", "--metrics-port", "-1",
+        "--strategy", "bucket", "--pad-multiple", "64", "--seq-len", "256", "--compile",
+        "--summary-json", str(summary), name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=600) == 0, procs.log(p)
+    graphs = json.loads(summary.read_text())["compiled_graphs"]
+    # widths are multiples of 64 up to 256: at most 4 shapes; one graph per batch would be ~60
+    assert 1 <= graphs <= 12, graphs
