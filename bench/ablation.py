@@ -61,6 +61,7 @@ def main() -> None:
                 r.peak_memory_gib,
                 100 * r.data_wait,
                 100 * r.mfu,
+                r.compiled_graphs,
             ]
         )
         print(f"{name}: {r.tokens_per_second:,.0f} tok/s, peak {r.peak_memory_gib:.2f} GiB", flush=True)
@@ -69,7 +70,9 @@ def main() -> None:
         f"{args.producers} producers serving WikiText-2 shards; {args.warmup} untimed + {args.steps} timed steps per row. "
         "tokens/s counts real (non-pad) tokens. TF32 only touches matmuls left in fp32, "
         "which bf16 autocast leaves few of.\n\n"
-        + table(["variant", "tokens/s", "vs all on", "peak GiB", "data wait %", "MFU %"], rows)
+        + table(
+            ["variant", "tokens/s", "vs all on", "peak GiB", "data wait %", "MFU %", "compiled graphs"], rows
+        )
     )
     print(body)
     write_result("ablation", "What each optimization buys (pipeline-fed)", body, args.out)

@@ -39,6 +39,7 @@ class Result:
     mfu: float
     peak_memory_gib: float
     final_loss: float = float("nan")
+    compiled_graphs: int = 0
 
 
 def bench_data(work: Path, vocab: int = 32768) -> tuple[str, str]:
@@ -107,7 +108,7 @@ def measure_pipeline(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int) -> Re
     procs = start_producers(pipeline_argv(pcfg), pcfg.producers)
     records: list[dict] = []
     try:
-        trainer.run(progress=lambda step, st: records.append(dict(st)))
+        summary = trainer.run(progress=lambda step, st: records.append(dict(st)))
     finally:
         stop(procs)
     timed = [r for r in records if r["step"] - tcfg.log_every >= warmup]
@@ -122,6 +123,7 @@ def measure_pipeline(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int) -> Re
         tps * flops / PEAK_BF16,
         _peak(),
         records[-1]["loss"],
+        summary.compiled_graphs,
     )
     del trainer
     return res

@@ -113,7 +113,12 @@ class Receiver(threading.Thread):
         vocab_size: int,
     ):
         super().__init__(name="lmpipe-receiver", daemon=True)
-        self.cfg, self.fingerprint, self.slots, self.table = cfg, dict(fingerprint), slots, table
+        self.cfg, self.fingerprint, self.slots, self.table = (
+            cfg,
+            fingerprint,
+            slots,
+            table,
+        )  # shared: the first producer pins "data" for the checkpoints too
         self.metrics, self.session, self.vocab_size = metrics, session, vocab_size
         self.ready: queue.Queue = queue.Queue()
         self.bound = threading.Event()

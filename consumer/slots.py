@@ -73,11 +73,19 @@ class HostSlot:
             received_at=received_at,
         )
 
-    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(tokens [B, L], lengths [B], seg [B, L] or None) over this slot's buffers."""
+    def views(self, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(tokens [B, L], lengths [B], seg [B, L] or None) over this slot's buffers.
+
+        `rows` > B pads a short batch with empty rows (length 0: no targets, nothing attends to them), so
+        a compiled model sees one batch dimension instead of recompiling for every short final batch."""
         m = self.meta
         assert m is not None
-        n = m.rows * m.width
-        tokens = self.tokens[:n].view(m.rows, m.width)
-        seg = self.seg[:n].view(m.rows, m.width) if self.has_seg else None
-        return tokens, self.lengths[: m.rows], seg
+        B = max(rows or m.rows, m.rows)
+        if m.rows < B:
+            self._np_tokens[m.rows * m.width : B * m.width] = 0
+            self._np_seg[m.rows * m.width : B * m.width] = 0
+            self._np_lengths[m.rows : B] = 0
+        n = B * m.width
+        tokens = self.tokens[:n].view(B, m.width)
+        seg = self.seg[:n].view(B, m.width) if self.has_seg else None
+        return tokens, self.lengths[:B], seg

@@ -253,6 +253,9 @@ class Trainer:
         if self.scaler is not None and not getattr(self.optimizer, "_step_supports_amp_scaling", False):
             log.warning("fp16 with a non-fused optimizer: the scaler reads found_inf on the host every step")
         self.step_model = self.model
+        if tcfg.compile and pcfg.strategy in ("bucket", "pad-batch") and pcfg.pad_multiple == 1:
+            log.warning("--compile with --strategy %s: every row width is a new graph; "
+                        "bound them with --pad-multiple (e.g. 64)", pcfg.strategy)  # fmt: skip
         if tcfg.compile:
             # one graph per row width: pack/pad have one, bucket/pad-batch as many as --pad-multiple allows
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
@@ -331,7 +334,7 @@ class Trainer:
         header = {
             **self._identity(),
             "session": self.session,
-            "data": self.receiver.fingerprint.get("data", ""),
+            "data": self.fingerprint.get("data", ""),
         }
         path = self.checkpoints.save(self.step, header, state)
         self.metrics.checkpoints.inc()
@@ -370,7 +373,7 @@ class Trainer:
     # -- host -> device ------------------------------------------------------------------------------
 
     def _to_device(self, slot: HostSlot) -> ModelInputs:
-        tokens, lengths, seg = slot.views()
+        tokens, lengths, seg = slot.views(self.pcfg.batch_size if self.cfg.compile else None)
         if self.device.type != "cuda":
             t0 = time.perf_counter()
             out = (tokens.to(torch.int64), lengths.clone(), None if seg is None else seg.to(torch.int32))

@@ -106,7 +106,9 @@ def test_fused_cross_entropy_matches_the_plain_loss():
         loss.backward()
         losses.append(loss.detach())
     torch.testing.assert_close(losses[0], losses[1], rtol=2e-2, atol=0)
-    torch.testing.assert_close(plain.lm_head.weight.grad, fused.lm_head.weight.grad, rtol=5e-2, atol=5e-3)
+    a, b = plain.lm_head.weight.grad, fused.lm_head.weight.grad
+    rel = (a - b).norm() / b.norm()
+    assert rel < 2e-2, f"relative error of the gradient {rel:.2e} (bf16 operands: 1e-3 to 1e-2 expected)"
 
 
 def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):

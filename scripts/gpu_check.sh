@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
+#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|all] [extra benchmark args...]
+# Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
+# On the team's lent GPU machine pyzmq and liger-kernel come as wheels in .whl/ (see README, Development),
+# and WikiText-2 as a copy in .benchdata/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/lmpipe-gpu}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export LMPIPE_WIKITEXT=${LMPIPE_WIKITEXT:-$PWD/.benchdata}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+stage=${1:-all}
+shift || true
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
+python3 -c "import torch, triton, zmq; print('torch', torch.__version__, 'triton', triton.__version__, 'pyzmq', zmq.__version__)" | tee -a "$OUT/card.txt"
+python3 -c "from consumer.model import fused_linear_cross_entropy as f; print('liger fused CE:', f() is not None)" | tee -a "$OUT/card.txt"
+
+run() {  # name, command...
+    local name=$1; shift
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+}
+
+case $stage in
+    tests|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m "cuda or not slow" tests/test_cuda.py tests/test_scaler.py ;;&
+    ceiling|all) run ceiling python3 -m bench.ceiling --out "$OUT" "$@" ;;&
+    ablation|all) run ablation python3 -m bench.ablation --out "$OUT" "$@" ;;&
+    precision|all) run precision python3 -m bench.precision --out "$OUT" "$@" ;;&
+    resume|all) run resume python3 -m bench.resume --out "$OUT" "$@" ;;&
+    tests|ceiling|ablation|precision|resume|all) ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+esac
+cat "$OUT/summary.txt"
