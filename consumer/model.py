@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 IGNORE = -100
 
@@ -76,7 +77,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, L, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         drop = self.dropout if self.training else 0.0
         if attn.kind == "flex":
-            y = _flex_attention()(q, k, v, block_mask=attn.block_mask)
+            flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+            y = flex(q, k, v, block_mask=attn.block_mask)
         elif attn.kind == "dense":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, dropout_p=drop)
         else:
@@ -165,7 +167,7 @@ class GPT(nn.Module):
             if torch.is_autocast_enabled(h.device.type):  # LayerNorm left h in fp32; match the matmuls
                 dt = torch.get_autocast_dtype(h.device.type)
                 h, w = h.to(dt), w.to(dt)
-            return None, self.fused_ce(w, h.reshape(-1, h.size(-1)), targets.reshape(-1))
+            return None, _fused_ce(self.fused_ce, w, h.reshape(-1, h.size(-1)), targets.reshape(-1))
         logits = self.lm_head(h)
         if targets is None:
             return logits, None
@@ -184,12 +186,17 @@ class GPT(nn.Module):
 
 
 @functools.cache
-def _flex_attention():
-    """FlexAttention, compiled once: uncompiled it runs a slow reference path. Inside a compiled model
-    the outer torch.compile traces through this just the same."""
-    from torch.nn.attention.flex_attention import flex_attention
-
+def _compiled_flex_attention():
+    """FlexAttention for eager models, compiled once: uncompiled it runs a slow reference path. A
+    compiled model calls flex_attention directly and compiles it with everything else."""
     return torch.compile(flex_attention, dynamic=False)
+
+
+@torch.compiler.disable
+def _fused_ce(loss_fn, weight: torch.Tensor, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # liger's kernels are Triton already; traced by dynamo they broke the graph at every .item() (dozens
+    # of graphs) and one inductor-compiled piece hit an illegal memory access on an H200. Run them as-is.
+    return loss_fn(weight, h, targets)
 
 
 def fused_linear_cross_entropy():
