@@ -38,6 +38,7 @@ def main() -> None:
     ]  # fmt: skip
     body = (
         f"{args.model}, T={args.seq_len}, batch {args.batch_size} rows, {args.precision}, compile={args.compile}, "
+        f"fused CE={args.fused_ce}, "
         f"{args.producers} producers serving WikiText-2 shards, pack; {args.warmup} untimed + {args.steps} timed steps. "
         f"MFU against 989 TFLOP/s dense bf16. torch.compile graphs in the pipeline run: {pipe.compiled_graphs}.\n\n"
         + table(["fed by", "tokens/s", "MFU %", "step ms", "data wait %", "vs synthetic"], rows)

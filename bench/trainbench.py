@@ -82,6 +82,7 @@ def train_config(args: argparse.Namespace, **over) -> TrainConfig:
         precision=args.precision,
         compile=args.compile,
         vocab_size=args.vocab_size,
+        fused_ce=args.fused_ce,
         log_every=5,
         metrics_port=None,
     )
@@ -186,6 +187,8 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--vocab-size", type=int, default=50304)
+    p.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True,
+                   help="liger's fused linear + cross-entropy (default: on)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=20, help="untimed steps (compile, warm-up)")
     p.add_argument("--steps", type=int, default=60, help="timed steps")
     p.add_argument("--work", default="/tmp/lmpipe-bench", help="tokenizer and shards are built here once")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|all] [extra benchmark args...]
+#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|loss-memory|all] [extra benchmark args...]
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
 # On the team's lent GPU machine pyzmq and liger-kernel come as wheels in .whl/ (see README, Development),
 # and WikiText-2 as a copy in .benchdata/.
@@ -37,7 +37,8 @@ case $stage in
     ablation|all) run ablation python3 -m bench.ablation --out "$OUT" "$@" ;;&
     precision|all) run precision python3 -m bench.precision --out "$OUT" "$@" ;;&
     resume|all) run resume python3 -m bench.resume --out "$OUT" "$@" ;;&
-    tests|ceiling|ablation|precision|resume|all) ;;
+    loss-memory|all) run loss-memory python3 -m bench.loss_memory --out "$OUT" "$@" ;;&
+    tests|ceiling|ablation|precision|resume|loss-memory|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"
