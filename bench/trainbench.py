@@ -83,7 +83,7 @@ def train_config(args: argparse.Namespace, **over) -> TrainConfig:
         compile=args.compile,
         vocab_size=args.vocab_size,
         fused_ce=args.fused_ce,
-        log_every=5,
+        log_every=10,
         metrics_port=None,
     )
     for k, v in over.items():
@@ -162,6 +162,8 @@ def measure_synthetic(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int, n_ba
         tok, lengths, seg, n_targets, real = data[i % len(data)]
         inp = build_inputs(tok, lengths, seg, attention=tcfg.attention, mask_cache=trainer.mask_cache)
         loss, _ = trainer.runner.step([inp], n_targets, lr_at(i, tcfg))
+        if (i + 1) % tcfg.log_every == 0:
+            float(loss)  # the trainer reads the loss at every logging interval: the same host sync here
         if i >= warmup:
             tokens += real
     sync()
@@ -187,8 +189,8 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--vocab-size", type=int, default=50304)
-    p.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True,
-                   help="liger's fused linear + cross-entropy (default: on)")  # fmt: skip
+    p.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=False,
+                   help="liger's fused linear + cross-entropy (default: off, as in the trainer)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=20, help="untimed steps (compile, warm-up)")
     p.add_argument("--steps", type=int, default=60, help="timed steps")
     p.add_argument("--work", default="/tmp/lmpipe-bench", help="tokenizer and shards are built here once")

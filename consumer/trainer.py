@@ -56,7 +56,10 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
     loss_scale: str = "dynamic"  # fp16 only: dynamic | static:VALUE | none
-    fused_ce: bool = True  # fused linear + cross-entropy (liger-kernel) on CUDA when installed
+    # Fused linear + cross-entropy (liger-kernel, CUDA): ~70x less loss memory, but liger reads a count
+    # with .item() every step, a host sync that cost 23% of GPT-2 124M's throughput on an H200
+    # (bench/results/ablation-*.md). Worth it when the logits would not fit; off by default.
+    fused_ce: bool = False
     vocab_size: int = 0  # model vocabulary; 0: the tokenizer's (rounded up to a multiple of 64)
     attention: str = "auto"  # auto | flex | dense (packed rows)
     fused_adamw: bool = True
@@ -245,11 +248,14 @@ class Trainer:
         if tcfg.fused_ce and self.device.type == "cuda":
             self.model.fused_ce = fused_linear_cross_entropy()
             if self.model.fused_ce is None:
-                log.info("liger-kernel not installed: plain cross-entropy (pip install 'lmpipe[fused]')")
+                log.warning(
+                    "--fused-ce: liger-kernel is not installed (pip install 'lmpipe[fused]'); plain loss"
+                )
         self.optimizer = make_optimizer(self.model, tcfg, self.device)
         self.scaler = make_scaler(tcfg.loss_scale, self.device) if self.precision == "fp16" else None
         self._published = (0.0, 0.0)  # scaler overflow/skip counts already added to the metrics
-        self._graphs = 0  # torch.compile graphs counted so far
+        # torch.compile graphs counted so far; the counter is per process (benchmarks build several trainers)
+        self._graphs = self._graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         if self.scaler is not None and not getattr(self.optimizer, "_step_supports_amp_scaling", False):
             log.warning("fp16 with a non-fused optimizer: the scaler reads found_inf on the host every step")
         self.step_model = self.model
@@ -636,7 +642,7 @@ class Trainer:
         summary.last_loss = summary.losses[-1] if summary.losses else float("nan")
         summary.rejected = int(sum(s.value for s in _samples(m.rejected)))
         summary.stale = int(sum(s.value for s in _samples(m.stale)))
-        summary.compiled_graphs = self._graphs
+        summary.compiled_graphs = self._graphs - self._graphs_at_start
         if self._stop_reason:
             summary.stopped_by = self._stop_reason
         elif cfg.steps and self.step >= cfg.steps:
@@ -649,8 +655,8 @@ class Trainer:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         if graphs > self._graphs:
             self.metrics.recompiles.inc(graphs - self._graphs)
-            if self._graphs:
-                log.info("torch.compile: %d graph(s) compiled so far", graphs)
+            if self._graphs > self._graphs_at_start:
+                log.info("torch.compile: %d graph(s) compiled so far", graphs - self._graphs_at_start)
             self._graphs = graphs
 
     def _publish(self, stats: dict, flops_per_token: float) -> None:
