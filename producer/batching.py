@@ -8,8 +8,8 @@ after it, so a producer restarted at that cursor makes exactly the batches that 
 - bucket:    pieces of similar length batched together (longest - shortest <= k), padded to the longest.
              Pieces are grouped by length in windows: an O(n) index by length bucket, then O(batch) per batch.
 - pack:      documents laid end to end in rows of exactly seq_len tokens; `seg` marks which document
-             each token belongs to so attention and targets never cross documents. No pad except in the
-             last row of an epoch.
+             each token belongs to so attention and targets never cross documents. Rows run on from one
+             epoch into the next: no pad except in the last row of a finite run.
 
 A piece is a document, or a seq_len-long slice of one that is longer (for the padding strategies).
 """
@@ -145,7 +145,11 @@ def _bucket(
         skip = 0
 
 
-def _pack(docs: Iterator[Doc], spec: BatchSpec, start: Cursor, pad_id: int, dtype) -> Iterator[Batch]:
+def _pack(
+    docs: Iterator[tuple[int, Doc]], spec: BatchSpec, start: Cursor, pad_id: int, dtype
+) -> Iterator[Batch]:
+    """`docs` yields (epoch, doc) and may run on across epochs: rows fill up with the next epoch's
+    documents, so only the run's very last batch can be short."""
     T, B = spec.seq_len, spec.batch_size
 
     def fresh() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -160,11 +164,11 @@ def _pack(docs: Iterator[Doc], spec: BatchSpec, start: Cursor, pad_id: int, dtyp
     segs: list[tuple[int, int, int]] = []
     row = fill = nseg = 0
     offset = start.offset
-    last_pos = start.pos - 1
-    for doc in docs:
+    last = Cursor(start.epoch, start.pos)  # where the stream stands after the last document taken
+    for epoch, doc in docs:
         ids, n = doc.ids, len(doc.ids)
         off, offset = offset, 0
-        last_pos = doc.pos
+        last = Cursor(epoch, doc.pos + 1)
         while off < n:
             take = min(T - fill, n - off)
             tokens[row, fill : fill + take] = ids[off : off + take]
@@ -177,9 +181,7 @@ def _pack(docs: Iterator[Doc], spec: BatchSpec, start: Cursor, pad_id: int, dtyp
                 lengths[row] = T
                 row, fill, nseg = row + 1, 0, 0
                 if row == B:
-                    cursor = (
-                        Cursor(start.epoch, doc.pos, off) if off < n else Cursor(start.epoch, doc.pos + 1, 0)
-                    )
+                    cursor = Cursor(epoch, doc.pos, off) if off < n else last
                     yield _packed(tokens, seg, lengths, segs, spec, cursor)
                     tokens, seg, lengths = fresh()
                     segs, row = [], 0
@@ -188,8 +190,7 @@ def _pack(docs: Iterator[Doc], spec: BatchSpec, start: Cursor, pad_id: int, dtyp
         lengths[row] = fill
         row += 1
     if row:
-        cursor = Cursor(start.epoch, last_pos + 1, 0)
-        yield _packed(tokens[:row].copy(), seg[:row].copy(), lengths[:row].copy(), segs, spec, cursor)
+        yield _packed(tokens[:row].copy(), seg[:row].copy(), lengths[:row].copy(), segs, spec, last)
 
 
 def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor) -> Batch:
@@ -212,14 +213,15 @@ def batches(
     """Batches from `start` on, through `epochs` epochs (0: forever)."""
     start = start or Cursor()
     pad_id = stream.tok.pad_id
+    if spec.strategy == "pack":
+        yield from _pack(_epochs(stream, start, epochs), spec, start, pad_id, dtype)
+        return
     epoch, first = start.epoch, True
     while epochs == 0 or epoch < epochs:
         at = start if first else Cursor(epoch)
         docs = stream.docs(epoch, at.pos)
         produced = False
-        if spec.strategy == "pack":
-            gen = _pack(docs, spec, at, pad_id, dtype)
-        elif spec.strategy == "bucket":
+        if spec.strategy == "bucket":
             gen = _bucket(docs, spec, at, pad_id, dtype, stream.worker)
         else:
             gen = _pad(docs, spec, at, pad_id, dtype)
@@ -230,3 +232,16 @@ def batches(
             return  # this worker owns no documents: an endless loop of empty epochs helps nobody
         first = False
         epoch += 1
+
+
+def _epochs(stream: DocStream, start: Cursor, epochs: int) -> Iterator[tuple[int, Doc]]:
+    """(epoch, document) from `start` on, one epoch after another."""
+    epoch, pos = start.epoch, start.pos
+    while epochs == 0 or epoch < epochs:
+        empty = True
+        for doc in stream.docs(epoch, pos):
+            empty = False
+            yield epoch, doc
+        if empty and pos == 0:
+            return  # this worker owns no documents
+        epoch, pos = epoch + 1, 0

@@ -96,7 +96,7 @@ def test_shapes_padding_and_bounds(docs, spec):
         if spec.strategy == "pack":
             assert b.width == spec.seq_len
             full = b.lengths == spec.seq_len
-            assert full[:-1].all(), "every row but the epoch's last is exactly T tokens"
+            assert full[:-1].all(), "every row but the run's last is exactly T tokens"
             if not last:
                 assert full.all() and b.rows == spec.batch_size
             # pads never share a segment with real tokens
@@ -185,3 +185,21 @@ def test_bucket_bound_is_tight_on_every_length(k):
         batches(ListStream(docs), BatchSpec(strategy="pad-batch", seq_len=64, batch_size=4), epochs=1)
     )
     assert sum(b.pad_tokens for b in out) < 0.3 * sum(b.pad_tokens for b in padded)
+
+
+@settings(max_examples=100, deadline=None)
+@given(docs=doc_lists, spec=specs.filter(lambda s: s.strategy == "pack"), cut=st.integers(0, 1000))
+def test_pack_rows_run_on_across_epochs_and_resume_there(docs, spec, cut):
+    stream = ListStream(docs)
+    out = list(batches(stream, spec, epochs=3))
+    for b in out[:-1]:
+        assert b.rows == spec.batch_size and (b.lengths == spec.seq_len).all(), (
+            "only the run's last batch is short"
+        )
+    tokens = sum(b.real_tokens for b in out)
+    assert tokens == 3 * sum(len(d) for d in docs)
+    i = cut % len(out)
+    resumed = list(batches(stream, spec, start=out[i].cursor, epochs=3))
+    assert [b.cursor for b in resumed] == [b.cursor for b in out[i + 1 :]]
+    for a, b in zip(out[i + 1 :], resumed):
+        np.testing.assert_array_equal(a.tokens, b.tokens)

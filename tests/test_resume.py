@@ -124,12 +124,27 @@ def test_kill_trainer_at_a_random_step(procs, tmp_path, port, tok, strategy, see
 
 @pytest.mark.parametrize("strategy", ["pack", "bucket"])
 def test_kill_a_producer_and_restart_it(procs, tmp_path, port, tok, strategy):
-    common = ["--port", str(port), "--strategy", strategy, "--epochs", "1", "--producers", "2", *SMALL]
+    # 1200 documents: enough that producer 1 is still mid-stream when it is killed (backpressure keeps it
+    # only a few batches ahead of the trainer)
+    common = [
+        "--port",
+        str(port),
+        "--strategy",
+        strategy,
+        "--epochs",
+        "1",
+        "--producers",
+        "2",
+        *SMALL,
+        "--builtin-docs",
+        "1200",
+    ]
     log = tmp_path / "docs.jsonl"
     train = procs.start("train", *common, "--steps", "0", "--doc-log", str(log), name="trainer")
     p0 = procs.start("produce", *common, "--worker", "0", name="producer0")
     p1 = procs.start("produce", *common, "--worker", "1", name="producer1")
     wait_until(lambda: steps_logged(log) >= 8, 90, "step 8")
+    assert "finished" not in procs.log(p1)
     os.kill(p1.pid, signal.SIGKILL)
     p1.wait()
     time.sleep(1.0)
@@ -144,7 +159,7 @@ def test_kill_a_producer_and_restart_it(procs, tmp_path, port, tok, strategy):
         for b in e["batches"]:
             for did, start, n in b["docs"]:
                 pieces.setdefault(did, []).append((start, n))
-    assert_exactly_once(pieces, builtin_lengths(tok, 240))
+    assert_exactly_once(pieces, builtin_lengths(tok, 1200))
     assert p0.wait(timeout=10) == 0 and p1b.wait(timeout=10) == 0
 
 
