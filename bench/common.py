@@ -27,7 +27,10 @@ def card() -> str:
 
 
 def command() -> str:
-    return "python " + shlex.join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+    """How this benchmark was started (`python -m bench.x ...`), for the results file."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    head = ["-m", spec.name] if spec is not None else [os.path.relpath(sys.argv[0], REPO)]
+    return "python " + shlex.join([*head, *sys.argv[1:]])
 
 
 def write_result(name: str, title: str, body: str, out_dir: str | None = None) -> Path:

@@ -705,14 +705,16 @@ def _peak_flops(device: torch.device) -> float:
 
 
 def print_status(step: int, stats: dict, total: int, stream=sys.stderr) -> None:
-    """One compact status line per logging interval."""
+    """The compact live status: on a terminal one line rewritten in place (log lines from other
+    processes push it down), otherwise one line per logging interval, for log files."""
     of = f"/{total}" if total else ""
-    stream.write(
+    line = (
         f"step {step}{of} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
         f"{stats['tokens_per_second']:,.0f} tok/s | data wait {100 * stats['data_wait']:.1f}% | "
         f"pad eff {100 * stats['padding_efficiency']:.1f}%"
         + (f" | scale {stats['loss_scale']:.0f}" if stats.get("loss_scale", 1.0) != 1.0 else "")
         + (f" | MFU {100 * stats['mfu']:.1f}%" if stats.get("mfu") else "")
-        + "\n"
     )
+    live = stream.isatty() and step != total
+    stream.write(f"\r\x1b[K{line}" if live else f"\r\x1b[K{line}\n" if stream.isatty() else f"{line}\n")
     stream.flush()

@@ -318,6 +318,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def report(summary, path: str | None) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")  # end the live status line
     print(summary.render(), flush=True)
     if path:
         with open(path, "w") as f:
