@@ -13,7 +13,6 @@ any mismatch is refused with the field named, and nothing on disk is touched.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from shared import __version__
+from shared.files import sha256_file
 
 log = logging.getLogger("lmpipe.trainer")
 
@@ -35,14 +35,6 @@ _PREFIX = "step-"
 
 class CheckpointError(ValueError):
     """A checkpoint that must not be used; the message says which field or file and why."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -84,7 +76,7 @@ class CheckpointManager:
             "format_version": FORMAT_VERSION,
             "lmpipe_version": __version__,
             "step": step,
-            "state_sha256": _sha256(tmp / "state.pt"),
+            "state_sha256": sha256_file(tmp / "state.pt"),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         with open(tmp / "header.json", "w") as f:
@@ -175,7 +167,7 @@ def load(path: Path, expected: dict[str, Any]) -> Loaded:
     state_file = path / "state.pt"
     if not state_file.is_file():
         raise CheckpointError(f"{state_file}: missing")
-    digest = _sha256(state_file)
+    digest = sha256_file(state_file)
     if digest != header.get("state_sha256"):
         raise CheckpointError(f"{state_file}: checksum mismatch (truncated or corrupt file)")
     try:

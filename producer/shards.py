@@ -12,7 +12,6 @@ document is served; a mismatch names the file and what is wrong.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from shared.batch import token_dtype
+from shared.files import sha256_file
 
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -34,14 +34,6 @@ class ShardError(ValueError):
 
 def is_shard_dir(path: str | Path) -> bool:
     return (Path(path) / META).is_file()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class _ShardWriter:
@@ -66,7 +58,7 @@ class _ShardWriter:
         return {
             "documents": self.docs,
             "tokens": self.tokens,
-            "files": {n: {"name": name, "sha256": _sha256(out / name)} for n, name in self.names.items()},
+            "files": {n: {"name": name, "sha256": sha256_file(out / name)} for n, name in self.names.items()},
         }
 
 
@@ -161,7 +153,7 @@ class ShardSet:
                     raise ShardError(
                         f"{f}: {f.stat().st_size} bytes, meta.json says {sizes[n]} (truncated or corrupt)"
                     )
-                if verify_checksums and _sha256(f) != sh["files"][n]["sha256"]:
+                if verify_checksums and sha256_file(f) != sh["files"][n]["sha256"]:
                     raise ShardError(f"{f}: checksum mismatch (corrupt file)")
             toks = np.memmap(files["tokens"], dtype=dtype, mode="r") if sh["tokens"] else np.zeros(0, dtype)
             index = np.fromfile(files["index"], dtype="<i8")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.common import free_port_pair
 from shared.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,23 +34,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tok():
     return load_tokenizer()
-
-
-def free_port_pair() -> int:
-    """A port p such that p and p+1 are both free (data and control)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p >= 65534:
-            continue
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 @pytest.fixture
