@@ -146,3 +146,18 @@ def test_presets_build_and_gpt2_has_124m_parameters():
     assert 123e6 < m.num_params(non_embedding=False) < 125e6
     with pytest.raises(ValueError, match="unknown model preset"):
         preset("gpt5")
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    tokens = torch.randint(1, 97, (2, 48))
+    seg = torch.tensor([[0] * 20 + [1] * 28, [0] * 48])
+    inp = build_inputs(tokens, torch.tensor([48, 40]), seg, attention="dense")
+    grads = []
+    for ckpt in (False, True):
+        m = tiny_model(seed=5).train()
+        m.grad_checkpointing = ckpt
+        _, loss = m(inp.idx, inp.pos, inp.attn, inp.targets)
+        loss.backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
