@@ -24,12 +24,14 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from consumer.slots import HostSlot
 from shared import messages
 from shared.batch import Cursor, batch_bytes, batch_from_message
 from shared.config import PipelineConfig, mismatches
 from shared.metrics import TrainerMetrics
+from shared.security import authorized_dir, server_sockets
 from shared.wire import Limits, WireError, decode
 
 log = logging.getLogger("lmpipe.trainer")
@@ -181,6 +183,18 @@ class Receiver(threading.Thread):
         pull.setsockopt(zmq.RCVBUF, max(1 << 16, 2 * batch_bytes(self.cfg)))
         pull.setsockopt(zmq.MAXMSGSIZE, self._max_frame)  # a peer sending bigger frames is disconnected
         router.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+        auth = None
+        if self.cfg.curve_dir:
+            try:
+                auth = AsyncioAuthenticator(ctx)
+                auth.start()
+                auth.configure_curve(domain="*", location=authorized_dir(self.cfg.curve_dir))
+                server_sockets([pull, router], self.cfg.curve_dir)
+            except (OSError, ValueError) as exc:
+                self.error = exc
+                self.bound.set()
+                ctx.destroy(0)
+                return
         try:
             pull.bind(self.cfg.data_addr)
             router.bind(self.cfg.control_addr)
@@ -200,6 +214,8 @@ class Receiver(threading.Thread):
         await asyncio.gather(*tasks, return_exceptions=True)
         pull.close(0)
         router.close(linger=500)  # let the stop messages out
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
     def _shutdown(self, reason: str) -> None:

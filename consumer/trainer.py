@@ -221,10 +221,11 @@ def resolve_precision(name: str, device: torch.device):
 
 class Trainer:
     def __init__(self, pcfg: PipelineConfig, tcfg: TrainConfig):
-        if not is_loopback(pcfg.host) and not pcfg.trusted_network:
+        if not is_loopback(pcfg.host) and not (pcfg.trusted_network or pcfg.curve_dir):
             raise ValueError(
                 f"refusing to bind {pcfg.host}: not a loopback address and traffic is unencrypted; "
-                "pass --trusted-network if this network is private"
+                "give CURVE keys (--curve-dir, made by `lmpipe keys`) or pass --trusted-network if this "
+                "network is private"
             )
         self.pcfg, self.cfg = pcfg, tcfg
         if tcfg.threads > 0:

@@ -269,6 +269,10 @@ def build_parser(with_training: bool = True) -> argparse.ArgumentParser:
     pp.add_argument("--force", action="store_true", help="replace --out if it exists")
     pp.set_defaults(func=cmd_prepare)
 
+    ky = sub.add_parser("keys", help="make ZeroMQ CURVE keys for --curve-dir")
+    ky.add_argument("--out", required=True, metavar="DIR")
+    ky.set_defaults(func=cmd_keys)
+
     ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors")
     ex.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir (its latest)")
     ex.add_argument("--out", required=True, help="output .safetensors file")
@@ -383,6 +387,15 @@ def cmd_prepare(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(ns: argparse.Namespace) -> int:
+    from shared.security import generate_keys
+
+    out = generate_keys(ns.out)
+    print(f"wrote CURVE keys to {out}: give the trainer the directory, each producer client.key_secret and "
+          "server.key (--curve-dir); add public keys of other producers to authorized/")  # fmt: skip
+    return 0
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -400,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         (a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "--log-level")),
         None,
     )
-    ns = build_parser(with_training=command not in ("produce", "tokenizer", "prepare")).parse_args(args)
+    ns = build_parser(with_training=command not in ("produce", "tokenizer", "prepare", "keys")).parse_args(
+        args
+    )
     if ns.cmd != "produce":
         from shared.log import setup
 

@@ -29,6 +29,7 @@ from shared.batch import Cursor, batch_bytes, end_frames, token_dtype
 from shared.config import PipelineConfig, fingerprint
 from shared.log import setup as setup_log
 from shared.metrics import ProducerMetrics, serve
+from shared.security import client_sockets
 from shared.tokenizer import load_tokenizer
 from shared.wire import WireError
 
@@ -169,6 +170,8 @@ class Producer:
         # ZeroMQ's HWM counts messages in its own queues; the kernel's socket buffer holds more on top.
         # Keep that to a couple of batches too, so backpressure reaches the tokenizer quickly.
         data.setsockopt(zmq.SNDBUF, max(1 << 16, 2 * batch_bytes(self.cfg)))
+        if self.cfg.curve_dir:
+            client_sockets([ctrl, data], self.cfg.curve_dir)
         ctrl.connect(self.cfg.control_addr)
         data.connect(self.cfg.data_addr)
         try:

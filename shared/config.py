@@ -38,6 +38,7 @@ class PipelineConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     trusted_network: bool = False
+    curve_dir: str | None = None  # ZeroMQ CURVE keys (lmpipe keys); encrypts and authenticates producers
     max_line_bytes: int = 1 << 20
 
     @property
@@ -52,7 +53,7 @@ class PipelineConfig:
         """Everything that decides which batches a worker makes, in what order: cursors are only
         meaningful while these stay the same."""
         d = asdict(self)
-        for k in ("data", "tokenizer", "host", "port", "trusted_network", "max_line_bytes"):
+        for k in ("data", "tokenizer", "host", "port", "trusted_network", "curve_dir", "max_line_bytes"):
             d.pop(k)
         return d
 
@@ -215,6 +216,12 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
         default=_env("trusted_network", False),
         help="allow the trainer to bind a non-loopback address (traffic is not encrypted)",
     )
+    n.add_argument(
+        "--curve-dir",
+        default=_env("curve_dir", None),
+        metavar="DIR",
+        help="ZeroMQ CURVE keys from `lmpipe keys`: encrypted traffic, only authorized producers get in",
+    )
 
 
 def pipeline_from_args(ns: argparse.Namespace) -> PipelineConfig:
@@ -238,6 +245,7 @@ def pipeline_from_args(ns: argparse.Namespace) -> PipelineConfig:
         host=ns.host,
         port=ns.port,
         trusted_network=ns.trusted_network,
+        curve_dir=ns.curve_dir,
         max_line_bytes=ns.max_line_bytes,
     )
     validate(cfg)
@@ -270,7 +278,7 @@ def pipeline_argv(cfg: PipelineConfig) -> list[str]:
     if cfg.tokenizer:
         argv += ["--tokenizer", cfg.tokenizer]
     for key, val in asdict(cfg).items():
-        if key in ("data", "tokenizer"):
+        if key in ("data", "tokenizer") or val is None:
             continue
         flag = "--" + key.replace("_", "-")
         if isinstance(val, bool):

@@ -1,0 +1,71 @@
+"""ZeroMQ CURVE: encrypted, authenticated sockets between producers and the trainer.
+
+`lmpipe keys --out DIR` makes one key directory for a deployment:
+  server.key / server.key_secret   the trainer's key pair
+  client.key / client.key_secret   the producers' key pair
+  authorized/client.key            public keys the trainer accepts (add more to admit other producers)
+The trainer gets the whole directory (`--curve-dir`), producers need client.key_secret and server.key only.
+pyzmq's authenticator (ZAP) checks each connecting producer's public key against `authorized/`; a
+producer with another key never completes the connection, so it never reaches the handshake.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+
+def generate_keys(out: str | Path) -> Path:
+    out = Path(out)
+    if (out / "server.key_secret").exists():
+        raise ValueError(
+            f"{out} already holds keys; remove them first (this would lock out running producers)"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    zmq.auth.create_certificates(out, "server")
+    zmq.auth.create_certificates(out, "client")
+    (out / "authorized").mkdir(exist_ok=True)
+    shutil.copy(out / "client.key", out / "authorized" / "client.key")
+    for secret in out.glob("*.key_secret"):
+        secret.chmod(0o600)
+    return out
+
+
+def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
+    if not path.is_file():
+        raise FileNotFoundError(f"CURVE key file not found: {path} (make keys with `lmpipe keys --out DIR`)")
+    try:
+        public, private = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a ZeroMQ certificate ({exc})") from None
+    if secret and private is None:
+        raise ValueError(f"{path}: holds no secret key")
+    return public, private
+
+
+def server_sockets(sockets: list[zmq.Socket], key_dir: str | Path) -> None:
+    public, secret = _load(Path(key_dir) / "server.key_secret", secret=True)
+    for s in sockets:
+        s.curve_secretkey = secret
+        s.curve_publickey = public
+        s.curve_server = True
+
+
+def client_sockets(sockets: list[zmq.Socket], key_dir: str | Path) -> None:
+    d = Path(key_dir)
+    public, secret = _load(d / "client.key_secret", secret=True)
+    server_public, _ = _load(d / "server.key", secret=False)
+    for s in sockets:
+        s.curve_secretkey = secret
+        s.curve_publickey = public
+        s.curve_serverkey = server_public
+
+
+def authorized_dir(key_dir: str | Path) -> str:
+    d = Path(key_dir) / "authorized"
+    if not d.is_dir() or not any(d.glob("*.key")):
+        raise FileNotFoundError(f"{d}: no authorized producer keys")
+    return str(d)
