@@ -38,7 +38,6 @@ class Result:
     data_wait: float
     mfu: float
     peak_memory_gib: float
-    final_loss: float = float("nan")
     compiled_graphs: int = 0
 
 
@@ -123,7 +122,6 @@ def measure_pipeline(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int) -> Re
         wait / seconds,
         tps * flops / PEAK_BF16,
         _peak(),
-        records[-1]["loss"],
         summary.compiled_graphs,
     )
     del trainer
@@ -154,7 +152,6 @@ def measure_synthetic(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int, n_ba
     data = device_batches(pcfg, n_batches, trainer.device)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     tokens, t0 = 0, 0.0
-    loss = torch.zeros(())
     for i in range(tcfg.steps):
         if i == warmup:
             sync()
@@ -175,7 +172,6 @@ def measure_synthetic(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int, n_ba
         0.0,
         tps * flops / PEAK_BF16,
         _peak(),
-        float(loss) / max(n_targets, 1),
     )
     del trainer
     return res

@@ -115,12 +115,10 @@ class Receiver(threading.Thread):
         vocab_size: int,
     ):
         super().__init__(name="lmpipe-receiver", daemon=True)
-        self.cfg, self.fingerprint, self.slots, self.table = (
-            cfg,
-            fingerprint,
-            slots,
-            table,
-        )  # shared: the first producer pins "data" for the checkpoints too
+        self.cfg, self.slots, self.table = cfg, slots, table
+        self.fingerprint = (
+            fingerprint  # the trainer's own dict: the first producer pins "data" for checkpoints too
+        )
         self.metrics, self.session, self.vocab_size = metrics, session, vocab_size
         self.ready: queue.Queue = queue.Queue()
         self.bound = threading.Event()

@@ -286,7 +286,6 @@ class Trainer:
         self.checkpoints = (
             CheckpointManager(tcfg.checkpoint_dir, tcfg.keep_checkpoints) if tcfg.checkpoint_dir else None
         )
-        self.resumed_from: Path | None = None
         resume_path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
         if resume_path is not None:
             self._restore(load(resume_path, self._identity()))
@@ -350,12 +349,12 @@ class Trainer:
 
     def _restore(self, ck) -> None:
         st = ck.state
-        self.model.load_state_dict(st["model"])
-        self.optimizer.load_state_dict(st["optimizer"])
-        if (self.scaler is None) != ("scaler" not in st):
+        if (self.scaler is None) != ("scaler" not in st):  # before anything is loaded
             raise CheckpointError(
                 f"{ck.path}: precision differs (loss scaler {'absent' if self.scaler is None else 'present'} here)"
             )
+        self.model.load_state_dict(st["model"])
+        self.optimizer.load_state_dict(st["optimizer"])
         if self.scaler is not None:
             self.scaler.load_state_dict(st["scaler"])
             self._published = self.scaler.counters()
@@ -366,7 +365,6 @@ class Trainer:
             torch.cuda.set_rng_state(st["rng"]["cuda"], self.device)
         if ck.header.get("data"):
             self.fingerprint["data"] = ck.header["data"]  # producers must serve the same corpus
-        self.resumed_from = ck.path
         cursors = ", ".join(f"w{w.worker}@seq{w.last_seq}" for w in self.table.workers)
         log.info("resumed from %s: step %d, producer cursors %s", ck.path, self.step, cursors)
 

@@ -28,9 +28,7 @@ class Doc:
 
 @dataclass
 class StreamStats:
-    documents: int = 0
-    tokens: int = 0
-    tokenize_seconds: float = 0.0
+    documents: int = 0  # tokenized so far (the producer's documents counter reads it)
 
 
 def permutation(n: int, shuffle: bool, *key: int) -> np.ndarray:
@@ -127,10 +125,8 @@ class DocStream:
                 t0 = time.perf_counter()
                 # encode_batch runs in Rust threads with the GIL released
                 encs = self.tok.tokenizer.encode_batch([t for _, t in texts], add_special_tokens=False)
-                seconds = time.perf_counter() - t0
-                self.stats.tokenize_seconds += seconds
                 if self.on_tokenize:
-                    self.on_tokenize(seconds)
+                    self.on_tokenize(time.perf_counter() - t0)
                 encoded = {i: e.ids for (i, _), e in zip(texts, encs)}
             for i, (pos, rec) in enumerate(chunk):
                 ids = encoded[i] if rec.ids is None else rec.ids
@@ -138,5 +134,4 @@ class DocStream:
                 arr[:-1] = ids
                 arr[-1] = eos
                 self.stats.documents += 1
-                self.stats.tokens += arr.size
                 yield Doc(pos=pos, doc_id=rec.rid, ids=arr)
