@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 from consumer.model import IGNORE, AttnSpec
 
@@ -83,7 +84,6 @@ def build_inputs(
     *,
     attention: str = "auto",
     mask_cache: MaskCache | None = None,
-    block_mask_fn=None,
 ) -> ModelInputs:
     """tokens/lengths/seg already on the model's device. `attention`: auto | flex | dense."""
     B, L = tokens.shape
@@ -96,11 +96,7 @@ def build_inputs(
     pos = positions(seg)
     use_flex = attention == "flex" or (attention == "auto" and idx.is_cuda)
     if use_flex:
-        if block_mask_fn is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            block_mask_fn = create_block_mask
-        bm = block_mask_fn(document_causal_mask_mod(seg), B, None, L, L, device=idx.device)
+        bm = create_block_mask(document_causal_mask_mod(seg), B, None, L, L, device=idx.device)
         return ModelInputs(idx, pos, targets, AttnSpec("flex", block_mask=bm))
     causal = (
         mask_cache.causal(L, idx.device)
