@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from bench.common import table, write_result
-from consumer.model import IGNORE, _fused_ce, fused_linear_cross_entropy
+from lmpipe.consumer.model import IGNORE, _fused_ce, fused_linear_cross_entropy
 
 
 def measure(fused: bool, tokens: int, dim: int, vocab: int, repeats: int = 5) -> tuple[float, float, float]:

@@ -17,8 +17,8 @@ import torch
 
 from bench.common import RESULTS, table, write_result
 from bench.trainbench import bench_data, device_batches, pipeline_config
-from consumer.inputs import build_inputs
-from consumer.trainer import TrainConfig, Trainer, lr_at
+from lmpipe.consumer.inputs import build_inputs
+from lmpipe.consumer.trainer import TrainConfig, Trainer, lr_at
 
 WARM = 10  # untimed steps per mode
 

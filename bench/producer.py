@@ -22,10 +22,10 @@ from bench.common import WIKITEXT, table, write_result
 
 
 def _measure(mode: str, tok_path: str, shards: str, seconds: float, seq_len: int, batch_size: int) -> dict:
-    from producer.batching import BatchSpec, batches
-    from producer.sources import Corpus
-    from producer.stream import DocStream
-    from shared.tokenizer import load_tokenizer
+    from lmpipe.producer.batching import BatchSpec, batches
+    from lmpipe.producer.sources import Corpus
+    from lmpipe.producer.stream import DocStream
+    from lmpipe.shared.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tok_path)
     files = [str(WIKITEXT / "valid.txt"), str(WIKITEXT / "test.txt")]

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 
 from bench.common import WIKITEXT, free_port_pair, start_producers, stop
-from consumer.inputs import build_inputs
-from consumer.trainer import TrainConfig, Trainer, lr_at
-from producer.batching import BatchSpec, batches
-from producer.shards import is_shard_dir, prepare
-from producer.sources import Corpus
-from producer.stream import DocStream
-from shared.batch import token_dtype
-from shared.config import PipelineConfig, pipeline_argv
-from shared.tokenizer import load_tokenizer, train_tokenizer
+from lmpipe.consumer.inputs import build_inputs
+from lmpipe.consumer.trainer import TrainConfig, Trainer, lr_at
+from lmpipe.producer.batching import BatchSpec, batches
+from lmpipe.producer.shards import is_shard_dir, prepare
+from lmpipe.producer.sources import Corpus
+from lmpipe.producer.stream import DocStream
+from lmpipe.shared.batch import token_dtype
+from lmpipe.shared.config import PipelineConfig, pipeline_argv
+from lmpipe.shared.tokenizer import load_tokenizer, train_tokenizer
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
 

@@ -1,4 +1,4 @@
-"""`python -m consumer ...` is `lmpipe train ...`."""
+"""`python -m lmpipe.consumer ...` is `lmpipe train ...`."""
 
 import sys
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from shared import __version__
-from shared.files import sha256_file
+from lmpipe.shared import __version__
+from lmpipe.shared.files import sha256_file
 
 log = logging.getLogger("lmpipe.trainer")
 

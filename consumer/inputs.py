@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from consumer.model import IGNORE, AttnSpec
+from lmpipe.consumer.model import IGNORE, AttnSpec
 
 
 class MaskCache:

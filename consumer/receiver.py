@@ -26,13 +26,13 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from consumer.slots import HostSlot
-from shared import messages
-from shared.batch import Cursor, batch_bytes, batch_from_message
-from shared.config import PipelineConfig, mismatches
-from shared.metrics import TrainerMetrics
-from shared.security import authorized_dir, server_sockets
-from shared.wire import Limits, WireError, decode
+from lmpipe.consumer.slots import HostSlot
+from lmpipe.shared import messages
+from lmpipe.shared.batch import Cursor, batch_bytes, batch_from_message
+from lmpipe.shared.config import PipelineConfig, mismatches
+from lmpipe.shared.metrics import TrainerMetrics
+from lmpipe.shared.security import authorized_dir, server_sockets
+from lmpipe.shared.wire import Limits, WireError, decode
 
 log = logging.getLogger("lmpipe.trainer")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.batch import Batch, Cursor
+from lmpipe.shared.batch import Batch, Cursor
 
 
 @dataclass

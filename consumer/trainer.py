@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 
-from consumer.checkpoint import CheckpointError, CheckpointManager, load, resolve_resume
-from consumer.inputs import MaskCache, ModelInputs, build_inputs
-from consumer.model import GPT, fused_linear_cross_entropy, preset
-from consumer.receiver import EndOfStream, Receiver, WorkerTable
-from consumer.scaler import LossScaler, make_scaler
-from consumer.slots import HostSlot
-from shared.batch import token_dtype
-from shared.config import PipelineConfig, fingerprint, is_loopback
-from shared.metrics import TrainerMetrics, serve
-from shared.tokenizer import load_tokenizer
+from lmpipe.consumer.checkpoint import CheckpointError, CheckpointManager, load, resolve_resume
+from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
+from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
+from lmpipe.consumer.receiver import EndOfStream, Receiver, WorkerTable
+from lmpipe.consumer.scaler import LossScaler, make_scaler
+from lmpipe.consumer.slots import HostSlot
+from lmpipe.shared.batch import token_dtype
+from lmpipe.shared.config import PipelineConfig, fingerprint, is_loopback
+from lmpipe.shared.metrics import TrainerMetrics, serve
+from lmpipe.shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("lmpipe.trainer")
 

@@ -1,5 +1,5 @@
 """lmpipe: the command line and the local launcher that ties producers and trainer together."""
 
-from shared import __version__
+from lmpipe.shared import __version__
 
 __all__ = ["__version__"]

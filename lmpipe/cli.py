@@ -17,14 +17,14 @@ import signal
 import sys
 import time
 
-from shared.config import add_pipeline_args, pipeline_from_args
+from lmpipe.shared.config import add_pipeline_args, pipeline_from_args
 
 log = logging.getLogger("lmpipe")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    from consumer.model import PRESETS
-    from consumer.trainer import TrainConfig
+    from lmpipe.consumer.model import PRESETS
+    from lmpipe.consumer.trainer import TrainConfig
 
     d = TrainConfig()
     g = p.add_argument_group("training")
@@ -135,7 +135,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def train_config_from_args(ns: argparse.Namespace, metrics_port: int | None):
-    from consumer.trainer import TrainConfig
+    from lmpipe.consumer.trainer import TrainConfig
 
     return TrainConfig(
         model=ns.model,
@@ -281,8 +281,8 @@ def build_parser(with_training: bool = True) -> argparse.ArgumentParser:
 
 
 def cmd_produce(ns: argparse.Namespace) -> int:
-    from producer.manager import Producer, ProducerOptions, install_signal_handlers
-    from shared.log import setup
+    from lmpipe.producer.manager import Producer, ProducerOptions, install_signal_handlers
+    from lmpipe.shared.log import setup
 
     cfg = pipeline_from_args(ns)
     setup("producer" if ns.worker < 0 else f"producer {ns.worker}", ns.log_level)
@@ -308,7 +308,7 @@ def _trainer_signals(trainer) -> None:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from consumer.trainer import Trainer, print_status
+    from lmpipe.consumer.trainer import Trainer, print_status
 
     cfg = pipeline_from_args(ns)
     tcfg = train_config_from_args(ns, ns.metrics_port)
@@ -337,8 +337,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer(ns: argparse.Namespace) -> int:
-    from producer.sources import Corpus
-    from shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
+    from lmpipe.producer.sources import Corpus
+    from lmpipe.shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
 
     if ns.action == "info":
         info = load_tokenizer(ns.tokenizer)
@@ -361,10 +361,10 @@ def cmd_tokenizer(ns: argparse.Namespace) -> int:
 
 
 def cmd_prepare(ns: argparse.Namespace) -> int:
-    from producer.shards import prepare
-    from producer.sources import Corpus
-    from producer.stream import DocStream
-    from shared.tokenizer import load_tokenizer
+    from lmpipe.producer.shards import prepare
+    from lmpipe.producer.sources import Corpus
+    from lmpipe.producer.stream import DocStream
+    from lmpipe.shared.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ns.tokenizer)
     corpus = Corpus(
@@ -388,7 +388,7 @@ def cmd_prepare(ns: argparse.Namespace) -> int:
 
 
 def cmd_keys(ns: argparse.Namespace) -> int:
-    from shared.security import generate_keys
+    from lmpipe.shared.security import generate_keys
 
     out = generate_keys(ns.out)
     print(f"wrote CURVE keys to {out}: give the trainer the directory, each producer client.key_secret and "
@@ -399,7 +399,7 @@ def cmd_keys(ns: argparse.Namespace) -> int:
 def cmd_export(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from consumer.checkpoint import export_safetensors, resolve_resume
+    from lmpipe.consumer.checkpoint import export_safetensors, resolve_resume
 
     path = resolve_resume(ns.checkpoint, None)
     meta = export_safetensors(path, Path(ns.out))
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         args
     )
     if ns.cmd != "produce":
-        from shared.log import setup
+        from lmpipe.shared.log import setup
 
         setup("trainer" if ns.cmd in ("run", "train") else "lmpipe", ns.log_level)
     try:

@@ -1,6 +1,6 @@
 """`lmpipe run`: N producer processes plus the trainer in this process, stopped together.
 
-Producers are real processes (`python -m producer`) talking to the trainer over real TCP sockets on
+Producers are real processes (`python -m lmpipe.producer`) talking to the trainer over real TCP sockets on
 loopback, exactly as in a multi-host deployment. They share this process group, so Ctrl-C reaches all of
 them; on SIGTERM, or when training ends, the trainer tells them to stop and this launcher reaps them
 (terminate, then kill) so nothing is left behind. `--exit-with-parent` makes them quit if the launcher
@@ -17,7 +17,7 @@ import sys
 import time
 
 from lmpipe.cli import _trainer_signals, linger, report, train_config_from_args
-from shared.config import pipeline_argv, pipeline_from_args
+from lmpipe.shared.config import pipeline_argv, pipeline_from_args
 
 log = logging.getLogger("lmpipe")
 
@@ -38,7 +38,7 @@ def spawn_producers(ns: argparse.Namespace, cfg, metrics_base: int | None) -> li
         cmd = [
             sys.executable,
             "-m",
-            "producer",
+            "lmpipe.producer",
             *pipeline_argv(cfg),
             "--worker",
             str(i),
@@ -69,7 +69,7 @@ def reap(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
 
 
 def run_local(ns: argparse.Namespace) -> int:
-    from consumer.trainer import Trainer, print_status
+    from lmpipe.consumer.trainer import Trainer, print_status
 
     cfg = pipeline_from_args(ns)
     tcfg = train_config_from_args(ns, ns.metrics_port)

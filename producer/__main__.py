@@ -1,4 +1,4 @@
-"""`python -m producer ...` is `lmpipe produce ...`."""
+"""`python -m lmpipe.producer ...` is `lmpipe produce ...`."""
 
 import sys
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from producer.stream import Doc, DocStream
-from shared.batch import Batch, Cursor
+from lmpipe.producer.stream import Doc, DocStream
+from lmpipe.shared.batch import Batch, Cursor
 
 STRATEGIES = ("pad", "pad-batch", "bucket", "pack")
 

@@ -21,17 +21,17 @@ from dataclasses import dataclass
 
 import zmq
 
-from producer.batching import BatchSpec, batches
-from producer.sources import Corpus
-from producer.stream import DocStream
-from shared import messages
-from shared.batch import Cursor, batch_bytes, end_frames, token_dtype
-from shared.config import PipelineConfig, fingerprint
-from shared.log import setup as setup_log
-from shared.metrics import ProducerMetrics, serve
-from shared.security import client_sockets
-from shared.tokenizer import load_tokenizer
-from shared.wire import WireError
+from lmpipe.producer.batching import BatchSpec, batches
+from lmpipe.producer.sources import Corpus
+from lmpipe.producer.stream import DocStream
+from lmpipe.shared import messages
+from lmpipe.shared.batch import Cursor, batch_bytes, end_frames, token_dtype
+from lmpipe.shared.config import PipelineConfig, fingerprint
+from lmpipe.shared.log import setup as setup_log
+from lmpipe.shared.metrics import ProducerMetrics, serve
+from lmpipe.shared.security import client_sockets
+from lmpipe.shared.tokenizer import load_tokenizer
+from lmpipe.shared.wire import WireError
 
 log = logging.getLogger("lmpipe.producer")
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.batch import token_dtype
-from shared.files import sha256_file
+from lmpipe.shared.batch import token_dtype
+from lmpipe.shared.files import sha256_file
 
 FORMAT_VERSION = 1
 META = "meta.json"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from producer import builtin_corpus
-from producer.shards import ShardSet, is_shard_dir
+from lmpipe.producer import builtin_corpus
+from lmpipe.producer.shards import ShardSet, is_shard_dir
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
 HEADING = re.compile(r"^ = [^=].* = $")

@@ -15,8 +15,8 @@ from itertools import islice
 
 import numpy as np
 
-from producer.sources import Corpus, Record
-from shared.tokenizer import TokenizerInfo
+from lmpipe.producer.sources import Corpus, Record
+from lmpipe.shared.tokenizer import TokenizerInfo
 
 
 @dataclass

@@ -12,6 +12,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site
 fi
+# lmpipe installs as one package (lmpipe.producer, lmpipe.consumer, lmpipe.shared map onto the folders here)
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || { echo "pip install -e . failed"; exit 1; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export LMPIPE_WIKITEXT=${LMPIPE_WIKITEXT:-$PWD/.benchdata}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
@@ -20,7 +22,7 @@ shift || true
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 python3 -c "import torch, triton, zmq; print('torch', torch.__version__, 'triton', triton.__version__, 'pyzmq', zmq.__version__)" | tee -a "$OUT/card.txt"
-python3 -c "from consumer.model import fused_linear_cross_entropy as f; print('liger fused CE:', f() is not None)" | tee -a "$OUT/card.txt"
+python3 -c "from lmpipe.consumer.model import fused_linear_cross_entropy as f; print('liger fused CE:', f() is not None)" | tee -a "$OUT/card.txt"
 
 run() {  # name, command...
     local name=$1; shift

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.wire import CURSOR_KEYS, Message, WireError, encode
+from lmpipe.shared.wire import CURSOR_KEYS, Message, WireError, encode
 
 
 @dataclass(frozen=True, order=True)

@@ -14,8 +14,8 @@ from typing import Any
 
 import msgpack
 
-from shared.batch import Cursor
-from shared.wire import WireError, unpack_map
+from lmpipe.shared.batch import Cursor
+from lmpipe.shared.wire import WireError, unpack_map
 
 MAX_CONTROL_BYTES = 16 * 1024
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.common import free_port_pair
-from shared.tokenizer import load_tokenizer
+from lmpipe.shared.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"

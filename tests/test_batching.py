@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer.batching import BatchSpec, batches
-from producer.sources import Corpus
-from producer.stream import Doc, DocStream
-from shared.batch import Batch
+from lmpipe.producer.batching import BatchSpec, batches
+from lmpipe.producer.sources import Corpus
+from lmpipe.producer.stream import Doc, DocStream
+from lmpipe.shared.batch import Batch
 
 PAD = 0
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from consumer.inputs import build_inputs
-from consumer.model import GPT, AttnSpec, fused_linear_cross_entropy, preset
+from lmpipe.consumer.inputs import build_inputs
+from lmpipe.consumer.model import GPT, AttnSpec, fused_linear_cross_entropy, preset
 
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda")
@@ -112,10 +112,9 @@ def test_fused_cross_entropy_matches_the_plain_loss():
 
 
 def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
-    from consumer.slots import HostSlot
-    from producer.batching import BatchSpec, batches
-
-    from .test_batching import ListStream
+    from lmpipe.consumer.slots import HostSlot
+    from lmpipe.producer.batching import BatchSpec, batches
+    from tests.test_batching import ListStream
 
     (b,) = list(
         batches(

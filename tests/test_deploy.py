@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -35,7 +36,7 @@ import zmq
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.metrics import (
+from lmpipe.shared.metrics import (
     BAD_RECORD_REASONS,
     CACHES,
     GPU_MEMORY_KINDS,
@@ -44,9 +45,8 @@ from shared.metrics import (
     ProducerMetrics,
     TrainerMetrics,
 )
-from shared.tokenizer import load_tokenizer
-
-from .conftest import REPO, Procs, free_port_pair, lmpipe_env
+from lmpipe.shared.tokenizer import load_tokenizer
+from tests.conftest import REPO, Procs, free_port_pair, lmpipe_env
 
 DEPLOY = REPO / "deploy"
 COMPOSE = REPO / "docker-compose.yml"
@@ -790,7 +790,7 @@ def _parse_compose_command(svc: dict, monkeypatch):
 
 
 def test_compose_commands_are_valid_lmpipe_commands_that_agree(monkeypatch):
-    from shared.config import pipeline_from_args
+    from lmpipe.shared.config import pipeline_from_args
 
     services = load_compose(COMPOSE)["services"]
     prod_ns = _parse_compose_command(services["producer"], monkeypatch)
@@ -900,8 +900,7 @@ def test_dockerfile_structure(role):
                 assert src.rstrip("/") in allowed, f"{src} is excluded by .dockerignore"
                 assert (REPO / src).exists(), src
                 copied.add(src.rstrip("/"))
-    pyproject = (REPO / "pyproject.toml").read_text()
-    packages = re.search(r"include = \[([^\]]*)\]", pyproject)[1]
-    for pkg in re.findall(r'"(\w+)\*?"', packages):
-        assert pkg in copied, f"package {pkg} is not copied into the image"
+    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for pkg, folder in folders.items():
+        assert folder in copied, f"package {pkg} ({folder}/) is not copied into the image"
     assert {"pyproject.toml", "README.md"} <= copied

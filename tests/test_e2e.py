@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import zmq
 
-from producer import builtin_corpus
-from shared.tokenizer import train_tokenizer
+from lmpipe.producer import builtin_corpus
+from lmpipe.shared.tokenizer import train_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +119,7 @@ def test_signal_stops_every_process_quickly(procs, port, sig):
 
 
 def test_bad_corpus_records_are_skipped_and_the_run_goes_on(procs, tmp_path, port):
-    from .test_sources import write_bad_corpus
+    from tests.test_sources import write_bad_corpus
 
     txt, jl = write_bad_corpus(tmp_path)
     summary = tmp_path / "s.json"

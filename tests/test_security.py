@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from consumer.trainer import TrainConfig, Trainer
-from shared.config import PipelineConfig
-from shared.security import generate_keys
+from lmpipe.consumer.trainer import TrainConfig, Trainer
+from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.security import generate_keys
 
 pytestmark = pytest.mark.slow
 

@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from producer.sources import Corpus
-from producer.stream import DocStream
-
-from .conftest import WIKITEXT
+from lmpipe.producer.sources import Corpus
+from lmpipe.producer.stream import DocStream
+from tests.conftest import WIKITEXT
 
 
 def write_bad_corpus(tmp_path):
@@ -99,7 +98,7 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 
 def test_builtin_corpus_is_deterministic_and_varied():
-    from producer import builtin_corpus
+    from lmpipe.producer import builtin_corpus
 
     assert builtin_corpus.document(0, 5) == builtin_corpus.document(0, 5)
     lengths = [len(builtin_corpus.document(0, i).split()) for i in range(500)]
