@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from bench.common import WIKITEXT, free_port_pair, start_producers, stop
+from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.inputs import build_inputs
-from lmpipe.consumer.trainer import TrainConfig, Trainer, lr_at
+from lmpipe.consumer.trainer import Trainer, lr_at
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.producer.shards import is_shard_dir, prepare
 from lmpipe.producer.sources import Corpus

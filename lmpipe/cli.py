@@ -23,8 +23,8 @@ log = logging.getLogger("lmpipe")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
+    from lmpipe.consumer.config import TrainConfig
     from lmpipe.consumer.model import PRESETS
-    from lmpipe.consumer.trainer import TrainConfig
 
     d = TrainConfig()
     g = p.add_argument_group("training")
@@ -135,7 +135,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def train_config_from_args(ns: argparse.Namespace, metrics_port: int | None):
-    from lmpipe.consumer.trainer import TrainConfig
+    from lmpipe.consumer.config import TrainConfig
 
     return TrainConfig(
         model=ns.model,

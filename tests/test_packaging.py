@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,8 +12,25 @@ from tests.conftest import REPO, lmpipe_env
 
 
 def test_wheel_has_lmpipe_as_its_only_top_level_name(tmp_path):
+    src = tmp_path / "src"  # built from a copy: setuptools leaves build/ beside the sources
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for pkg in ("lmpipe", "producer", "consumer", "shared"):
+        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path, REPO],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            tmp_path,
+            src,
+        ],
         check=True,
         capture_output=True,
     )
@@ -32,7 +50,12 @@ def test_a_decoy_shared_package_in_the_working_directory_changes_nothing(tmp_pat
         (tmp_path / name / "__init__.py").write_text("raise ImportError('the decoy was imported')\n")
     code = "import lmpipe.producer.manager, lmpipe.consumer.receiver, lmpipe.shared.wire, lmpipe; print(lmpipe.__version__)"
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=lmpipe_env(), capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=lmpipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() and out.stdout.strip() != "0+unknown"  # the version comes from the metadata

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from lmpipe.consumer.trainer import TrainConfig, Trainer
+from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.trainer import Trainer
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.security import generate_keys
 
