@@ -19,7 +19,8 @@ from bench.common import RESULTS, table, write_result
 from bench.trainbench import bench_data, device_batches, pipeline_config
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.inputs import build_inputs
-from lmpipe.consumer.trainer import Trainer, lr_at
+from lmpipe.consumer.step import lr_at
+from lmpipe.consumer.trainer import Trainer
 
 WARM = 10  # untimed steps per mode
 

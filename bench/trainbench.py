@@ -20,7 +20,9 @@ import torch
 from bench.common import WIKITEXT, free_port_pair, start_producers, stop
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.inputs import build_inputs
-from lmpipe.consumer.trainer import Trainer, lr_at
+from lmpipe.consumer.report import peak_flops
+from lmpipe.consumer.step import lr_at
+from lmpipe.consumer.trainer import Trainer
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.producer.shards import is_shard_dir, prepare
 from lmpipe.producer.sources import Corpus
@@ -29,7 +31,11 @@ from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.config import PipelineConfig, pipeline_argv
 from lmpipe.shared.tokenizer import load_tokenizer, train_tokenizer
 
-PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16
+
+def mfu(tokens_per_second: float, flops_per_token: float) -> float:
+    """Model FLOPs utilisation against the card's dense bf16 peak (the trainer's table); 0 off CUDA."""
+    peak = peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else 0.0
+    return tokens_per_second * flops_per_token / peak if peak else 0.0
 
 
 @dataclass
@@ -121,7 +127,7 @@ def measure_pipeline(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int) -> Re
         tps,
         1e3 * seconds / (len(timed) * tcfg.log_every),
         wait / seconds,
-        tps * flops / PEAK_BF16,
+        mfu(tps, flops),
         _peak(),
         summary.compiled_graphs,
     )
@@ -171,7 +177,7 @@ def measure_synthetic(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int, n_ba
         tps,
         1e3 * seconds / (tcfg.steps - warmup),
         0.0,
-        tps * flops / PEAK_BF16,
+        mfu(tps, flops),
         _peak(),
     )
     del trainer

@@ -1,193 +1,44 @@
-"""The trainer process: step loop on the main thread, receive thread beside it.
+"""The trainer process: the step loop on the main thread, the receive thread beside it.
 
-Per step: take `accum` ready host slots (the wait is data-wait time), copy each to the GPU on a dedicated
-copy stream, make the compute stream wait on the copy's event, run forward/backward for each micro-batch,
-clip, step, and hand every slot back once its copy has finished. The host reads GPU values (loss, grad
-norm, loss scale) only every `log_every` steps; nothing else in the loop synchronises.
-
-Loss normalisation: the loss of a step is the sum of per-token losses over all its micro-batches divided by
-the number of target tokens in all of them. That count is known on the host from the batch headers before
-any backward pass, so N micro-batches with accumulation N give exactly the update of one N-times batch,
-whatever the padding in each.
+Per step: take `accum` ready host slots from the device feed (the wait is data-wait time; consumer/feed.py),
+run forward/backward over them and one optimizer step (consumer/step.py), count and log
+(consumer/report.py), and checkpoint when due. The host reads GPU values (loss, grad norm, loss scale)
+only every `log_every` steps; nothing else in the loop synchronises.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
-import queue
-import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from lmpipe.consumer.checkpoint import CheckpointError, CheckpointManager, load, resolve_resume
 from lmpipe.consumer.config import TrainConfig
-from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
+from lmpipe.consumer.feed import DeviceFeed
+from lmpipe.consumer.inputs import MaskCache
 from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
-from lmpipe.consumer.receiver import EndOfStream, Receiver, WorkerTable
-from lmpipe.consumer.scaler import LossScaler, make_scaler
+from lmpipe.consumer.receiver import Receiver, WorkerTable
+from lmpipe.consumer.report import Summary, peak_flops
+from lmpipe.consumer.scaler import make_scaler
 from lmpipe.consumer.slots import HostSlot
+from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer, resolve_device, resolve_precision
 from lmpipe.shared.batch import token_dtype
-from lmpipe.shared.config import PipelineConfig, fingerprint, is_loopback
+from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.metrics import TrainerMetrics, serve
+from lmpipe.shared.security import check_bind
 from lmpipe.shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("lmpipe.trainer")
 
 
-@dataclass
-class Summary:
-    steps: int = 0
-    tokens: int = 0
-    pad_tokens: int = 0
-    seconds: float = 0.0
-    data_wait_seconds: float = 0.0
-    first_loss: float = float("nan")
-    last_loss: float = float("nan")
-    losses: list[float] = field(default_factory=list)
-    rejected: int = 0
-    stale: int = 0
-    compiled_graphs: int = 0
-    stopped_by: str = ""
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def padding_efficiency(self) -> float:
-        total = self.tokens + self.pad_tokens
-        return self.tokens / total if total else 0.0
-
-    @property
-    def data_wait_fraction(self) -> float:
-        return self.data_wait_seconds / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            tokens_per_second=self.tokens_per_second,
-            padding_efficiency=self.padding_efficiency,
-            data_wait_fraction=self.data_wait_fraction,
-        )
-        return d
-
-    def render(self) -> str:
-        return (
-            f"summary: {self.steps} steps in {self.seconds:.1f} s ({self.stopped_by}) | "
-            f"loss {self.first_loss:.3f} -> {self.last_loss:.3f} | "
-            f"{self.tokens:,} tokens trained, {self.tokens_per_second:,.0f} tok/s | "
-            f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
-            f"data wait {100 * self.data_wait_fraction:.1f}% | "
-            f"dropped: {self.rejected} malformed, {self.stale} stale"
-        )
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr over lr_decay_steps (or `steps`)."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    horizon = cfg.lr_decay_steps or cfg.steps
-    if horizon <= cfg.warmup:
-        return cfg.lr
-    t = min(1.0, (step - cfg.warmup) / (horizon - cfg.warmup))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW, decaying only matrices (nanoGPT's split), fused when asked and supported."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-    if cfg.fused_adamw:
-        try:
-            return torch.optim.AdamW(groups, fused=True, **kwargs)
-        except (RuntimeError, TypeError) as exc:  # e.g. a device without a fused kernel
-            log.warning("fused AdamW unavailable (%s); using the foreach implementation", exc)
-    return torch.optim.AdamW(groups, foreach=True, **kwargs)
-
-
-class StepRunner:
-    """Forward/backward over a step's micro-batches and one optimizer step. Returns device tensors only."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        cfg: TrainConfig,
-        autocast_dtype,
-        scaler: LossScaler | None = None,
-    ):
-        self.model, self.optimizer, self.cfg = model, optimizer, cfg
-        self.device_type = next(model.parameters()).device.type
-        self.autocast_dtype = autocast_dtype
-        self.scaler = scaler
-
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
-
-    def step(self, micro: list[ModelInputs], n_targets: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (summed loss over all targets, grad norm before clipping)."""
-        self.model.train()
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        denom = float(max(n_targets, 1))
-        loss_sum = torch.zeros((), device=micro[0].idx.device)
-        for inp in micro:
-            with self._autocast():
-                _, loss = self.model(inp.idx, inp.pos, inp.attn, inp.targets)
-            scaled = loss / denom
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.detach()
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        if self.cfg.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        else:
-            norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None])
-            )
-        if self.scaler:
-            self.scaler.step(self.optimizer)  # skipped on the device when gradients overflowed
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, norm
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
-    return dev
-
-
-def resolve_precision(name: str, device: torch.device):
-    if name == "auto":
-        name = "bf16" if device.type == "cuda" else "fp32"
-    return name, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-
-
 class Trainer:
     def __init__(self, pcfg: PipelineConfig, tcfg: TrainConfig):
-        if not is_loopback(pcfg.host) and not (pcfg.trusted_network or pcfg.curve_dir):
-            raise ValueError(
-                f"refusing to bind {pcfg.host}: not a loopback address and traffic is unencrypted; "
-                "give CURVE keys (--curve-dir, made by `lmpipe keys`) or pass --trusted-network if this "
-                "network is private"
-            )
+        check_bind(pcfg.host, pcfg.trusted_network, pcfg.curve_dir)
         self.pcfg, self.cfg = pcfg, tcfg
         if tcfg.threads > 0:
             torch.set_num_threads(tcfg.threads)
@@ -252,11 +103,9 @@ class Trainer:
             self._restore(load(resume_path, self._identity()))
         elif tcfg.resume:
             log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
-        self.copy_stream = torch.cuda.Stream() if (pin and tcfg.copy_stream) else None
-        self._in_flight: list[tuple[object, HostSlot]] = []  # (copy-done event, slot)
-        self._h2d_timing: list[tuple[object, object]] = []  # (start, done) timing events of each copy
         self._stop_reason = ""
         self.health_check = None  # optional callable: returns a reason to stop (e.g. a dead producer)
+        self.feed: DeviceFeed
         self._doc_log = open(tcfg.doc_log, "a") if tcfg.doc_log else None  # noqa: SIM115 - closed in run()
         self.metrics.info.info(
             {
@@ -336,132 +185,6 @@ class Trainer:
     def interrupted(self) -> bool:
         return bool(self._stop_reason)
 
-    # -- host -> device ------------------------------------------------------------------------------
-
-    def _to_device(self, slot: HostSlot) -> ModelInputs:
-        tokens, lengths, seg = slot.views(self.pcfg.batch_size if self.cfg.compile else None)
-        if self.device.type != "cuda":
-            t0 = time.perf_counter()
-            out = (tokens.to(torch.int64), lengths.clone(), None if seg is None else seg.to(torch.int32))
-            self.metrics.h2d.observe(time.perf_counter() - t0)
-            self.receiver.release(slot)  # converted copies: the slot is free again
-        else:
-            stream = self.copy_stream or torch.cuda.current_stream()
-            with torch.cuda.stream(stream):
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                out = tuple(
-                    None if t is None else t.to(self.device, non_blocking=True)
-                    for t in (tokens, lengths, seg)
-                )
-                done = torch.cuda.Event(enable_timing=True)
-                done.record(stream)
-            self._h2d_timing.append((start, done))  # read at the logging interval, once complete
-            if self.copy_stream is not None:
-                compute = torch.cuda.current_stream()
-                compute.wait_event(done)
-                # The device tensors were allocated on the copy stream but are read on the compute stream:
-                # record_stream keeps the caching allocator from handing their memory to the next copy
-                # before the compute that reads them has run. Events alone cannot express that.
-                for t in out:
-                    if t is not None:
-                        t.record_stream(compute)
-            # The pinned slot is reused only after its DMA finished: polled through the event, no sync.
-            self._in_flight.append((done, slot))
-        tokens_d, lengths_d, seg_d = out
-        return build_inputs(
-            tokens_d, lengths_d, seg_d, attention=self.cfg.attention, mask_cache=self.mask_cache
-        )
-
-    def _observe_h2d(self) -> None:
-        pending = []
-        for start, done in self._h2d_timing:
-            if done.query():
-                self.metrics.h2d.observe(start.elapsed_time(done) / 1e3)
-            else:
-                pending.append((start, done))
-        self._h2d_timing = pending
-
-    def _release_done(self) -> None:
-        keep = []
-        for ev, slot in self._in_flight:
-            if ev.query():
-                self.receiver.release(slot)
-            else:
-                keep.append((ev, slot))
-        self._in_flight = keep
-
-    # -- taking batches ------------------------------------------------------------------------------
-
-    def _take(self, n: int) -> tuple[list[HostSlot], float]:
-        """Up to n slots in consumption order; fewer only when every producer has finished."""
-        got: list[HostSlot] = []
-        waited = 0.0
-        last_news = time.monotonic()
-        while len(got) < n and not self._stop_reason:
-            if self.table.all_finished():
-                break
-            t0 = time.perf_counter()
-            try:
-                item = self.receiver.ready.get(timeout=0.01)
-            except queue.Empty:
-                waited += time.perf_counter() - t0
-                self._release_done()
-                self._check_receiver()
-                if self.health_check and (problem := self.health_check()):
-                    log.error("%s; stopping", problem)
-                    self._stop_reason = problem
-                    break
-                now = time.monotonic()
-                if now - last_news > 10:
-                    log.info(
-                        "waiting for batches: %d/%d producers connected",
-                        self.table.connected(now),
-                        len(self.table),
-                    )
-                    last_news = now
-                    if self.cfg.wait_timeout and waited > self.cfg.wait_timeout:
-                        self._stop_reason = f"no data for {waited:.0f} s"
-                continue
-            waited += time.perf_counter() - t0
-            last_news = time.monotonic()
-            self.metrics.ready_slots.set(self.receiver.ready.qsize())
-            if isinstance(item, EndOfStream):
-                self._consume_end(item)
-            elif self._accept(item):
-                got.append(item)
-        return got, waited
-
-    def _accept(self, slot: HostSlot) -> bool:
-        """Consume a slot if it is the next batch of its worker; drop it otherwise."""
-        m = slot.meta
-        w = self.table[m.worker]
-        if m.session != self.session:
-            self.metrics.stale.labels("old_session").inc()
-        elif m.seq <= w.last_seq:
-            self.metrics.stale.labels("duplicate").inc()
-        elif m.seq > w.last_seq + 1:
-            self.metrics.stale.labels("gap").inc()
-            log.warning(
-                "worker %d sent seq %d, expected %d: asking it to resend", m.worker, m.seq, w.last_seq + 1
-            )
-            self.receiver.force_reset(m.worker)
-        else:
-            self.table.consumed(m.worker, m.seq, m.cursor)
-            return True
-        self.receiver.release(slot)
-        return False
-
-    def _consume_end(self, end: EndOfStream) -> None:
-        w = self.table[end.worker]
-        if end.session == self.session and end.seq == w.last_seq + 1:
-            self.table.consumed(end.worker, end.seq, end.cursor, finished=True)
-            log.info("producer %d finished its data", end.worker)
-
-    def _check_receiver(self) -> None:
-        if self.receiver.error is not None:
-            raise RuntimeError(f"receive thread failed: {self.receiver.error}") from self.receiver.error
-
     # -- the loop ------------------------------------------------------------------------------------
 
     def _log_docs(self, slots: list[HostSlot]) -> None:
@@ -485,7 +208,20 @@ class Trainer:
         )
         self.receiver.start()
         self.receiver.bound.wait()
-        self._check_receiver()
+        self.feed = DeviceFeed(
+            self.receiver,
+            self.table,
+            self.session,
+            self.metrics,
+            self.device,
+            copy_stream=self.cfg.copy_stream,
+            rows=self.pcfg.batch_size if self.cfg.compile else None,  # one batch shape per compiled graph
+            attention=self.cfg.attention,
+            mask_cache=self.mask_cache,
+            wait_timeout=self.cfg.wait_timeout,
+        )
+        self.feed.health_check = self.health_check
+        self.feed.check_receiver()
         port = serve(self.metrics.registry, self.cfg.metrics_port)
         log.info(
             "session %s: %s on %s (%s), %.2fM params; listening on %s; expecting %d producer(s)%s",
@@ -522,7 +258,10 @@ class Trainer:
         interval_step = self.step
         flops_per_token = self.model.flops_per_token(self.pcfg.seq_len)
         while not self._stop_reason and (cfg.steps == 0 or self.step < cfg.steps):
-            slots, waited = self._take(cfg.accum)
+            slots, waited, problem = self.feed.take(cfg.accum, stopping=lambda: bool(self._stop_reason))
+            if problem:
+                log.error("%s; stopping", problem)
+                self._stop_reason = problem
             if not slots:
                 break
             if run_start is None:  # the clock starts with the first batch, not with the producers' start-up
@@ -534,7 +273,7 @@ class Trainer:
             pad = sum(s.meta.pad_tokens for s in slots)
             if self._doc_log:
                 self._log_docs(slots)
-            micro = [self._to_device(s) for s in slots]
+            micro = [self.feed.to_device(s) for s in slots]
             lr = lr_at(self.step, cfg)
             loss_sum, norm = self.runner.step(micro, n_targets, lr)
             self.step += 1
@@ -550,7 +289,7 @@ class Trainer:
             m.steps.inc()
             m.data_wait.observe(waited)
             m.lr.set(lr)
-            self._release_done()
+            self.feed.release_done()
             m.step_seconds.observe(time.perf_counter() - t0 + waited)
             if cfg.compile:
                 self._count_compiles()
@@ -621,7 +360,7 @@ class Trainer:
 
     def _publish(self, stats: dict, flops_per_token: float) -> None:
         m = self.metrics
-        self._observe_h2d()
+        self.feed.observe_h2d()
         m.loss.set(stats["loss"])
         m.grad_norm.set(stats["grad_norm"])
         m.loss_scale.set(stats["loss_scale"])
@@ -636,7 +375,7 @@ class Trainer:
             m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(self.device))
             m.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(self.device))
             m.gpu_memory.labels("peak").set(torch.cuda.max_memory_allocated(self.device))
-            peak = _peak_flops(self.device)
+            peak = peak_flops(torch.cuda.get_device_name(self.device))
             if peak:
                 stats["mfu"] = stats["tokens_per_second"] * flops_per_token / peak
                 m.mfu.set(stats["mfu"])
@@ -644,37 +383,6 @@ class Trainer:
 
 def _samples(counter):
     for metric in counter.collect():
-        for s in metric.samples:
-            if s.name.endswith("_total"):
-                yield s
-
-
-def _peak_flops(device: torch.device) -> float:
-    """Dense bf16 peak of the card, for MFU. H100/H200 SXM: 989 TFLOP/s."""
-    name = torch.cuda.get_device_name(device)
-    for key, flops in (
-        ("H100", 989e12),
-        ("H200", 989e12),
-        ("A100", 312e12),
-        ("L4", 121e12),
-        ("4090", 165e12),
-    ):
-        if key in name:
-            return flops
-    return 0.0
-
-
-def print_status(step: int, stats: dict, total: int, stream=sys.stderr) -> None:
-    """The compact live status: on a terminal one line rewritten in place (log lines from other
-    processes push it down), otherwise one line per logging interval, for log files."""
-    of = f"/{total}" if total else ""
-    line = (
-        f"step {step}{of} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
-        f"{stats['tokens_per_second']:,.0f} tok/s | data wait {100 * stats['data_wait']:.1f}% | "
-        f"pad eff {100 * stats['padding_efficiency']:.1f}%"
-        + (f" | scale {stats['loss_scale']:.0f}" if stats.get("loss_scale", 1.0) != 1.0 else "")
-        + (f" | MFU {100 * stats['mfu']:.1f}%" if stats.get("mfu") else "")
-    )
-    live = stream.isatty() and step != total
-    stream.write(f"\r\x1b[K{line}" if live else f"\r\x1b[K{line}\n" if stream.isatty() else f"{line}\n")
-    stream.flush()
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                yield sample

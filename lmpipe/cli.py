@@ -308,7 +308,8 @@ def _trainer_signals(trainer) -> None:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from lmpipe.consumer.trainer import Trainer, print_status
+    from lmpipe.consumer.report import print_status
+    from lmpipe.consumer.trainer import Trainer
 
     cfg = pipeline_from_args(ns)
     tcfg = train_config_from_args(ns, ns.metrics_port)

@@ -69,7 +69,8 @@ def reap(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
 
 
 def run_local(ns: argparse.Namespace) -> int:
-    from lmpipe.consumer.trainer import Trainer, print_status
+    from lmpipe.consumer.report import print_status
+    from lmpipe.consumer.trainer import Trainer
 
     cfg = pipeline_from_args(ns)
     tcfg = train_config_from_args(ns, ns.metrics_port)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 
 NAMES = [
     "Ada",
@@ -244,8 +243,3 @@ def document(seed: int, index: int) -> str:
     kind = r.choices(("report", "story", "letter", "note", "recipe"), weights=(3, 4, 2, 2, 1))[0]
     return _recipe(r, n) if kind == "recipe" else _prose(r, n, kind)
 
-
-def documents(seed: int = 0, count: int = 20_000, start: int = 0, step: int = 1) -> Iterator[str]:
-    """Documents start, start+step, ... below count."""
-    for i in range(start, count, step):
-        yield document(seed, i)

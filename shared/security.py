@@ -17,6 +17,18 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from lmpipe.shared.config import is_loopback
+
+
+def check_bind(host: str, trusted_network: bool, curve_dir: str | None) -> None:
+    """The trainer's bind policy: loopback, or CURVE keys, or the user's word that the network is private."""
+    if not is_loopback(host) and not (trusted_network or curve_dir):
+        raise ValueError(
+            f"refusing to bind {host}: not a loopback address and traffic is unencrypted; "
+            "give CURVE keys (--curve-dir, made by `lmpipe keys`) or pass --trusted-network if this "
+            "network is private"
+        )
+
 
 def generate_keys(out: str | Path) -> Path:
     out = Path(out)

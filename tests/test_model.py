@@ -11,7 +11,7 @@ import torch
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.inputs import MaskCache, build_inputs, positions, targets_for
 from lmpipe.consumer.model import GPT, IGNORE, AttnSpec, preset
-from lmpipe.consumer.trainer import StepRunner, lr_at, make_optimizer
+from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer
 from lmpipe.producer.batching import BatchSpec, batches
 from tests.test_batching import ListStream
 

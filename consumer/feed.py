@@ -1,0 +1,176 @@
+"""The device feed: ready host slots in, model inputs on the device out.
+
+take     ready slots in consumption order (the wait is data-wait time); a slot that is not its worker's next
+         batch is dropped and counted, an `end` marks its worker finished
+to_device copy a slot's arrays to the device on a dedicated copy stream; the compute stream waits on the
+         copy's event, never the host
+release  hand a slot back to the receiver once its copy has completed (polled through the event, no sync)
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+
+import torch
+
+from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
+from lmpipe.consumer.receiver import EndOfStream, Receiver, WorkerTable
+from lmpipe.consumer.slots import HostSlot
+from lmpipe.shared.metrics import TrainerMetrics
+
+log = logging.getLogger("lmpipe.trainer")
+
+
+class DeviceFeed:
+    def __init__(
+        self,
+        receiver: Receiver,
+        table: WorkerTable,
+        session: str,
+        metrics: TrainerMetrics,
+        device: torch.device,
+        *,
+        copy_stream: bool,
+        rows: int | None,
+        attention: str,
+        mask_cache: MaskCache,
+        wait_timeout: float = 0.0,
+    ):
+        self.receiver, self.table, self.session, self.metrics = receiver, table, session, metrics
+        self.device, self.rows, self.attention, self.mask_cache = device, rows, attention, mask_cache
+        self.wait_timeout = wait_timeout
+        cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream() if (cuda and copy_stream) else None
+        self._in_flight: list[tuple[torch.cuda.Event, HostSlot]] = []  # (copy-done event, slot)
+        self._h2d_timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, done) of each copy
+        self.health_check: Callable[[], str | None] | None = None  # a reason to stop (e.g. a dead producer)
+
+    # -- taking batches ------------------------------------------------------------------------------
+
+    def take(self, n: int, stopping: Callable[[], bool]) -> tuple[list[HostSlot], float, str | None]:
+        """Up to n slots in consumption order, the seconds waited for them, and a reason to stop the run
+        (None to go on). Fewer than n only when every producer has finished or the run stops."""
+        got: list[HostSlot] = []
+        waited = 0.0
+        last_news = time.monotonic()
+        while len(got) < n and not stopping():
+            if self.table.all_finished():
+                break
+            t0 = time.perf_counter()
+            try:
+                item = self.receiver.ready.get(timeout=0.01)
+            except queue.Empty:
+                waited += time.perf_counter() - t0
+                self.release_done()
+                self.check_receiver()
+                if self.health_check and (problem := self.health_check()):
+                    return got, waited, problem
+                now = time.monotonic()
+                if now - last_news > 10:
+                    log.info(
+                        "waiting for batches: %d/%d producers connected",
+                        self.table.connected(now),
+                        len(self.table),
+                    )
+                    last_news = now
+                    if self.wait_timeout and waited > self.wait_timeout:
+                        return got, waited, f"no data for {waited:.0f} s"
+                continue
+            waited += time.perf_counter() - t0
+            last_news = time.monotonic()
+            self.metrics.ready_slots.set(self.receiver.ready.qsize())
+            if isinstance(item, EndOfStream):
+                self._consume_end(item)
+            elif self._accept(item):
+                got.append(item)
+        return got, waited, None
+
+    def _accept(self, slot: HostSlot) -> bool:
+        """Consume a slot if it is the next batch of its worker; drop it otherwise."""
+        m = slot.meta
+        assert m is not None
+        w = self.table[m.worker]
+        if m.session != self.session:
+            self.metrics.stale.labels("old_session").inc()
+        elif m.seq <= w.last_seq:
+            self.metrics.stale.labels("duplicate").inc()
+        elif m.seq > w.last_seq + 1:
+            self.metrics.stale.labels("gap").inc()
+            log.warning(
+                "worker %d sent seq %d, expected %d: asking it to resend", m.worker, m.seq, w.last_seq + 1
+            )
+            self.receiver.force_reset(m.worker)
+        else:
+            self.table.consumed(m.worker, m.seq, m.cursor)
+            return True
+        self.receiver.release(slot)
+        return False
+
+    def _consume_end(self, end: EndOfStream) -> None:
+        w = self.table[end.worker]
+        if end.session == self.session and end.seq == w.last_seq + 1:
+            self.table.consumed(end.worker, end.seq, end.cursor, finished=True)
+            log.info("producer %d finished its data", end.worker)
+
+    def check_receiver(self) -> None:
+        if self.receiver.error is not None:
+            raise RuntimeError(f"receive thread failed: {self.receiver.error}") from self.receiver.error
+
+    # -- host -> device ------------------------------------------------------------------------------
+
+    def to_device(self, slot: HostSlot) -> ModelInputs:
+        tokens, lengths, seg = slot.views(self.rows)
+        out: tuple[torch.Tensor | None, ...]
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            out = (tokens.to(torch.int64), lengths.clone(), None if seg is None else seg.to(torch.int32))
+            self.metrics.h2d.observe(time.perf_counter() - t0)
+            self.receiver.release(slot)  # converted copies: the slot is free again
+        else:
+            stream = self.copy_stream or torch.cuda.current_stream()
+            with torch.cuda.stream(stream):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                out = tuple(
+                    None if t is None else t.to(self.device, non_blocking=True)
+                    for t in (tokens, lengths, seg)
+                )
+                done = torch.cuda.Event(enable_timing=True)
+                done.record(stream)
+            self._h2d_timing.append((start, done))  # read at the logging interval, once complete
+            if self.copy_stream is not None:
+                compute = torch.cuda.current_stream()
+                compute.wait_event(done)
+                # The device tensors were allocated on the copy stream but are read on the compute stream:
+                # record_stream keeps the caching allocator from handing their memory to the next copy
+                # before the compute that reads them has run. Events alone cannot express that.
+                for t in out:
+                    if t is not None:
+                        t.record_stream(compute)
+            # The pinned slot is reused only after its DMA finished: polled through the event, no sync.
+            self._in_flight.append((done, slot))
+        tokens_d, lengths_d, seg_d = out
+        assert tokens_d is not None and lengths_d is not None
+        return build_inputs(tokens_d, lengths_d, seg_d, attention=self.attention, mask_cache=self.mask_cache)
+
+    def observe_h2d(self) -> None:
+        """Record the copy times of completed copies (at the logging interval: events are not synced)."""
+        pending = []
+        for start, done in self._h2d_timing:
+            if done.query():
+                self.metrics.h2d.observe(start.elapsed_time(done) / 1e3)
+            else:
+                pending.append((start, done))
+        self._h2d_timing = pending
+
+    def release_done(self) -> None:
+        keep = []
+        for ev, slot in self._in_flight:
+            if ev.query():
+                self.receiver.release(slot)
+            else:
+                keep.append((ev, slot))
+        self._in_flight = keep

@@ -1,0 +1,79 @@
+"""What the trainer tells people: the end-of-run summary, the live status line, and MFU's denominator."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+
+# Dense bf16 peak FLOP/s by card name (substring of torch.cuda.get_device_name), for MFU; the benchmarks use
+# the same table. H100/H200 SXM: 989 TFLOP/s.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "4090": 165e12}
+
+
+def peak_flops(device_name: str) -> float:
+    """The card's dense bf16 peak, 0.0 where unknown (MFU then stays 0)."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in device_name), 0.0)
+
+
+@dataclass
+class Summary:
+    steps: int = 0
+    tokens: int = 0
+    pad_tokens: int = 0
+    seconds: float = 0.0
+    data_wait_seconds: float = 0.0
+    first_loss: float = float("nan")
+    last_loss: float = float("nan")
+    losses: list[float] = field(default_factory=list)
+    rejected: int = 0
+    stale: int = 0
+    compiled_graphs: int = 0
+    stopped_by: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def padding_efficiency(self) -> float:
+        total = self.tokens + self.pad_tokens
+        return self.tokens / total if total else 0.0
+
+    @property
+    def data_wait_fraction(self) -> float:
+        return self.data_wait_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            tokens_per_second=self.tokens_per_second,
+            padding_efficiency=self.padding_efficiency,
+            data_wait_fraction=self.data_wait_fraction,
+        )
+        return d
+
+    def render(self) -> str:
+        return (
+            f"summary: {self.steps} steps in {self.seconds:.1f} s ({self.stopped_by}) | "
+            f"loss {self.first_loss:.3f} -> {self.last_loss:.3f} | "
+            f"{self.tokens:,} tokens trained, {self.tokens_per_second:,.0f} tok/s | "
+            f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
+            f"data wait {100 * self.data_wait_fraction:.1f}% | "
+            f"dropped: {self.rejected} malformed, {self.stale} stale"
+        )
+
+
+def print_status(step: int, stats: dict, total: int, stream=sys.stderr) -> None:
+    """The compact live status: on a terminal one line rewritten in place (log lines from other
+    processes push it down), otherwise one line per logging interval, for log files."""
+    of = f"/{total}" if total else ""
+    line = (
+        f"step {step}{of} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
+        f"{stats['tokens_per_second']:,.0f} tok/s | data wait {100 * stats['data_wait']:.1f}% | "
+        f"pad eff {100 * stats['padding_efficiency']:.1f}%"
+        + (f" | scale {stats['loss_scale']:.0f}" if stats.get("loss_scale", 1.0) != 1.0 else "")
+        + (f" | MFU {100 * stats['mfu']:.1f}%" if stats.get("mfu") else "")
+    )
+    live = stream.isatty() and step != total
+    stream.write(f"\r\x1b[K{line}" if live else f"\r\x1b[K{line}\n" if stream.isatty() else f"{line}\n")
+    stream.flush()

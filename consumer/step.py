@@ -1,0 +1,112 @@
+"""One optimizer step: the LR schedule, AdamW, and forward/backward over a step's micro-batches.
+
+Loss normalisation: the loss of a step is the sum of per-token losses over all its micro-batches divided by
+the number of target tokens in all of them. That count is known on the host from the batch headers before
+any backward pass, so N micro-batches with accumulation N give exactly the update of one N-times batch,
+whatever the padding in each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import torch
+
+from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.inputs import ModelInputs
+from lmpipe.consumer.scaler import LossScaler
+
+log = logging.getLogger("lmpipe.trainer")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr over lr_decay_steps (or `steps`)."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    horizon = cfg.lr_decay_steps or cfg.steps
+    if horizon <= cfg.warmup:
+        return cfg.lr
+    t = min(1.0, (step - cfg.warmup) / (horizon - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, decaying only matrices (nanoGPT's split), fused when asked and supported."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    if cfg.fused_adamw:
+        try:
+            return torch.optim.AdamW(groups, fused=True, **kwargs)
+        except (RuntimeError, TypeError) as exc:  # e.g. a device without a fused kernel
+            log.warning("fused AdamW unavailable (%s); using the foreach implementation", exc)
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+class StepRunner:
+    """Forward/backward over a step's micro-batches and one optimizer step. Returns device tensors only."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: TrainConfig,
+        autocast_dtype,
+        scaler: LossScaler | None = None,
+    ):
+        self.model, self.optimizer, self.cfg = model, optimizer, cfg
+        self.device_type = next(model.parameters()).device.type
+        self.autocast_dtype = autocast_dtype
+        self.scaler = scaler
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def step(self, micro: list[ModelInputs], n_targets: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (summed loss over all targets, grad norm before clipping)."""
+        self.model.train()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        denom = float(max(n_targets, 1))
+        loss_sum = torch.zeros((), device=micro[0].idx.device)
+        for inp in micro:
+            with self._autocast():
+                _, loss = self.model(inp.idx, inp.pos, inp.attn, inp.targets)
+            scaled = loss / denom
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            loss_sum += loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        if self.cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None])
+            )
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # skipped on the device when gradients overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
+    return dev
+
+
+def resolve_precision(name: str, device: torch.device):
+    if name == "auto":
+        name = "bf16" if device.type == "cuda" else "fp32"
+    return name, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
