@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -56,8 +57,10 @@ class StepRunner:
         cfg: TrainConfig,
         autocast_dtype,
         scaler: LossScaler | None = None,
+        no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
+        self.no_sync = no_sync  # DDP: skip the gradient all-reduce on all but a step's last micro-batch
         self.device_type = next(model.parameters()).device.type
         self.autocast_dtype = autocast_dtype
         self.scaler = scaler
@@ -67,18 +70,22 @@ class StepRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
-    def step(self, micro: list[ModelInputs], n_targets: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (summed loss over all targets, grad norm before clipping)."""
+    def step(self, micro: list[ModelInputs], denom: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over `micro`, the summed loss divided by `denom` (the step's target tokens;
+        under DDP, which averages gradients over R ranks, all ranks' targets / R). Returns (summed loss
+        over this rank's targets, grad norm before clipping)."""
         self.model.train()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        denom = float(max(n_targets, 1))
+        denom = denom if denom > 0 else 1.0
         loss_sum = torch.zeros((), device=micro[0].idx.device)
-        for inp in micro:
-            with self._autocast():
-                _, loss = self.model(inp.idx, inp.pos, inp.attn, inp.targets)
-            scaled = loss / denom
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        for i, inp in enumerate(micro):
+            last = i == len(micro) - 1
+            with self.no_sync() if (self.no_sync and not last) else contextlib.nullcontext():
+                with self._autocast():
+                    _, loss = self.model(inp.idx, inp.pos, inp.attn, inp.targets)
+                scaled = loss / denom
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
@@ -97,10 +104,13 @@ class StepRunner:
         return loss_sum, norm
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """`local_rank` (under torchrun) picks the GPU of a bare `cuda` or `auto`."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None and local_rank is not None:
+        dev = torch.device("cuda", local_rank)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
     return dev

@@ -12,15 +12,17 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from lmpipe.consumer.checkpoint import CheckpointError, CheckpointManager, load, resolve_resume
 from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
-from lmpipe.consumer.inputs import MaskCache
+from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
 from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
 from lmpipe.consumer.receiver import Receiver, WorkerTable
 from lmpipe.consumer.report import Summary, peak_flops
@@ -39,11 +41,14 @@ log = logging.getLogger("lmpipe.trainer")
 class Trainer:
     def __init__(self, pcfg: PipelineConfig, tcfg: TrainConfig):
         check_bind(pcfg.host, pcfg.trusted_network, pcfg.curve_dir)
+        self.dist = from_env(tcfg.device)
+        if self.dist.enabled:
+            pcfg, tcfg = self._per_rank(pcfg, tcfg)
         self.pcfg, self.cfg = pcfg, tcfg
         if tcfg.threads > 0:
             torch.set_num_threads(tcfg.threads)
         torch.manual_seed(tcfg.seed)
-        self.device = resolve_device(tcfg.device)
+        self.device = resolve_device(tcfg.device, self.dist.local_rank if self.dist.enabled else None)
         self.precision, self.autocast_dtype = resolve_precision(tcfg.precision, self.device)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = tcfg.tf32
@@ -71,15 +76,23 @@ class Trainer:
         self._graphs = self._graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         if self.scaler is not None and not getattr(self.optimizer, "_step_supports_amp_scaling", False):
             log.warning("fp16 with a non-fused optimizer: the scaler reads found_inf on the host every step")
-        self.step_model = self.model
+        self.step_model: torch.nn.Module = self.model
+        no_sync = None
+        if self.dist.enabled:
+            ddp = DistributedDataParallel(
+                self.model, device_ids=[self.device] if self.device.type == "cuda" else None
+            )
+            self.step_model, no_sync = ddp, ddp.no_sync
         if tcfg.compile and pcfg.strategy in ("bucket", "pad-batch") and pcfg.pad_multiple == 1:
             log.warning("--compile with --strategy %s: every row width is a new graph; "
                         "bound them with --pad-multiple (e.g. 64)", pcfg.strategy)  # fmt: skip
         if tcfg.compile:
             # one graph per row width: pack/pad have one, bucket/pad-batch as many as --pad-multiple allows
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-            self.step_model = torch.compile(self.model, dynamic=False)
-        self.runner = StepRunner(self.step_model, self.optimizer, tcfg, self.autocast_dtype, self.scaler)
+            self.step_model = torch.compile(self.step_model, dynamic=False)
+        self.runner = StepRunner(
+            self.step_model, self.optimizer, tcfg, self.autocast_dtype, self.scaler, no_sync=no_sync
+        )
         self.metrics = TrainerMetrics()
         for w in range(pcfg.producers):
             self.metrics.received.labels(str(w))
@@ -118,6 +131,25 @@ class Trainer:
             }
         )
 
+    def _per_rank(self, pcfg: PipelineConfig, tcfg: TrainConfig) -> tuple[PipelineConfig, TrainConfig]:
+        """Rank r of R (torchrun) binds port + 2r, serves metrics after the lower ranks' trainer and
+        producers, logs its documents to its own file, and expects producers of rank r."""
+        r, world = self.dist.rank, self.dist.world_size
+        if pcfg.world_size not in (1, world) or (pcfg.world_size == world and pcfg.rank not in (0, r)):
+            raise ValueError(
+                f"--rank/--world-size {pcfg.rank}/{pcfg.world_size} disagree with torchrun's {r}/{world}; "
+                "leave them out under torchrun"
+            )
+        pcfg = replace(pcfg, rank=r, world_size=world, port=pcfg.port + 2 * r)
+        metrics = tcfg.metrics_port
+        if metrics:  # 0 (any free port) and -1/None (off) stay as they are
+            metrics += r * (pcfg.producers + 1)
+        doc_log = tcfg.doc_log
+        if doc_log:
+            path = Path(doc_log)
+            doc_log = str(path.with_name(f"{path.stem}.rank{r}{path.suffix}"))
+        return pcfg, replace(tcfg, metrics_port=metrics, doc_log=doc_log)
+
     # -- checkpoints ---------------------------------------------------------------------------------
 
     def _identity(self) -> dict:
@@ -126,21 +158,27 @@ class Trainer:
             "model": asdict(self.model.config),
             "tokenizer": self.tok.hash,
             "vocab_size": self.tok.vocab_size,
-            "stream": self.pcfg.stream_fields(),
+            # every rank's cursors are in the checkpoint: it must match the world size, not the rank
+            "stream": replace(self.pcfg, rank=0).stream_fields(),
             "precision": self.precision,
         }
 
     def save_checkpoint(self) -> Path | None:
+        """Every rank calls this at the same step; rank 0 writes, with every rank's producer cursors."""
         if self.checkpoints is None:
             return None
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        by_rank = self.dist.gather(self.table.state_dict())
+        if not self.dist.is_main:
+            self.dist.barrier()  # rank 0 is writing
+            return None
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
-            "workers": self.table.state_dict(),
+            "workers_by_rank": by_rank,
             "rng": {"torch": torch.get_rng_state()},
         }
         if self.scaler is not None:
@@ -155,6 +193,7 @@ class Trainer:
         path = self.checkpoints.save(self.step, header, state)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+        self.dist.barrier()
         return path
 
     def _restore(self, ck) -> None:
@@ -169,7 +208,9 @@ class Trainer:
             self.scaler.load_state_dict(st["scaler"])
             self._published = self.scaler.counters()
         self.step = int(st["step"])
-        self.table.load_state_dict(st["workers"])
+        # "workers" (one rank) is how checkpoints of lmpipe 0.1.0 hold the cursors
+        by_rank = st.get("workers_by_rank") or [st["workers"]]
+        self.table.load_state_dict(by_rank[self.dist.rank])
         torch.set_rng_state(st["rng"]["torch"])
         if "cuda" in st["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(st["rng"]["cuda"], self.device)
@@ -245,6 +286,7 @@ class Trainer:
             self.receiver.stop(reason=self._stop_reason or "training finished")
             if self._doc_log:
                 self._doc_log.close()
+            self.dist.close()
 
     def _run(self, progress) -> Summary:
         cfg, m = self.cfg, self.metrics
@@ -262,20 +304,24 @@ class Trainer:
             if problem:
                 log.error("%s; stopping", problem)
                 self._stop_reason = problem
-            if not slots:
+            n_targets = sum(s.meta.n_targets for s in slots)
+            # ranks step together: on the targets of all of them, while any has data, until any stops
+            all_targets, any_data, any_stop = self.dist.agree(n_targets, bool(slots), bool(self._stop_reason))
+            if any_stop and not self._stop_reason:
+                self._stop_reason = "another rank stopped"
+            if not any_data:
                 break
             if run_start is None:  # the clock starts with the first batch, not with the producers' start-up
                 run_start = interval_start = time.perf_counter()
                 waited = 0.0
             t0 = time.perf_counter()
-            n_targets = sum(s.meta.n_targets for s in slots)
             real = sum(s.meta.real_tokens for s in slots)
             pad = sum(s.meta.pad_tokens for s in slots)
             if self._doc_log:
                 self._log_docs(slots)
-            micro = [self.feed.to_device(s) for s in slots]
+            micro = [self.feed.to_device(s) for s in slots] or [self._empty_inputs()]
             lr = lr_at(self.step, cfg)
-            loss_sum, norm = self.runner.step(micro, n_targets, lr)
+            loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
             self.step += 1
             loss_acc += loss_sum
             targets_acc += n_targets
@@ -296,7 +342,11 @@ class Trainer:
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
             if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                loss = (loss_acc / max(targets_acc, 1)).item()  # the one host sync of the interval
+                # the one host sync of the interval (and, under torchrun, one exchange of host scalars)
+                loss_all, targets_all, tokens_all = self.dist.sum(
+                    [loss_acc.item(), targets_acc, interval_tokens]
+                )
+                loss = loss_all / max(targets_all, 1)
                 now = time.perf_counter()
                 dt = now - interval_start
                 stats = {
@@ -313,8 +363,10 @@ class Trainer:
                 }
                 self._publish(stats, flops_per_token)
                 summary.losses.append(loss)
-                if progress:
-                    progress(self.step, stats)
+                if not self.dist.is_main:
+                    pass  # rank 0 speaks for the job
+                elif progress:
+                    progress(self.step, {**stats, "tokens_per_second": tokens_all / dt if dt > 0 else 0.0})
                 else:
                     log.info(
                         "step %d | loss %.4f | lr %.2e | %.0f tok/s | data wait %.1f%%",
@@ -328,14 +380,21 @@ class Trainer:
                 targets_acc = interval_tokens = 0
                 interval_wait = 0.0
                 interval_start, interval_step = now, self.step
-        if targets_acc:  # the tail interval
-            summary.losses.append((loss_acc / targets_acc).item())
-        if self.checkpoints is not None and self.step and self.checkpoints.latest_step() != self.step:
-            self.save_checkpoint()  # at the end, and after SIGTERM/SIGINT once the current step is done
+        loss_all, targets_all = self.dist.sum([loss_acc.item(), targets_acc])
+        if targets_all:  # the tail interval
+            summary.losses.append(loss_all / targets_all)
+        # at the end, and after SIGTERM/SIGINT once the current step is done (rank 0 decides for all)
+        unsaved = self.checkpoints is not None and self.step and self.checkpoints.latest_step() != self.step
+        if self.dist.broadcast(unsaved):
+            self.save_checkpoint()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         end = time.perf_counter()
         summary.steps = self.step
+        if self.dist.enabled:  # the summary speaks for the whole job
+            summary.tokens, summary.pad_tokens = (
+                int(v) for v in self.dist.sum([summary.tokens, summary.pad_tokens])
+            )
         summary.seconds = end - run_start if run_start else 0.0
         summary.first_loss = summary.losses[0] if summary.losses else float("nan")
         summary.last_loss = summary.losses[-1] if summary.losses else float("nan")
@@ -349,6 +408,17 @@ class Trainer:
         else:
             summary.stopped_by = "end of data"
         return summary
+
+    def _empty_inputs(self) -> ModelInputs:
+        """A batch with no targets, for a rank whose producers are done while other ranks still train:
+        under DDP every rank must run the backward that all-reduces the gradients (it adds zeros)."""
+        B, T = self.pcfg.batch_size, self.pcfg.seq_len
+        tokens = torch.zeros(B, T, dtype=torch.long, device=self.device)
+        lengths = torch.zeros(B, dtype=torch.int32, device=self.device)
+        seg = (
+            torch.zeros(B, T, dtype=torch.int32, device=self.device) if self.pcfg.strategy == "pack" else None
+        )
+        return build_inputs(tokens, lengths, seg, attention=self.cfg.attention, mask_cache=self.mask_cache)
 
     def _count_compiles(self) -> None:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

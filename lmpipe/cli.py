@@ -316,7 +316,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     trainer = Trainer(cfg, tcfg)
     _trainer_signals(trainer)
     summary = trainer.run(progress=lambda step, st: print_status(step, st, tcfg.steps))
-    report(summary, ns.summary_json)
+    if trainer.dist.is_main:  # under torchrun, rank 0 reports for the job
+        report(summary, ns.summary_json)
     if not trainer.interrupted:
         linger(ns.metrics_linger)
     return 0

@@ -76,7 +76,8 @@ def run_local(ns: argparse.Namespace) -> int:
     tcfg = train_config_from_args(ns, ns.metrics_port)
     trainer = Trainer(cfg, tcfg)  # builds the model first: a bad flag fails before any process starts
     _trainer_signals(trainer)
-    procs = spawn_producers(ns, cfg, ns.metrics_port)
+    # under torchrun the trainer is one rank: its producers get that rank's share, port and metrics ports
+    procs = spawn_producers(ns, trainer.pcfg, trainer.cfg.metrics_port)
     log.info("started %d producer process(es): pids %s", len(procs), " ".join(str(p.pid) for p in procs))
 
     def producers_alive() -> str | None:
@@ -88,7 +89,8 @@ def run_local(ns: argparse.Namespace) -> int:
     trainer.health_check = producers_alive
     try:
         summary = trainer.run(progress=lambda step, st: print_status(step, st, tcfg.steps))
-        report(summary, ns.summary_json)
+        if trainer.dist.is_main:  # under torchrun, rank 0 reports for the job
+            report(summary, ns.summary_json)
         if not trainer.interrupted:
             linger(ns.metrics_linger)  # the producers linger as long, side by side
     finally:

@@ -242,4 +242,3 @@ def document(seed: int, index: int) -> str:
     n = max(1, min(400, int(math.exp(r.gauss(1.8, 1.0)))))
     kind = r.choices(("report", "story", "letter", "note", "recipe"), weights=(3, 4, 2, 2, 1))[0]
     return _recipe(r, n) if kind == "recipe" else _prose(r, n, kind)
-

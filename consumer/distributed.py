@@ -1,0 +1,94 @@
+"""Data parallelism under `torchrun`: one trainer rank per GPU, each with its own receiver and producers.
+
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; rank r binds the trainer's port + 2r (data, control) and is fed
+by producers started with `--rank r --world-size R` (which own a disjoint share of the corpus). Gradients
+are averaged by DDP over NCCL (gloo on CPU). Host-side agreement, once per step, goes over a separate gloo
+group so that it never waits on the GPU: the step's target-token count summed over ranks (the loss is
+normalised by it, so R ranks make exactly the update one GPU would make on the union of their batches), and
+whether every rank still has data and nobody asked to stop (ranks stop together, or NCCL would hang).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    host_group: Any = field(default=None, repr=False)  # gloo group for host scalars
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, targets: int, has_data: bool, stopping: bool) -> tuple[int, bool, bool]:
+        """(targets summed over ranks, does any rank have data, does any rank want to stop)."""
+        if not self.enabled:
+            return targets, has_data, stopping
+        t = torch.tensor([targets, int(has_data), int(stopping)], dtype=torch.int64)
+        dist.all_reduce(t, group=self.host_group)
+        return int(t[0]), bool(t[1]), bool(t[2])
+
+    def sum(self, values: list[float]) -> list[float]:
+        if not self.enabled:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.host_group)
+        return t.tolist()
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` on rank 0 (None elsewhere)."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0, group=self.host_group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.host_group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.host_group)
+
+    def close(self) -> None:
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def from_env(device: str) -> Dist:
+    """The torchrun world this process is part of (a world of one without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    # The first step waits for every rank's producers; don't let NCCL's watchdog call that a hang.
+    timeout = datetime.timedelta(minutes=30)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        timeout=timeout,
+        device_id=torch.device("cuda", local_rank) if cuda else None,
+    )
+    host = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
+    return Dist(rank, world, local_rank, host)

@@ -1,0 +1,173 @@
+"""Several trainer ranks under torchrun (gloo on CPU; NCCL is the same code on GPUs): each rank with its
+own producers and a disjoint share of the corpus, every document trained once, one update per step for the
+whole job, checkpoints that hold every rank's cursors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.distributed import Dist
+from lmpipe.consumer.inputs import build_inputs
+from lmpipe.consumer.model import IGNORE
+from lmpipe.consumer.step import StepRunner
+from tests.conftest import REPO, lmpipe_env
+from tests.test_e2e import assert_exactly_once, builtin_lengths, read_doc_log
+from tests.test_resume import doc_log_entries
+
+DOCS = 240
+COMMON = ["--producers", "1", "--epochs", "1", "--builtin-docs", str(DOCS), "--seq-len", "64",
+          "--metrics-port", "-1", "--log-every", "5", "--threads", "1"]  # fmt: skip
+
+
+def micro_batches() -> list[tuple[torch.Tensor, torch.Tensor, None]]:
+    """Two micro-batches with different numbers of targets (unequal shares must still weigh per token)."""
+    g = torch.Generator().manual_seed(7)
+    return [
+        (torch.randint(0, 97, (2, 32), generator=g), torch.tensor([32, 9], dtype=torch.int32), None),
+        (torch.randint(0, 97, (2, 32), generator=g), torch.tensor([5, 20], dtype=torch.int32), None),
+    ]
+
+
+def one_step(rank: int, world: int, init: str, out: str) -> None:
+    """Rank `rank` of `world` (world 1: one process accumulating every micro-batch) takes one SGD step."""
+    from tests.test_model import tiny_model
+
+    if world > 1:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    model = tiny_model(seed=3).train()
+    inputs = [build_inputs(*b) for b in (micro_batches() if world == 1 else [micro_batches()[rank]])]
+    targets = sum(int((inp.targets != IGNORE).sum()) for inp in inputs)
+    d = Dist(rank, world, rank, dist.group.WORLD if world > 1 else None)
+    all_targets, _, _ = d.agree(targets, True, False)
+    ddp = DistributedDataParallel(model) if world > 1 else None
+    # SGD: the update is the gradient itself, so any difference in the reduced gradient shows
+    runner = StepRunner(
+        ddp or model, torch.optim.SGD(model.parameters(), lr=1.0), TrainConfig(grad_clip=0.0), None
+    )  # clipping would hide a scale error
+    runner.step(inputs, all_targets / world, lr=1.0)
+    if rank == 0:
+        torch.save([p.detach() for p in model.parameters()], out)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def test_ranks_make_the_update_of_one_process_over_all_their_batches(tmp_path):
+    one_step(0, 1, "", str(tmp_path / "one.pt"))
+    mp.spawn(one_step, args=(2, f"file://{tmp_path / 'rdzv'}", str(tmp_path / "ddp.pt")), nprocs=2)
+    single = torch.load(tmp_path / "one.pt")
+    ranks = torch.load(tmp_path / "ddp.pt")
+    assert not torch.equal(single[0], tiny_model_params()[0]), "the step changed the weights"
+    for a, b in zip(single, ranks):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def tiny_model_params() -> list[torch.Tensor]:
+    from tests.test_model import tiny_model
+
+    return [p.detach() for p in tiny_model(seed=3).parameters()]
+
+
+def lmpipe(tmp: Path, name: str, *args: str, nproc: int = 0, timeout: float = 240) -> tuple[int, str]:
+    """`lmpipe ARGS`, under torchrun with `nproc` ranks when nproc > 0; returns (exit code, output)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, *(launcher if nproc else []), "-m", "lmpipe", *args]
+    out = tmp / f"{name}.log"
+    with open(out, "wb") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=lmpipe_env(),
+                             start_new_session=True)  # fmt: skip
+        try:
+            rc = p.wait(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return rc, out.read_text(errors="replace")
+
+
+def rank_logs(tmp: Path, stem: str) -> list[Path]:
+    return sorted(tmp.glob(f"{stem}.rank*.jsonl"))
+
+
+@pytest.mark.slow
+def test_two_ranks_train_every_document_once_and_learn_like_one(tmp_path, port, tok):
+    rc, text = lmpipe(tmp_path, "ddp", "run", *COMMON, "--batch-size", "4", "--steps", "0", "--port", str(port),
+                      "--doc-log", str(tmp_path / "docs.jsonl"), "--summary-json", str(tmp_path / "ddp.json"),
+                      nproc=2)  # fmt: skip
+    assert rc == 0, text[-3000:]
+    logs = rank_logs(tmp_path, "docs")
+    assert [p.name for p in logs] == ["docs.rank0.jsonl", "docs.rank1.jsonl"]
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    per_rank = []
+    for p in logs:
+        mine = read_doc_log(p)
+        per_rank.append(set(mine))
+        for did, parts in mine.items():
+            pieces.setdefault(did, []).extend(parts)
+    assert per_rank[0] and per_rank[1] and not per_rank[0] & per_rank[1], "each rank has its own share"
+    assert_exactly_once(pieces, builtin_lengths(tok, DOCS))
+    ddp = json.loads((tmp_path / "ddp.json").read_text())  # written by rank 0 only, for the whole job
+    assert ddp["stopped_by"] == "end of data" and ddp["tokens"] == sum(
+        n for n in builtin_lengths(tok, DOCS).values()
+    )
+
+    # one rank with the same global batch (2 x 4 rows) sees the same documents and learns as far
+    rc, text = lmpipe(tmp_path, "one", "run", *COMMON, "--batch-size", "8", "--steps", "0", "--port", str(port),
+                      "--summary-json", str(tmp_path / "one.json"))  # fmt: skip
+    assert rc == 0, text[-3000:]
+    one = json.loads((tmp_path / "one.json").read_text())
+    assert ddp["tokens"] == one["tokens"]
+    assert abs(ddp["steps"] - one["steps"]) <= 2  # the ranks' shares end within a step or two of each other
+    assert one["first_loss"] - one["last_loss"] > 1.0, "the model learns"
+    # the same curve up to data order (the exact equality of one update is the test above)
+    tail = [sum(run["losses"][-4:]) / 4 for run in (ddp, one)]
+    assert abs(tail[0] - tail[1]) < 0.15 * tail[1], (ddp["losses"], one["losses"])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_holds_every_ranks_cursors(tmp_path, port, tok):
+    ck = tmp_path / "ck"
+    args = [
+        *COMMON,
+        "--batch-size",
+        "4",
+        "--port",
+        str(port),
+        "--checkpoint-dir",
+        str(ck),
+        "--resume",
+        "auto",
+    ]
+    rc, text = lmpipe(tmp_path, "first", "run", *args, "--steps", "12", "--checkpoint-every", "6",
+                      "--doc-log", str(tmp_path / "a.jsonl"), nproc=2)  # fmt: skip
+    assert rc == 0, text[-3000:]
+    state = json.loads((ck / "step-00000012" / "header.json").read_text())
+    assert state["stream"]["world_size"] == 2
+
+    # a different world size is refused before anything is loaded, naming the field
+    rc, text = lmpipe(tmp_path, "single", "run", *args, "--steps", "0")
+    assert rc == 2 and "world_size: checkpoint has 2, this run has 1" in text, text[-3000:]
+    assert "Traceback" not in text
+
+    rc, text = lmpipe(tmp_path, "second", "run", *args, "--steps", "0", "--doc-log", str(tmp_path / "b.jsonl"),
+                      nproc=2)  # fmt: skip
+    assert rc == 0 and "resumed from" in text, text[-3000:]
+    pieces: dict[int, list[tuple[int, int]]] = {}
+    for stem in ("a", "b"):
+        for p in rank_logs(tmp_path, stem):
+            for e in doc_log_entries(p):
+                for b in e["batches"]:
+                    for did, start, n in b["docs"]:
+                        pieces.setdefault(did, []).append((start, n))
+    assert_exactly_once(pieces, builtin_lengths(tok, DOCS))
