@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|loss-memory|all] [extra benchmark args...]
+#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|loss-memory|ddp|all] [extra benchmark args...]
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
 # On the team's lent GPU machine pyzmq and liger-kernel come as wheels in .whl/ (see README, Development),
 # and WikiText-2 as a copy in .benchdata/.
@@ -17,6 +17,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || { ec
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export LMPIPE_WIKITEXT=${LMPIPE_WIKITEXT:-$PWD/.benchdata}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+# NVLink multicast stays off on shared GPU hosts (it can take every GPU of the host out of service)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stage=${1:-all}
 shift || true
 
@@ -40,7 +42,8 @@ case $stage in
     precision|all) run precision python3 -m bench.precision --out "$OUT" "$@" ;;&
     resume|all) run resume python3 -m bench.resume --out "$OUT" "$@" ;;&
     loss-memory|all) run loss-memory python3 -m bench.loss_memory --out "$OUT" "$@" ;;&
-    tests|ceiling|ablation|precision|resume|loss-memory|all) ;;
+    ddp) run ddp python3 -m bench.ddp --out "$OUT" "$@" ;;&
+    tests|ceiling|ablation|precision|resume|loss-memory|ddp|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

@@ -1,0 +1,112 @@
+"""Several GPUs: GPT-2 124M tokens/s per GPU at N = 1, 2, 4 ranks, back to back on one machine, and the loss
+of N ranks against one GPU with the same global batch (--accum N).
+
+    python -m bench.ddp                 # N = 1, 2, 4 (as many as the machine has), 4 producers per rank
+
+Each run is the real job: `torchrun --standalone --nproc-per-node N -m lmpipe run` with every rank fed by
+its own producers from WikiText-2 shards. Steady-state tokens/s is the median of the status lines' interval
+rates after --warmup steps (compilation excluded). Writes bench/results/ddp-<date>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import table, write_result
+from bench.trainbench import apply_smoke, bench_data, common_args
+
+STATUS = re.compile(r"^step (\d+)/\d+ \| loss [\d.]+ .*\| ([\d,]+) tok/s \| data wait ([\d.]+)%", re.M)
+# NVLink multicast stays off on shared machines (the device README); torchrun's children inherit these
+SAFE_NCCL = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def run(n: int, accum: int, args, tok: str, shards: str, port: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = Path(tmp) / "summary.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+               "-m", "lmpipe", "run", "--data", shards, "--tokenizer", tok, "--model", args.model,
+               "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--accum", str(accum),
+               "--producers", str(args.producers), "--steps", str(steps), "--precision", args.precision,
+               "--vocab-size", str(args.vocab_size), "--lr", "6e-4", "--warmup", "10", "--log-every", "10",
+               "--port", str(port), "--metrics-port", "-1", "--summary-json", str(summary)]  # fmt: skip
+        if args.compile:
+            cmd.append("--compile")
+        env = {**os.environ, **SAFE_NCCL, "TOKENIZERS_PARALLELISM": "true"}
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        wall = time.perf_counter() - t0
+        if out.returncode != 0:
+            sys.stderr.write(out.stdout[-4000:] + out.stderr[-4000:])
+            raise SystemExit(f"N={n} accum={accum}: exit {out.returncode}")
+        lines = [(int(s), float(r.replace(",", "")), float(w)) for s, r, w in STATUS.findall(out.stdout + out.stderr)]
+        steady = [r for s, r, _ in lines if s > args.warmup]
+        waits = [w for s, _, w in lines if s > args.warmup]
+        result = json.loads(summary.read_text())
+    tps = statistics.median(steady) if steady else 0.0
+    return {
+        "n": n, "accum": accum, "tokens_per_second": tps, "per_gpu": tps / n,
+        "data_wait": statistics.mean(waits) if waits else 0.0, "wall": wall,
+        "tail_loss": statistics.mean(result["losses"][-3:]), "losses": result["losses"],
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(p)
+    p.add_argument(
+        "--ranks", default="1,2,4", help="world sizes to measure (those above the GPU count skipped)"
+    )
+    p.add_argument("--loss-steps", type=int, default=200, help="steps of the loss comparison (0: skip it)")
+    p.add_argument("--timeout", type=float, default=540)
+    args = apply_smoke(p.parse_args())
+    gpus = torch.cuda.device_count() or 2  # CPU (gloo): --smoke checks the script with 2 ranks
+    ranks = [n for n in map(int, args.ranks.split(",")) if n <= gpus]
+    tok, shards = bench_data(Path(args.work), vocab=min(args.vocab_size or 4096, 32768))
+    port = 47300
+    steps = args.warmup + args.steps
+    rows, results = [], {}
+    for n in ranks:
+        r = run(n, 1, args, tok, shards, port, steps)
+        results[n] = r
+        base = results[ranks[0]]["per_gpu"] * n
+        rows.append([n, r["tokens_per_second"], r["per_gpu"], r["tokens_per_second"] / base if base else 0.0,
+                     r["data_wait"], r["wall"]])  # fmt: skip
+        print(rows[-1], flush=True)
+    body = (
+        f"{args.model}, T={args.seq_len}, {args.batch_size} rows per rank, {args.precision}, "
+        f"compile={args.compile}, {args.producers} producers per rank from WikiText-2 shards, pack. "
+        f"tokens/s: median of 10-step intervals after {args.warmup} warm-up steps, {args.steps} more.\n\n"
+        + table(
+            ["ranks (GPUs)", "tokens/s", "tokens/s per GPU", f"vs {ranks[0]} x N", "data wait %", "wall s"],
+            rows,
+        )  # fmt: skip
+    )
+    if args.loss_steps and len(ranks) > 1:
+        n = ranks[-1]
+        multi = run(n, 1, args, tok, shards, port, args.loss_steps)
+        single = run(1, n, args, tok, shards, port, args.loss_steps)
+        diff = abs(multi["tail_loss"] - single["tail_loss"]) / single["tail_loss"]
+        body += (
+            f"\n\nLoss after {args.loss_steps} steps, same global batch ({n} x {args.batch_size} rows): "
+            f"{n} ranks {multi['tail_loss']:.4f}, 1 rank with --accum {n} {single['tail_loss']:.4f} "
+            f"(mean of the last 3 logged intervals; {100 * diff:.2f}% apart; data order differs by rank).\n"
+            f"\n{n} ranks: {' '.join(f'{x:.3f}' for x in multi['losses'])}\n"
+            f"\n1 rank:  {' '.join(f'{x:.3f}' for x in single['losses'])}\n"
+        )
+    print(body)
+    write_result("ddp", "Several GPUs: tokens/s per GPU and loss against one GPU", body, args.out)
+
+
+if __name__ == "__main__":
+    main()
