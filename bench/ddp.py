@@ -76,7 +76,7 @@ def main() -> None:
     port = 47300
     steps = args.warmup + args.steps
     rows, results = [], {}
-    for n in ranks:
+    for n in ranks if args.steps > 0 else []:  # --steps 0: the loss comparison alone
         r = run(n, 1, args, tok, shards, port, steps)
         results[n] = r
         base = results[ranks[0]]["per_gpu"] * n
@@ -92,7 +92,7 @@ def main() -> None:
             rows,
         )  # fmt: skip
     )
-    if args.loss_steps and len(ranks) > 1:
+    if args.loss_steps and ranks[-1] > 1:
         n = ranks[-1]
         multi = run(n, 1, args, tok, shards, port, args.loss_steps)
         single = run(1, n, args, tok, shards, port, args.loss_steps)
