@@ -111,19 +111,25 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Trunk(nn.Module):
+    """Embeddings, blocks and final norm. Registered in the order of nanoGPT's ModuleDict it replaces, so
+    checkpoint keys (transformer.wte.weight, ...), parameter order and initialisation are unchanged; a
+    module of its own so that each part has a type."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-                drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-            )
-        )
+        self.transformer = Trunk(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.grad_checkpointing = False

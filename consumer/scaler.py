@@ -71,12 +71,14 @@ class LossScaler:
         self._overflows += self._found_inf
         self._skipped += self._found_inf
         if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused: the kernel skips on found_inf
-            optimizer.grad_scale = None  # gradients are already unscaled
-            optimizer.found_inf = self._found_inf
+            # torch's fused optimizers read these two attributes (GradScaler's protocol); Optimizer does
+            # not declare them, hence the ignores
+            optimizer.grad_scale = None  # type: ignore[attr-defined]  # gradients are already unscaled
+            optimizer.found_inf = self._found_inf  # type: ignore[attr-defined]
             try:
                 out = optimizer.step(*args, **kwargs)
             finally:
-                del optimizer.grad_scale, optimizer.found_inf
+                del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
         elif self._found_inf.item() == 0:  # a non-fused optimizer has to be told on the host
             out = optimizer.step(*args, **kwargs)
         else:

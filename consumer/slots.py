@@ -54,7 +54,7 @@ class HostSlot:
         self._np_tokens[: B * L] = batch.tokens.reshape(-1)
         self._np_lengths[:B] = batch.lengths
         self.has_seg = batch.seg is not None
-        if self.has_seg:
+        if batch.seg is not None:
             self._np_seg[: B * L] = batch.seg.reshape(-1)
         self.meta = SlotMeta(
             worker=worker,

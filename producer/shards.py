@@ -137,7 +137,7 @@ class ShardSet:
         if m.get("dtype") not in ("uint16", "int32"):
             raise ShardError(f"{meta_file}: dtype {m.get('dtype')!r} is not uint16 or int32")
         dtype = np.dtype(m["dtype"]).newbyteorder("<")
-        self.tokens: list[np.memmap] = []
+        self.tokens: list[np.ndarray] = []  # memmaps, or an empty array for an empty shard
         offsets, rids = [], []
         for k, sh in enumerate(m["shards"]):
             files = {n: self.path / sh["files"][n]["name"] for n in ("tokens", "index", "rids")}

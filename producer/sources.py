@@ -35,7 +35,7 @@ BadRecordHook = Callable[[str, str, str], None]
 class Record:
     rid: int  # record id: index across the corpus
     text: str | None = None
-    ids: list[int] | None = None
+    ids: list[int] | np.ndarray | None = None  # a JSON record's list, or a shard's array
     where: str = ""  # file:line of the record's first line
     bad: tuple[str, str] | None = None  # (reason, detail) when the whole record is rejected
     warnings: list[tuple[str, str, str]] | None = None  # (reason, where, detail) for skipped lines inside
@@ -100,6 +100,7 @@ def _text_records(path: Path, first_rid: int, doc_split: str, max_line_bytes: in
         if not lines and not warnings:
             start = lineno
         if line is None:
+            assert problem is not None  # a line is skipped only for a reason
             warnings.append(problem)
         else:
             lines.append(line)

@@ -73,14 +73,14 @@ class DocStream:
 
     def _owned(self) -> Iterator[Record]:
         """Good records this worker owns, reporting bad ones (only on the first pass, not every epoch)."""
-        report = self.on_bad is not None and not self._reported
+        report = None if self._reported else self.on_bad
         for rec in self.corpus.records(self.worker_global, self.total_workers):
-            if report and rec.warnings:
+            if report is not None and rec.warnings:
                 for reason, where, detail in rec.warnings:
-                    self.on_bad(reason, where, detail)
+                    report(reason, where, detail)
             if rec.bad is not None:
-                if report:
-                    self.on_bad(rec.bad[0], rec.where, rec.bad[1])
+                if report is not None:
+                    report(rec.bad[0], rec.where, rec.bad[1])
                 continue
             yield rec
         self._reported = True

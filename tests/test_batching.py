@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,24 +11,9 @@ from hypothesis import strategies as st
 
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.producer.sources import Corpus
-from lmpipe.producer.stream import Doc, DocStream
+from lmpipe.producer.stream import DocStream
 from lmpipe.shared.batch import Batch
-
-PAD = 0
-
-
-class ListStream:
-    """A worker stream over documents given in memory (the batching code's only dependency)."""
-
-    def __init__(self, docs: list[list[int]]):
-        self.docs_ = [np.array(d, dtype=np.int64) for d in docs]
-        self.tok = SimpleNamespace(pad_id=PAD)
-        self.worker = 0
-
-    def docs(self, epoch: int, start_pos: int = 0):
-        for i in range(start_pos, len(self.docs_)):
-            yield Doc(pos=i, doc_id=1000 + i, ids=self.docs_[i])
-
+from tests.helpers import PAD, ListStream
 
 doc_lists = st.lists(st.lists(st.integers(1, 500), min_size=1, max_size=90), min_size=1, max_size=40)
 specs = st.builds(

@@ -114,7 +114,7 @@ def test_fused_cross_entropy_matches_the_plain_loss():
 def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
     from lmpipe.consumer.slots import HostSlot
     from lmpipe.producer.batching import BatchSpec, batches
-    from tests.test_batching import ListStream
+    from tests.helpers import ListStream
 
     (b,) = list(
         batches(

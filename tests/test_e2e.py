@@ -8,44 +8,20 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import zmq
 
 from lmpipe.producer import builtin_corpus
 from lmpipe.shared.tokenizer import train_tokenizer
+from tests.helpers import (
+    GARBAGE,
+    assert_exactly_once,
+    builtin_lengths,
+    push_garbage,
+    read_doc_log,
+    write_bad_corpus,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def read_doc_log(path) -> dict[int, list[tuple[int, int]]]:
-    """doc id -> [(start, length), ...] over every trained step; a torn last line is ignored."""
-    pieces: dict[int, list[tuple[int, int]]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            step = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        for b in step["batches"]:
-            for did, start, n in b["docs"]:
-                pieces.setdefault(did, []).append((start, n))
-    return pieces
-
-
-def assert_exactly_once(pieces, expected_lengths: dict[int, int]):
-    assert sorted(pieces) == sorted(expected_lengths), "every document arrived, and no other"
-    for did, parts in pieces.items():
-        covered = np.zeros(expected_lengths[did], dtype=np.int32)
-        for start, n in parts:
-            covered[start : start + n] += 1
-        assert (covered == 1).all(), f"document {did}: tokens seen {sorted(set(covered.tolist()))} times"
-
-
-def builtin_lengths(tok, n: int, seed: int = 0) -> dict[int, int]:
-    encs = tok.tokenizer.encode_batch(
-        [builtin_corpus.document(seed, i) for i in range(n)], add_special_tokens=False
-    )
-    return {i: len(e.ids) + 1 for i, e in enumerate(encs)}  # + end-of-text
 
 
 @pytest.mark.parametrize("strategy,docs", [("pack", 1500), ("pad", 300), ("pad-batch", 300), ("bucket", 300)])
@@ -119,8 +95,6 @@ def test_signal_stops_every_process_quickly(procs, port, sig):
 
 
 def test_bad_corpus_records_are_skipped_and_the_run_goes_on(procs, tmp_path, port):
-    from tests.test_sources import write_bad_corpus
-
     txt, jl = write_bad_corpus(tmp_path)
     summary = tmp_path / "s.json"
     p = procs.start(
@@ -152,18 +126,10 @@ def test_hostile_messages_are_counted_and_training_goes_on(procs, tmp_path, port
     train = procs.start("train", *common, "--steps", "0", "--summary-json", str(summary), "--log-every", "2",
                         name="trainer")  # fmt: skip
     procs.wait_for(train, "listening on")
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 2000)
-    push.connect(f"tcp://127.0.0.1:{port}")
-    garbage = [[b"\x00\x01garbage"], [b"\x81\xa1v\x63"], [b"\x80", b"extra"], [os.urandom(3000)]]
-    for frames in garbage:
-        push.send_multipart(frames)
-    push.close()
-    ctx.term()
+    push_garbage(port, GARBAGE)
     prod = procs.start("produce", *common, name="producer")
     assert train.wait(timeout=120) == 0, procs.log(train)
     out = json.loads(summary.read_text())
-    assert out["rejected"] == len(garbage)
+    assert out["rejected"] == len(GARBAGE)
     assert out["stopped_by"] == "end of data" and out["tokens"] > 0
     assert prod.wait(timeout=10) == 0

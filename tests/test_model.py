@@ -13,7 +13,7 @@ from lmpipe.consumer.inputs import MaskCache, build_inputs, positions, targets_f
 from lmpipe.consumer.model import GPT, IGNORE, AttnSpec, preset
 from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer
 from lmpipe.producer.batching import BatchSpec, batches
-from tests.test_batching import ListStream
+from tests.helpers import ListStream
 
 
 def tiny_model(seed=0, vocab=97) -> GPT:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
-from tests.conftest import REPO, lmpipe_env
+from tests.helpers import REPO, lmpipe_env
 
 
 def test_wheel_has_lmpipe_as_its_only_top_level_name(tmp_path):
@@ -68,3 +69,21 @@ def test_a_decoy_shared_package_in_the_working_directory_changes_nothing(tmp_pat
         timeout=60,
     )
     assert out.returncode == 0 and "--worker" in out.stdout, out.stderr
+
+
+def test_the_type_check_tree_is_the_installed_layout():
+    """mypy checks typecheck/lmpipe/ (pyproject.toml, [tool.mypy]): every package of package-dir must be
+    there as the installed layout has it, so no module escapes the type check."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["tool"]["mypy"]["files"] == ["typecheck/lmpipe"]
+    for pkg, folder in project["tool"]["setuptools"]["package-dir"].items():
+        there, src = REPO / "typecheck" / pkg.replace(".", "/"), REPO / folder
+        if pkg == "lmpipe":  # its sub-packages live elsewhere: one link per module
+            modules = sorted(p.name for p in src.glob("*.py"))
+            assert sorted(p.name for p in there.glob("*.py")) == modules, (
+                f"typecheck/lmpipe/ must link every module of lmpipe/: ln -s ../../lmpipe/NAME.py {there}/"
+            )
+            for name in modules:
+                assert (there / name).resolve() == (src / name).resolve(), name
+        else:
+            assert there.resolve() == src.resolve(), f"{there} must be a link to {folder}/"

@@ -9,7 +9,6 @@ are also checked to be the very same batches (same worker, sequence number and d
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -27,7 +26,15 @@ from lmpipe.producer.shards import ShardError, ShardSet, prepare
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared.tokenizer import train_tokenizer
-from tests.test_e2e import assert_exactly_once, builtin_lengths
+from tests.helpers import (
+    assert_exactly_once,
+    builtin_lengths,
+    doc_log_entries,
+    doc_pieces,
+    steps_logged,
+    trained_pieces,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,42 +50,6 @@ SMALL = [
     "--metrics-port",
     "-1",
 ]
-
-
-def steps_logged(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def doc_log_entries(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # the line a kill -9 tore
-            out.append(json.loads(line))
-    return out
-
-
-def trained_pieces(
-    entries: list[dict], first_session: str, resumed_step: int
-) -> dict[int, list[tuple[int, int]]]:
-    pieces: dict[int, list[tuple[int, int]]] = {}
-    for e in entries:
-        sessions = {b["session"] for b in e["batches"]}
-        assert len(sessions) == 1
-        if sessions == {first_session} and e["step"] >= resumed_step:
-            continue  # trained after the last checkpoint by the killed trainer: replayed later
-        for b in e["batches"]:
-            for did, start, n in b["docs"]:
-                pieces.setdefault(did, []).append((start, n))
-    return pieces
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def resumed_step(text: str) -> int:
@@ -154,12 +125,7 @@ def test_kill_a_producer_and_restart_it(procs, tmp_path, port, tok, strategy):
     assert "assigned worker id 1" in procs.log(p1b)
     entries = doc_log_entries(log)
     assert len({b["session"] for e in entries for b in e["batches"]}) == 1
-    pieces: dict[int, list[tuple[int, int]]] = {}
-    for e in entries:
-        for b in e["batches"]:
-            for did, start, n in b["docs"]:
-                pieces.setdefault(did, []).append((start, n))
-    assert_exactly_once(pieces, builtin_lengths(tok, 1200))
+    assert_exactly_once(doc_pieces(entries), builtin_lengths(tok, 1200))
     assert p0.wait(timeout=10) == 0 and p1b.wait(timeout=10) == 0
 
 

@@ -2,40 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
-from tests.conftest import WIKITEXT
-
-
-def write_bad_corpus(tmp_path):
-    txt = tmp_path / "a.txt"
-    txt.write_bytes(
-        b"first document\nsecond line\n\n"
-        b"bad \xff\xfe line\nstill the second document\n\n"
-        + b"x" * (10 * 1024 * 1024)
-        + b"\n\nthird document\n\n\n\n\xc3\x28\n\nlast document\n"
-    )
-    jl = tmp_path / "b.jsonl"
-    jl.write_text(
-        "\n".join(
-            [
-                json.dumps({"text": "a good json document"}),
-                '{"text": "broken',
-                json.dumps({"text": "   "}),
-                json.dumps({"title": "no text here"}),
-                json.dumps({"ids": [1, 2, 3]}),
-                json.dumps({"ids": [1, -5]}),
-                "[1, 2]",
-                json.dumps({"text": "the end"}),
-            ]
-        )
-        + "\n"
-    )
-    return txt, jl
+from tests.helpers import WIKITEXT, write_bad_corpus
 
 
 def test_bad_records_are_skipped_named_and_counted(tmp_path, tok):

@@ -10,7 +10,7 @@ from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.shared import messages
 from lmpipe.shared.batch import Cursor, batch_from_message, end_frames
 from lmpipe.shared.wire import DTYPES, WIRE_VERSION, Limits, WireError, decode, encode
-from tests.test_batching import ListStream
+from tests.helpers import ListStream
 
 HDR = {"kind": "batch", "session": "s", "worker": 0, "seq": 1, "cursor": Cursor().to_dict(), "strategy": "pack",
        "counts": {"tokens": 0, "pad": 0, "docs": 0}}  # fmt: skip

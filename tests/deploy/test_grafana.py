@@ -1,0 +1,130 @@
+"""Grafana: the provisioning points at the compose Prometheus and the dashboard, whose every query uses
+metrics and labels that shared/metrics.py exports."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import yaml
+from prometheus_client.metrics import MetricWrapperBase
+
+from lmpipe.shared.metrics import ProducerMetrics, TrainerMetrics
+from tests.deploy.compose import load_compose, service_env
+from tests.deploy.dashboard import dashboard, dashboard_exprs, dashboard_panels
+from tests.deploy.shipped import COMPOSE, DASHBOARD, DASHBOARD_PROVIDERS, DATASOURCES, DEPLOY
+from tests.helpers import REPO
+
+
+def _datasource() -> dict:
+    (ds,) = yaml.safe_load(DATASOURCES.read_text())["datasources"]
+    return ds
+
+
+def test_grafana_provisioning_points_at_the_compose_prometheus_and_dashboards():
+    ds = _datasource()
+    assert ds["type"] == "prometheus" and ds["uid"] == "lmpipe-prometheus"
+    assert ds["url"] == "http://prometheus:9090"
+    services = load_compose(COMPOSE)["services"]
+    assert "prometheus" in services
+    (provider,) = yaml.safe_load(DASHBOARD_PROVIDERS.read_text())["providers"]
+    assert provider["type"] == "file"
+    grafana = services["grafana"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"]}
+    host_dir = mounts[provider["options"]["path"]]
+    assert (REPO / host_dir / DASHBOARD.name).resolve() == DASHBOARD.resolve()
+    assert (REPO / mounts["/etc/grafana/provisioning"]).resolve() == DEPLOY / "grafana" / "provisioning"
+    env = service_env(grafana)
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    home = env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/{DASHBOARD.name}", (
+        "the home dashboard is the provisioned one"
+    )
+
+
+def test_dashboard_panels_use_the_provisioned_datasource():
+    d = dashboard()
+    assert d["uid"] == "lmpipe" and d["title"]
+    uid = _datasource()["uid"]
+    panels = dashboard_panels()
+    assert len(panels) >= 10
+    for p in panels:
+        assert p.get("datasource", {}).get("uid") == uid, f"panel {p.get('title')!r}"
+        assert p["targets"], f"panel {p['title']!r} has no query"
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == uid and t["expr"].strip(), f"panel {p['title']!r}"
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "panel ids are unique"
+
+
+def _metric_families() -> dict[str, tuple[str, set[str]]]:
+    """Every family of shared/metrics.py: name -> (type, label names). Read from the metric objects: a
+    labelled metric without children (e.g. tokens by strategy) collects no sample to learn its labels from."""
+    out = {}
+    for holder in (ProducerMetrics(), TrainerMetrics()):
+        for m in vars(holder).values():
+            if isinstance(m, MetricWrapperBase):
+                out[m._name] = (m._type, set(m._labelnames))
+    assert len(out) == sum(
+        1 for r in (ProducerMetrics().registry, TrainerMetrics().registry) for _ in r.collect()
+    )
+    return out
+
+
+def _sample_names() -> dict[str, set[str]]:
+    """Every sample name Prometheus can see -> the label names it carries."""
+    names = {}
+    for fam, (kind, labels) in _metric_families().items():
+        if kind == "counter":
+            names[f"{fam}_total"] = labels
+        elif kind == "histogram":
+            names[f"{fam}_bucket"] = labels | {"le"}
+            names[f"{fam}_sum"] = names[f"{fam}_count"] = labels
+        elif kind == "info":
+            names[f"{fam}_info"] = labels
+        else:
+            names[fam] = labels
+    return names
+
+
+def test_every_metric_the_dashboard_uses_is_exported():
+    known = _sample_names()
+    assert "lmpipe_trainer_step_seconds_bucket" in known and "lmpipe_producer_tokens_total" in known
+    used = set()
+    for expr in dashboard_exprs():
+        metrics = set(re.findall(r"\blmpipe_[a-z0-9_]+", expr))
+        assert metrics, expr
+        unknown = metrics - set(known)
+        assert not unknown, f"not in shared/metrics.py: {sorted(unknown)} in {expr}"
+        used |= metrics
+        labels = set().union(*(known[m] for m in metrics)) | {"instance", "job"}
+        for clause in re.findall(r"\bby \(([^)]*)\)", expr):
+            for label in filter(None, (s.strip() for s in clause.split(","))):
+                assert label in labels, f"no metric in {expr} has the label {label!r}"
+    for label in re.findall(r"\{\{(\w+)\}\}", json.dumps(dashboard())):  # legends name real labels
+        assert label in set().union(*known.values()) | {"instance", "job"}, label
+    # the panels the issue asks for
+    exprs = "\n".join(dashboard_exprs())
+    for needle in (
+        "rate(lmpipe_producer_tokens_total",
+        "rate(lmpipe_trainer_tokens_total",
+        "rate(lmpipe_trainer_data_wait_seconds_sum[$__rate_interval])) / sum(rate(lmpipe_trainer_step_seconds_sum",
+        "histogram_quantile(0.5, sum by (le) (rate(lmpipe_trainer_step_seconds_bucket",
+        "histogram_quantile(0.99, sum by (le) (rate(lmpipe_trainer_step_seconds_bucket",
+        "sum by (strategy) (rate(lmpipe_producer_padding_tokens_total",
+        "lmpipe_trainer_loss",
+        "lmpipe_trainer_learning_rate",
+        "lmpipe_trainer_loss_scale",
+        "rate(lmpipe_trainer_scaler_overflows_total",
+        "rate(lmpipe_trainer_skipped_steps_total",
+        "clamp_min(sum by (cache) (lmpipe_trainer_cache_hits_total) + sum by (cache) (lmpipe_trainer_cache_misses_total), 1)",
+        "sum by (reason) (rate(lmpipe_trainer_batches_rejected_total",
+        "sum by (reason) (rate(lmpipe_trainer_stale_batches_total",
+        "lmpipe_trainer_producers_connected",
+        "rate(lmpipe_producer_send_blocked_seconds_total",
+        "sum by (kind) (lmpipe_trainer_gpu_memory_bytes)",
+        "lmpipe_trainer_mfu_ratio",
+    ):
+        assert needle in exprs, needle
+    titles = [p["title"] for p in dashboard_panels()]
+    assert any("add producers" in t and "data wait" in t.lower() for t in titles), titles

@@ -1,0 +1,245 @@
+"""What several test modules share: real lmpipe processes, free ports, hostile input, doc-log accounting.
+
+Plain functions and classes, no fixtures (those live in conftest.py, built on these). Tests import from here,
+never from each other and never from bench/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import zmq
+
+from lmpipe.producer import builtin_corpus
+from lmpipe.producer.stream import Doc
+
+REPO = Path(__file__).resolve().parent.parent
+WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
+
+
+# -- ports ------------------------------------------------------------------------------------------------
+
+
+def free_ports(n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
+    """A port p such that p..p+n-1 are free and none is in `avoid` (`lmpipe run` puts producer i's
+    /metrics on port+1+i)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + n > 65535 or avoid & set(range(p, p + n)):
+            continue
+        try:
+            for q in range(p + 1, p + n):
+                with socket.socket() as s2:
+                    s2.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def free_port_pair() -> int:
+    """A data port p with p+1 (the control port) free too."""
+    return free_ports(2)
+
+
+# -- real processes ---------------------------------------------------------------------------------------
+
+
+def lmpipe_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMPIPE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    return env
+
+
+class Procs:
+    """Real lmpipe processes started by a test; all are killed (group and all) at teardown."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, name: str = "proc", env: dict | None = None) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+        p = subprocess.Popen(
+            [sys.executable, "-m", "lmpipe", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env or lmpipe_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
+        p.log_path = self.tmp / f"{name}.log"  # type: ignore[attr-defined]
+        self.procs.append(p)
+        return p
+
+    def log(self, p: subprocess.Popen) -> str:
+        return Path(p.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+
+    def wait_for(self, p: subprocess.Popen, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log(p):
+                return
+            if p.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} not seen in {p.args} (rc={p.poll()}):\n{self.log(p)[-3000:]}")
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# -- in-memory documents ----------------------------------------------------------------------------------
+
+PAD = 0
+
+
+class ListStream:
+    """A worker stream over documents given in memory (the batching code's only dependency)."""
+
+    def __init__(self, docs: list[list[int]]):
+        self.docs_ = [np.array(d, dtype=np.int64) for d in docs]
+        self.tok = SimpleNamespace(pad_id=PAD)
+        self.worker = 0
+
+    def docs(self, epoch: int, start_pos: int = 0) -> Iterator[Doc]:
+        for i in range(start_pos, len(self.docs_)):
+            yield Doc(pos=i, doc_id=1000 + i, ids=self.docs_[i])
+
+
+# -- hostile input ----------------------------------------------------------------------------------------
+
+# Messages pushed straight at a trainer's data port: none is a valid batch, each must be counted as rejected.
+GARBAGE = [[b"\x00\x01garbage"], [b"\x81\xa1v\x63"], [b"\x80", b"extra"], [os.urandom(3000)]]
+
+
+def push_garbage(port: int, messages: list[list[bytes]] = GARBAGE) -> None:
+    """Send `messages` to the data port on 127.0.0.1:port as a producer that never said hello would."""
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    for frames in messages:
+        push.send_multipart(frames)
+    push.close()
+    ctx.term()
+
+
+def write_bad_corpus(tmp_path: Path) -> tuple[Path, Path]:
+    """A text file and a JSON-lines file, each with bad records among good ones (bad UTF-8, a 10 MiB line,
+    broken JSON, records without text, negative token ids)."""
+    txt = tmp_path / "a.txt"
+    txt.write_bytes(
+        b"first document\nsecond line\n\n"
+        b"bad \xff\xfe line\nstill the second document\n\n"
+        + b"x" * (10 * 1024 * 1024)
+        + b"\n\nthird document\n\n\n\n\xc3\x28\n\nlast document\n"
+    )
+    jl = tmp_path / "b.jsonl"
+    jl.write_text(
+        "\n".join(
+            [
+                json.dumps({"text": "a good json document"}),
+                '{"text": "broken',
+                json.dumps({"text": "   "}),
+                json.dumps({"title": "no text here"}),
+                json.dumps({"ids": [1, 2, 3]}),
+                json.dumps({"ids": [1, -5]}),
+                "[1, 2]",
+                json.dumps({"text": "the end"}),
+            ]
+        )
+        + "\n"
+    )
+    return txt, jl
+
+
+# -- the trainer's doc log (--doc-log): which document pieces each step trained ---------------------------
+
+Pieces = dict[int, list[tuple[int, int]]]
+
+
+def steps_logged(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def doc_log_entries(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # the line a kill -9 tore
+            out.append(json.loads(line))
+    return out
+
+
+def doc_pieces(entries: list[dict]) -> Pieces:
+    """doc id -> [(start, length), ...] over every step of `entries`."""
+    pieces: Pieces = {}
+    for e in entries:
+        for b in e["batches"]:
+            for did, start, n in b["docs"]:
+                pieces.setdefault(did, []).append((start, n))
+    return pieces
+
+
+def read_doc_log(path: Path) -> Pieces:
+    """doc id -> [(start, length), ...] over every trained step; a torn last line is ignored."""
+    return doc_pieces(doc_log_entries(path))
+
+
+def trained_pieces(entries: list[dict], first_session: str, resumed_step: int) -> Pieces:
+    """The pieces that count after a kill and a resume from `resumed_step`: the steps the killed session
+    took after that checkpoint are replayed by the next session, so they are left out."""
+    pieces: Pieces = {}
+    for e in entries:
+        sessions = {b["session"] for b in e["batches"]}
+        assert len(sessions) == 1
+        if sessions == {first_session} and e["step"] >= resumed_step:
+            continue  # trained after the last checkpoint by the killed trainer: replayed later
+        for b in e["batches"]:
+            for did, start, n in b["docs"]:
+                pieces.setdefault(did, []).append((start, n))
+    return pieces
+
+
+def assert_exactly_once(pieces: Pieces, expected_lengths: dict[int, int]) -> None:
+    assert sorted(pieces) == sorted(expected_lengths), "every document arrived, and no other"
+    for did, parts in pieces.items():
+        covered = np.zeros(expected_lengths[did], dtype=np.int32)
+        for start, n in parts:
+            covered[start : start + n] += 1
+        assert (covered == 1).all(), f"document {did}: tokens seen {sorted(set(covered.tolist()))} times"
+
+
+def builtin_lengths(tok, n: int, seed: int = 0) -> dict[int, int]:
+    """Token count of each of the first n built-in documents, end-of-text included."""
+    encs = tok.tokenizer.encode_batch(
+        [builtin_corpus.document(seed, i) for i in range(n)], add_special_tokens=False
+    )
+    return {i: len(e.ids) + 1 for i, e in enumerate(encs)}  # + end-of-text

@@ -1,0 +1,1 @@
+../../lmpipe/__init__.py

@@ -1,0 +1,1 @@
+../../lmpipe/__main__.py
