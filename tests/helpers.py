@@ -243,3 +243,13 @@ def builtin_lengths(tok, n: int, seed: int = 0) -> dict[int, int]:
         [builtin_corpus.document(seed, i) for i in range(n)], add_special_tokens=False
     )
     return {i: len(e.ids) + 1 for i, e in enumerate(encs)}  # + end-of-text
+
+
+def tiny_model(seed: int = 0, vocab: int = 97):
+    """The smallest GPT preset, seeded, in eval mode (CPU model tests)."""
+    import torch
+
+    from lmpipe.consumer.model import GPT, preset
+
+    torch.manual_seed(seed)
+    return GPT(preset("tiny", vocab_size=vocab, block_size=64)).eval()

@@ -23,8 +23,14 @@ from lmpipe.consumer.inputs import build_inputs
 from lmpipe.consumer.model import IGNORE
 from lmpipe.consumer.step import StepRunner
 from tests.conftest import REPO, lmpipe_env
-from tests.test_e2e import assert_exactly_once, builtin_lengths, read_doc_log
-from tests.test_resume import doc_log_entries
+from tests.helpers import (
+    assert_exactly_once,
+    builtin_lengths,
+    doc_log_entries,
+    doc_pieces,
+    read_doc_log,
+    tiny_model,
+)
 
 DOCS = 240
 COMMON = ["--producers", "1", "--epochs", "1", "--builtin-docs", str(DOCS), "--seq-len", "64",
@@ -42,8 +48,6 @@ def micro_batches() -> list[tuple[torch.Tensor, torch.Tensor, None]]:
 
 def one_step(rank: int, world: int, init: str, out: str) -> None:
     """Rank `rank` of `world` (world 1: one process accumulating every micro-batch) takes one SGD step."""
-    from tests.test_model import tiny_model
-
     if world > 1:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     model = tiny_model(seed=3).train()
@@ -74,8 +78,6 @@ def test_ranks_make_the_update_of_one_process_over_all_their_batches(tmp_path):
 
 
 def tiny_model_params() -> list[torch.Tensor]:
-    from tests.test_model import tiny_model
-
     return [p.detach() for p in tiny_model(seed=3).parameters()]
 
 
@@ -163,11 +165,5 @@ def test_a_checkpoint_holds_every_ranks_cursors(tmp_path, port, tok):
     rc, text = lmpipe(tmp_path, "second", "run", *args, "--steps", "0", "--doc-log", str(tmp_path / "b.jsonl"),
                       nproc=2)  # fmt: skip
     assert rc == 0 and "resumed from" in text, text[-3000:]
-    pieces: dict[int, list[tuple[int, int]]] = {}
-    for stem in ("a", "b"):
-        for p in rank_logs(tmp_path, stem):
-            for e in doc_log_entries(p):
-                for b in e["batches"]:
-                    for did, start, n in b["docs"]:
-                        pieces.setdefault(did, []).append((start, n))
-    assert_exactly_once(pieces, builtin_lengths(tok, DOCS))
+    entries = [e for stem in ("a", "b") for p in rank_logs(tmp_path, stem) for e in doc_log_entries(p)]
+    assert_exactly_once(doc_pieces(entries), builtin_lengths(tok, DOCS))

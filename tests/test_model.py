@@ -13,12 +13,7 @@ from lmpipe.consumer.inputs import MaskCache, build_inputs, positions, targets_f
 from lmpipe.consumer.model import GPT, IGNORE, AttnSpec, preset
 from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer
 from lmpipe.producer.batching import BatchSpec, batches
-from tests.helpers import ListStream
-
-
-def tiny_model(seed=0, vocab=97) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(preset("tiny", vocab_size=vocab, block_size=64)).eval()
+from tests.helpers import ListStream, tiny_model
 
 
 def test_packed_attention_equals_each_document_alone():
