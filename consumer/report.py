@@ -29,10 +29,21 @@ class Summary:
     stale: int = 0
     compiled_graphs: int = 0
     stopped_by: str = ""
+    # Honest throughput: the first logging interval holds compilation and warm-up, so steady state is
+    # measured from its end to the end of the run; time to first step (start-up, waiting for producers,
+    # compilation) is reported on its own.
+    time_to_first_step: float = float("nan")
+    steady_tokens: int = 0
+    steady_seconds: float = 0.0
+    steady_mfu: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def steady_tokens_per_second(self) -> float:
+        return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else self.tokens_per_second
 
     @property
     def padding_efficiency(self) -> float:
@@ -47,6 +58,7 @@ class Summary:
         d = asdict(self)
         d.update(
             tokens_per_second=self.tokens_per_second,
+            steady_tokens_per_second=self.steady_tokens_per_second,
             padding_efficiency=self.padding_efficiency,
             data_wait_fraction=self.data_wait_fraction,
         )
@@ -56,7 +68,9 @@ class Summary:
         return (
             f"summary: {self.steps} steps in {self.seconds:.1f} s ({self.stopped_by}) | "
             f"loss {self.first_loss:.3f} -> {self.last_loss:.3f} | "
-            f"{self.tokens:,} tokens trained, {self.tokens_per_second:,.0f} tok/s | "
+            f"{self.tokens:,} tokens trained, {self.steady_tokens_per_second:,.0f} tok/s steady"
+            + (f", MFU {100 * self.steady_mfu:.1f}%" if self.steady_mfu else "")
+            + f" ({self.tokens_per_second:,.0f} overall, first step after {self.time_to_first_step:.1f} s) | "
             f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
             f"data wait {100 * self.data_wait_fraction:.1f}% | "
             f"dropped: {self.rejected} malformed, {self.stale} stale"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import asdict, replace
@@ -285,6 +286,7 @@ class Trainer:
     def run(self, progress=None) -> Summary:
         """Train until `steps`, the end of the data, or request_stop(). `progress(step, stats)` is called
         at every logging interval (the CLI draws its status line with it)."""
+        self._started = time.perf_counter()
         self.start()
         try:
             return self._run(progress)
@@ -304,6 +306,7 @@ class Trainer:
         interval_start = None
         run_start = None
         interval_step = self.step
+        steady_start: tuple[float, int] | None = None  # (time, tokens) at the end of the first interval
         flops_per_token = self.model.flops_per_token(self.pcfg.seq_len)
         while not self._stop_reason and (cfg.steps == 0 or self.step < cfg.steps):
             slots, waited, problem = self.feed.take(cfg.accum, stopping=lambda: bool(self._stop_reason))
@@ -329,6 +332,11 @@ class Trainer:
             lr = lr_at(self.step, cfg)
             loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
             self.step += 1
+            if math.isnan(summary.time_to_first_step):
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # once: the first step's real end
+                summary.time_to_first_step = time.perf_counter() - self._started
+                m.first_step_seconds.set(summary.time_to_first_step)
             loss_acc += loss_sum
             targets_acc += n_targets
             interval_tokens += real
@@ -382,6 +390,8 @@ class Trainer:
                         stats["tokens_per_second"],
                         100 * stats["data_wait"],
                     )
+                if steady_start is None:
+                    steady_start = (now, summary.tokens)
                 loss_acc.zero_()
                 targets_acc = interval_tokens = 0
                 interval_wait = 0.0
@@ -397,9 +407,17 @@ class Trainer:
             torch.cuda.synchronize()
         end = time.perf_counter()
         summary.steps = self.step
+        if steady_start is not None:
+            summary.steady_seconds = end - steady_start[0]
+            summary.steady_tokens = summary.tokens - steady_start[1]
         if self.dist.enabled:  # the summary speaks for the whole job
-            summary.tokens, summary.pad_tokens = (
-                int(v) for v in self.dist.sum([summary.tokens, summary.pad_tokens])
+            summary.tokens, summary.pad_tokens, summary.steady_tokens = (
+                int(v) for v in self.dist.sum([summary.tokens, summary.pad_tokens, summary.steady_tokens])
+            )
+        peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else 0.0
+        if peak:  # per GPU
+            summary.steady_mfu = (
+                summary.steady_tokens_per_second / self.dist.world_size * flops_per_token / peak
             )
         summary.seconds = end - run_start if run_start else 0.0
         summary.first_loss = summary.losses[0] if summary.losses else float("nan")

@@ -100,6 +100,11 @@ class TrainerMetrics:
         self.steps = Counter(
             "lmpipe_trainer_steps", "Optimizer steps taken (including skipped ones)", registry=r
         )
+        self.first_step_seconds = Gauge(
+            "lmpipe_trainer_time_to_first_step_seconds",
+            "From the trainer's start to the end of its first step (start-up, first batch, compilation)",
+            registry=r,
+        )
         self.step_seconds = Histogram(
             "lmpipe_trainer_step_seconds",
             "Wall time of one optimizer step",
