@@ -38,13 +38,13 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    betas = (cfg.beta1, cfg.beta2)
     if cfg.fused_adamw:
         try:
-            return torch.optim.AdamW(groups, fused=True, **kwargs)
+            return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, fused=True)
         except (RuntimeError, TypeError) as exc:  # e.g. a device without a fused kernel
             log.warning("fused AdamW unavailable (%s); using the foreach implementation", exc)
-    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, foreach=True)
 
 
 class StepRunner:

@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -28,7 +29,7 @@ from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
 from lmpipe.consumer.receiver import Receiver, WorkerTable
 from lmpipe.consumer.report import Summary, peak_flops
 from lmpipe.consumer.scaler import make_scaler
-from lmpipe.consumer.slots import HostSlot
+from lmpipe.consumer.slots import HostSlot, SlotMeta
 from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer, resolve_device, resolve_precision
 from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
@@ -96,7 +97,7 @@ class Trainer:
         if tcfg.compile:
             # one graph per row width: pack/pad have one, bucket/pad-batch as many as --pad-multiple allows
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-            self.step_model = torch.compile(self.step_model, dynamic=False)
+            self.step_model = cast(torch.nn.Module, torch.compile(self.step_model, dynamic=False))
         self.runner = StepRunner(
             self.step_model, self.optimizer, tcfg, self.autocast_dtype, self.scaler, no_sync=no_sync
         )
@@ -181,7 +182,7 @@ class Trainer:
         if not self.dist.is_main:
             self.dist.barrier()  # rank 0 is writing
             return None
-        state = {
+        state: dict[str, Any] = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
@@ -235,10 +236,10 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------
 
-    def _log_docs(self, slots: list[HostSlot]) -> None:
+    def _log_docs(self, metas: list[SlotMeta]) -> None:
+        assert self._doc_log is not None
         rows = []
-        for s in slots:
-            m = s.meta
+        for m in metas:
             pieces = [[int(a), int(b), int(c)] for a, b, c in zip(m.doc_id, m.doc_start, m.doc_len)]
             rows.append({"worker": m.worker, "seq": m.seq, "session": m.session, "docs": pieces})
         self._doc_log.write(json.dumps({"step": self.step, "batches": rows}) + "\n")
@@ -313,7 +314,8 @@ class Trainer:
             if problem:
                 log.error("%s; stopping", problem)
                 self._stop_reason = problem
-            n_targets = sum(s.meta.n_targets for s in slots)
+            metas = [s.meta for s in slots if s.meta is not None]  # taken slots are always filled
+            n_targets = sum(m.n_targets for m in metas)
             # ranks step together: on the targets of all of them, while any has data, until any stops
             all_targets, any_data, any_stop = self.dist.agree(n_targets, bool(slots), bool(self._stop_reason))
             if any_stop and not self._stop_reason:
@@ -324,10 +326,10 @@ class Trainer:
                 run_start = interval_start = time.perf_counter()
                 waited = 0.0
             t0 = time.perf_counter()
-            real = sum(s.meta.real_tokens for s in slots)
-            pad = sum(s.meta.pad_tokens for s in slots)
+            real = sum(m.real_tokens for m in metas)
+            pad = sum(m.pad_tokens for m in metas)
             if self._doc_log:
-                self._log_docs(slots)
+                self._log_docs(metas)
             micro = [self.feed.to_device(s) for s in slots] or [self._empty_inputs()]
             lr = lr_at(self.step, cfg)
             loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
@@ -362,6 +364,7 @@ class Trainer:
                 )
                 loss = loss_all / max(targets_all, 1)
                 now = time.perf_counter()
+                assert interval_start is not None  # set with the first batch
                 dt = now - interval_start
                 stats = {
                     "loss": loss,
