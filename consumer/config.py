@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from lmpipe.shared.settings import at_least, between, positive, setting
+from lmpipe.shared.settings import at_least, between, positive, setting, validate
 
 MODELS = ("tiny", "small", "gpt2-124m", "gpt2-350m")  # consumer/model.PRESETS (tests/test_config.py)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -114,6 +114,9 @@ class TrainConfig:
         metavar="auto|PATH",
         help="auto: the latest checkpoint in --checkpoint-dir if any; PATH: that checkpoint",
     )
+
+    def __post_init__(self) -> None:
+        validate(self)
 
     def cross_check(self) -> list[str]:
         out = []

@@ -14,7 +14,7 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lmpipe.shared.settings import at_least, between, existing_dir, from_args, setting, to_argv
+from lmpipe.shared.settings import at_least, between, existing_dir, from_args, setting, to_argv, validate
 from lmpipe.shared.wire import STRATEGIES
 
 DEFAULT_PORT = 5555
@@ -106,6 +106,9 @@ class PipelineConfig:
     max_line_bytes: int = setting(
         1 << 20, check=at_least(1), help="longer corpus lines are skipped and counted"
     )
+
+    def __post_init__(self) -> None:
+        validate(self)
 
     def cross_check(self) -> list[str]:
         if self.rank >= self.world_size:

@@ -7,8 +7,10 @@ A settings class is a dataclass whose fields are made with `setting(...)`. From 
   is None), `choices`, and help naming the default and the variable;
 - a `Parser` fills what the command line left out from `LMPIPE_<FLAG>` (LMPIPE_SEQ_LEN=256), else from the
   field's default: flags win over the environment;
-- `from_args(ns, Cls)` builds the dataclass and validates it (every field's `check`, then the class's
-  `cross_check()`); a bad value raises SettingsError, one line naming the flag or variable it came from;
+- `validate(cfg)` runs every field's `check`, then the class's `cross_check()`; a settings class calls it
+  in `__post_init__`, so an invalid one cannot be made. A bad value raises SettingsError: one line;
+- `from_args(ns, Cls)` builds the dataclass from parsed arguments, a bad value naming the flag or the
+  variable it came from;
 - `to_argv(cfg)` gives the flags that reproduce `cfg` (how `lmpipe run` starts its producers).
 Nothing here imports torch: the parsers stay quick for `lmpipe --help` and the producer processes.
 """
@@ -249,13 +251,16 @@ def add_settings(
 # -- building and checking ----------------------------------------------------------------------------
 
 
-def problems(cfg: Any, sources: dict[str, str | None] | None = None) -> list[str]:
-    """What is wrong with `cfg`, each naming the flag (or the variable, per `sources`) and the value."""
+def field_problems(
+    cls: type, values: dict[str, Any], sources: dict[str, str | None] | None = None
+) -> list[str]:
+    """What is wrong with the `values` of settings of `cls` (missing ones are not looked at), each naming
+    the flag (or the variable it came from, per `sources`) and the value."""
     out = []
-    for spec in specs(type(cfg)):
-        v = getattr(cfg, spec.name)
-        if v is None and spec.optional:
+    for spec in specs(cls):
+        if spec.name not in values or (values[spec.name] is None and spec.optional):
             continue
+        v = values[spec.name]
         shown = " ".join(shlex.quote(str(x)) for x in (v if spec.many else [v]))
         src = (sources or {}).get(spec.name)
         src = f"{src}={shown}" if src and not src.startswith("-") else f"--{spec.flag} {shown}"
@@ -265,26 +270,31 @@ def problems(cfg: Any, sources: dict[str, str | None] | None = None) -> list[str
             out.append(f"{src}: unknown {noun}; choose one of {', '.join(map(str, m.choices))}")
         elif m.check is not None and (why := m.check(v)):
             out.append(f"{src}: {why}")
-    if not out and hasattr(cfg, "cross_check"):
-        out += cfg.cross_check()
     return out
 
 
-def validate(cfg: Any, sources: dict[str, str | None] | None = None) -> None:
-    if found := problems(cfg, sources):
+def validate(cfg: Any) -> None:
+    """Every field's check, then the class's cross_check(); a settings class calls it in __post_init__."""
+    found = field_problems(type(cfg), {s.name: getattr(cfg, s.name) for s in specs(type(cfg))})
+    if not found and hasattr(cfg, "cross_check"):
+        found = cfg.cross_check()
+    if found:
         raise SettingsError("; ".join(found))
 
 
 def from_args(ns: argparse.Namespace, cls: type) -> Any:
-    """The dataclass from a parsed namespace (fields it lacks keep their defaults), validated."""
+    """The dataclass from a parsed namespace (fields it lacks keep their defaults), validated: a bad value
+    names the flag or the variable it came from."""
     given = getattr(ns, _SOURCES, {})
     values, sources = {}, {}
     for spec in specs(cls):
         if hasattr(ns, spec.dest):
             values[spec.name] = getattr(ns, spec.dest)
             sources[spec.name] = given.get(spec.dest)
+    if found := field_problems(cls, values, sources):
+        raise SettingsError("; ".join(found))
     cfg = cls(**values)
-    validate(cfg, sources)
+    validate(cfg)  # again if __post_init__ did: cheap, and classes without one are checked too
     return cfg
 
 

@@ -145,6 +145,15 @@ def test_validation_names_the_flag_or_the_variable(env):
         from_args(parse("run"), TrainConfig)
 
 
+def test_an_invalid_config_cannot_be_made():
+    with pytest.raises(SettingsError, match=r"^--accum 0: must be >= 1$"):
+        TrainConfig(accum=0)
+    with pytest.raises(SettingsError, match=r"^--slots 1 is fewer than --accum 2"):
+        TrainConfig(accum=2, slots=1)
+    with pytest.raises(SettingsError, match=r"^--rank 1 must be below --world-size 1$"):
+        PipelineConfig(rank=1)
+
+
 def test_batch_spec_is_the_pipeline_configs_batching():
     names = [f.name for f in fields(BatchSpec)]
     assert BatchSpec() == BatchSpec(**{n: getattr(PipelineConfig(), n) for n in names}), "same defaults"
