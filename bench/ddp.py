@@ -49,7 +49,10 @@ def run(n: int, accum: int, args, tok: str, shards: str, port: int, steps: int) 
         if out.returncode != 0:
             sys.stderr.write(out.stdout[-4000:] + out.stderr[-4000:])
             raise SystemExit(f"N={n} accum={accum}: exit {out.returncode}")
-        lines = [(int(s), float(r.replace(",", "")), float(w)) for s, r, w in STATUS.findall(out.stdout + out.stderr)]
+        lines = [
+            (int(s), float(r.replace(",", "")), float(w))
+            for s, r, w in STATUS.findall(out.stdout + out.stderr)
+        ]
         steady = [r for s, r, _ in lines if s > args.warmup]
         waits = [w for s, _, w in lines if s > args.warmup]
         result = json.loads(summary.read_text())

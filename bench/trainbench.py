@@ -139,9 +139,7 @@ def device_batches(pcfg: PipelineConfig, n: int, device: torch.device):
     """n real batches of the same corpus and settings, on the device (host-side work done up front)."""
     tok = load_tokenizer(pcfg.tokenizer)
     stream = DocStream(Corpus(pcfg.data), tok, seed=pcfg.seed, shuffle_window=pcfg.shuffle_window)
-    spec = BatchSpec(
-        strategy=pcfg.strategy, seq_len=pcfg.seq_len, batch_size=pcfg.batch_size, bucket_k=pcfg.bucket_k
-    )
+    spec = BatchSpec.of(pcfg)
     out = []
     for b in batches(stream, spec, dtype=token_dtype(tok.vocab_size)):
         t = torch.from_numpy(b.tokens.astype("int64")).to(device)

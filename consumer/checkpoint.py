@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from lmpipe.shared.files import sha256_file
 
 log = logging.getLogger("lmpipe.trainer")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: state.pt's workers holds every data-parallel rank's cursors
 _PREFIX = "step-"
 
 
@@ -160,10 +161,10 @@ def compare(header: dict[str, Any], expected: dict[str, Any], where: Path) -> No
         raise CheckpointError(f"{where} does not match this run: " + "; ".join(problems))
 
 
-def load(path: Path, expected: dict[str, Any]) -> Loaded:
-    """Read and check a checkpoint; raises CheckpointError, never returns something half-valid."""
-    header = read_header(path)
-    compare(header, expected, path)
+STATE_KEYS = ("model", "optimizer", "step", "workers", "rng")  # what a resume reads from state.pt
+
+
+def _read_state(path: Path, header: dict[str, Any]) -> dict[str, Any]:
     state_file = path / "state.pt"
     if not state_file.is_file():
         raise CheckpointError(f"{state_file}: missing")
@@ -172,9 +173,24 @@ def load(path: Path, expected: dict[str, Any]) -> Loaded:
         raise CheckpointError(f"{state_file}: checksum mismatch (truncated or corrupt file)")
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{state_file}: cannot be loaded ({type(exc).__name__}: {exc})") from None
-    return Loaded(path, header, state)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{state_file}: cannot be loaded: torch.load(weights_only=True) refuses it (not a trainer state)"
+        ) from None
+    except Exception as exc:  # one line: some torch errors run over several
+        why = (str(exc).splitlines() or [""])[0]
+        raise CheckpointError(f"{state_file}: cannot be loaded ({type(exc).__name__}: {why})") from None
+    missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else list(STATE_KEYS)
+    if missing:
+        raise CheckpointError(f"{state_file}: not an lmpipe trainer state (no {', '.join(missing)})")
+    return state
+
+
+def load(path: Path, expected: dict[str, Any]) -> Loaded:
+    """Read and check a checkpoint; raises CheckpointError, never returns something half-valid."""
+    header = read_header(path)
+    compare(header, expected, path)
+    return Loaded(path, header, _read_state(path, header))
 
 
 def resolve_resume(arg: str | None, directory: str | None) -> Path | None:
@@ -200,14 +216,14 @@ def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     header = read_header(path)
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    state = _read_state(path, header)
     weights = {k: v.contiguous() for k, v in state["model"].items()}
     # lm_head and wte share storage; safetensors refuses aliases, and loaders re-tie them
     weights.pop("transformer.wte.weight", None)
     meta = {
         "model": json.dumps(header.get("model", {})),
         "tokenizer": str(header.get("tokenizer", "")),
-        "step": str(header["step"]),
+        "step": str(header.get("step", state["step"])),
     }
     save_file(weights, str(out), metadata=meta)
     return meta

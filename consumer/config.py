@@ -1,45 +1,127 @@
-"""The trainer's settings (model, optimisation, precision, checkpoints, logging)."""
+"""The trainer's settings (model, optimisation, precision, checkpoints, logging).
+
+Each field is one setting (shared/settings.py): flag, LMPIPE_<FLAG> variable, default, help and check.
+No torch here: `lmpipe --help` and the parsers stay quick and producers never load it.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from lmpipe.shared.settings import at_least, between, positive, setting, validate
+
+MODELS = ("tiny", "small", "gpt2-124m", "gpt2-350m")  # consumer/model.PRESETS (tests/test_config.py)
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+ATTENTIONS = ("auto", "flex", "dense")
+TRAINING, CHECKPOINTS = "training", "checkpoints"
+
+
+def device_problem(name: str) -> str | None:
+    if re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", name):
+        return None
+    return "not a device; use auto, cpu, cuda, cuda:N, mps or xpu"
+
+
+def loss_scale_problem(spec: str) -> str | None:
+    if spec in ("dynamic", "none"):
+        return None
+    if spec.startswith("static:"):
+        try:
+            if positive(float(spec.split(":", 1)[1])) is None:
+                return None
+        except ValueError:
+            pass
+    return "must be dynamic, static:VALUE (VALUE > 0) or none"
+
+
+def unit_interval(v: float) -> str | None:
+    return None if 0 <= v < 1 else "must be in [0, 1)"
 
 
 @dataclass
 class TrainConfig:
-    model: str = "tiny"
-    steps: int = 300  # optimizer steps; 0 = until every producer has finished its epochs
-    accum: int = 1  # micro-batches (wire batches) per optimizer step
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 20
-    lr_decay_steps: int = 0  # 0: `steps`
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    device: str = "auto"
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16
-    loss_scale: str = "dynamic"  # fp16 only: dynamic | static:VALUE | none
+    model: str = setting("tiny", choices=MODELS, help="model preset")
+    steps: int = setting(
+        300, check=at_least(0), help="optimizer steps; 0: until every producer has finished its epochs"
+    )
+    accum: int = setting(1, check=at_least(1), help="micro-batches (wire batches) per optimizer step")
+    lr: float = setting(3e-3, check=positive, help="peak learning rate")
+    min_lr_ratio: float = setting(0.1, check=between(0, 1), help="cosine floor as a fraction of --lr")
+    warmup: int = setting(20, check=at_least(0), help="linear warmup steps")
+    lr_decay_steps: int = setting(0, check=at_least(0), help="cosine horizon in steps (0: --steps)")
+    weight_decay: float = setting(0.1, check=at_least(0), help="AdamW weight decay (matrices only)")
+    beta1: float = setting(0.9, check=unit_interval, help="AdamW beta1")
+    beta2: float = setting(0.95, check=unit_interval, help="AdamW beta2")
+    grad_clip: float = setting(1.0, check=at_least(0), help="clip the global grad norm (0: off)")
+    device: str = setting("auto", check=device_problem, help="auto | cpu | cuda | cuda:N")
+    precision: str = setting("auto", choices=PRECISIONS, help="auto: bf16 on CUDA, fp32 on CPU")
+    loss_scale: str = setting(
+        "dynamic", check=loss_scale_problem, metavar="dynamic|static:VALUE|none", help="fp16 loss scaling"
+    )
     # Fused linear + cross-entropy (liger-kernel, CUDA): ~70x less loss memory, but liger reads a count
     # with .item() every step, a host sync that cost 23% of GPT-2 124M's throughput on an H200
     # (bench/results/ablation-*.md). Worth it when the logits would not fit; off by default.
-    fused_ce: bool = False
-    vocab_size: int = 0  # model vocabulary; 0: the tokenizer's (rounded up to a multiple of 64)
-    attention: str = "auto"  # auto | flex | dense (packed rows)
-    fused_adamw: bool = True
-    grad_checkpointing: bool = False
-    compile: bool = False
-    copy_stream: bool = True
-    tf32: bool = True  # TF32 matmuls for whatever still runs in fp32
-    log_every: int = 10
-    slots: int = 0  # host slots; 0: 2 * accum + 2
-    threads: int = 0  # torch CPU threads; 0: torch's default
-    seed: int = 1337
-    metrics_port: int | None = None
-    doc_log: str | None = None  # append every trained (worker, seq, doc pieces) as JSON lines
-    wait_timeout: float = 0.0  # give up when no batch came for this long (0: wait forever)
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # steps; 0: only at the end and on SIGTERM/SIGINT
-    keep_checkpoints: int = 3
-    resume: str | None = None  # "auto" | a checkpoint path
+    fused_ce: bool = setting(
+        False,
+        help="liger-kernel's fused linear + cross-entropy on CUDA: far less memory, one host sync a step",
+    )
+    vocab_size: int = setting(
+        0, check=at_least(0), help="model vocabulary (0: the tokenizer's, rounded up to a multiple of 64)"
+    )
+    attention: str = setting(
+        "auto", choices=ATTENTIONS, help="packed rows: FlexAttention (CUDA default) or an exact dense mask"
+    )
+    fused_adamw: bool = setting(True, help="fused AdamW (--no-fused-adamw: the foreach implementation)")
+    grad_checkpointing: bool = setting(False, help="recompute activations in backward")
+    compile: bool = setting(False, help="torch.compile the model")
+    copy_stream: bool = setting(
+        True, help="copy batches to the GPU on their own CUDA stream (--no-copy-stream: ablation)"
+    )
+    tf32: bool = setting(True, help="TF32 matmuls on CUDA for whatever still runs in fp32")
+    log_every: int = setting(10, check=at_least(1), help="steps between status lines (and host syncs)")
+    slots: int = setting(0, check=at_least(0), help="pinned host slots, at least --accum (0: 2*accum+2)")
+    threads: int = setting(0, check=at_least(0), help="torch CPU threads (0: torch's default)")
+    seed: int = setting(1337, flag="train-seed", help="model init seed")
+    metrics_port: int | None = setting(
+        9400,
+        check=between(-1, 65535),
+        help="Prometheus /metrics port of the trainer (0: any free port, -1: off); "
+        "`lmpipe run` gives producer i port+1+i",
+    )
+    doc_log: str | None = setting(
+        None, metavar="FILE", help="append every trained (worker, seq, doc pieces) as JSON lines"
+    )
+    wait_timeout: float = setting(
+        0.0, check=at_least(0), help="stop when no batch arrived for this many seconds (0: wait forever)"
+    )
+    checkpoint_dir: str | None = setting(
+        None, group=CHECKPOINTS, metavar="DIR", help="where checkpoints go (none: no checkpoints)"
+    )
+    checkpoint_every: int = setting(
+        0,
+        group=CHECKPOINTS,
+        check=at_least(0),
+        metavar="STEPS",
+        help="also checkpoint every STEPS steps (always: at the end and on SIGTERM/SIGINT)",
+    )
+    keep_checkpoints: int = setting(
+        3, group=CHECKPOINTS, check=at_least(1), metavar="K", help="keep the last K checkpoints"
+    )
+    resume: str | None = setting(
+        None,
+        group=CHECKPOINTS,
+        metavar="auto|PATH",
+        help="auto: the latest checkpoint in --checkpoint-dir if any; PATH: that checkpoint",
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def cross_check(self) -> list[str]:
+        out = []
+        if self.slots and self.slots < self.accum:
+            out.append(f"--slots {self.slots} is fewer than --accum {self.accum}: a step holds --accum slots")
+        if self.resume == "auto" and not self.checkpoint_dir:
+            out.append("--resume auto needs --checkpoint-dir")
+        return out

@@ -186,7 +186,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
-            "workers_by_rank": by_rank,
+            "workers": by_rank,  # per rank, per producer: cursor and last sequence number
             "rng": {"torch": torch.get_rng_state()},
         }
         if self.scaler is not None:
@@ -216,8 +216,8 @@ class Trainer:
             self.scaler.load_state_dict(st["scaler"])
             self._published = self.scaler.counters()
         self.step = int(st["step"])
-        # "workers" (one rank) is how checkpoints of lmpipe 0.1.0 hold the cursors
-        by_rank = st.get("workers_by_rank") or [st["workers"]]
+        # format 1 (lmpipe 0.1.0) held one rank's cursors; format 2 a list of them per rank
+        by_rank = st["workers"] if ck.header["format_version"] >= 2 else [st["workers"]]
         self.table.load_state_dict(by_rank[self.dist.rank])
         torch.set_rng_state(st["rng"]["torch"])
         if "cuda" in st["rng"] and self.device.type == "cuda":

@@ -4,376 +4,171 @@ lmpipe run        N producer processes + the trainer, on this machine (the defau
 lmpipe produce    one producer process (connects to a trainer)
 lmpipe train      the trainer (binds; producers connect to it)
 lmpipe tokenizer  train or inspect a tokenizer
+lmpipe prepare    tokenize a corpus once into memory-mapped shards
+lmpipe keys       make ZeroMQ CURVE keys
+lmpipe export     write a checkpoint's weights as safetensors
+
+Every flag is a dataclass field (shared/settings.py): the parser is generated from PipelineConfig,
+TrainConfig and the classes in lmpipe/options.py, and parsing gives those dataclasses, validated. A usage
+mistake is one line on stderr and exit status 2. Nothing here imports torch until a trainer is built.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import logging
-import os
-import signal
 import sys
-import time
+from dataclasses import replace
 
-from lmpipe.shared.config import add_pipeline_args, pipeline_from_args
+from lmpipe import __version__
+from lmpipe.consumer.config import TRAINING, TrainConfig
+from lmpipe.options import (
+    ExportOptions,
+    GlobalOptions,
+    KeysOptions,
+    PrepareOptions,
+    ProduceOptions,
+    ReportOptions,
+    TokenizerOptions,
+)
+from lmpipe.shared.config import BATCHING, PipelineConfig
+from lmpipe.shared.settings import Parser, SettingsError, add_settings, from_args
 
 log = logging.getLogger("lmpipe")
 
-
-def add_train_args(p: argparse.ArgumentParser) -> None:
-    from lmpipe.consumer.config import TrainConfig
-    from lmpipe.consumer.model import PRESETS
-
-    d = TrainConfig()
-    g = p.add_argument_group("training")
-    g.add_argument(
-        "--model",
-        choices=sorted(PRESETS),
-        default=os.environ.get("LMPIPE_MODEL", d.model),
-        help="model preset (default: %(default)s)",
-    )
-    g.add_argument(
-        "--steps",
-        type=int,
-        default=int(os.environ.get("LMPIPE_STEPS", d.steps)),
-        help="optimizer steps; 0 = until the producers' epochs are done (default: %(default)s)",
-    )
-    g.add_argument(
-        "--accum", type=int, default=d.accum, help="micro-batches per optimizer step (default: %(default)s)"
-    )
-    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
-    g.add_argument("--warmup", type=int, default=d.warmup, help="linear warmup steps (default: %(default)s)")
-    g.add_argument(
-        "--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor as a fraction of --lr"
-    )
-    g.add_argument("--lr-decay-steps", type=int, default=d.lr_decay_steps, help="cosine horizon (0: --steps)")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="clip the global grad norm (0: off)")
-    g.add_argument(
-        "--device", default=os.environ.get("LMPIPE_DEVICE", d.device), help="auto | cpu | cuda | cuda:N"
-    )
-    g.add_argument(
-        "--precision",
-        choices=("auto", "fp32", "bf16", "fp16"),
-        default=os.environ.get("LMPIPE_PRECISION", d.precision),
-        help="auto: bf16 on CUDA, fp32 on CPU",
-    )
-    g.add_argument(
-        "--loss-scale",
-        default=os.environ.get("LMPIPE_LOSS_SCALE", d.loss_scale),
-        metavar="dynamic|static:VALUE|none",
-        help="fp16 loss scaling (default: %(default)s)",
-    )
-    g.add_argument("--no-tf32", dest="tf32", action="store_false", help="no TF32 for fp32 matmuls on CUDA")
-    g.add_argument(
-        "--fused-ce",
-        action="store_true",
-        help="liger-kernel's fused linear + cross-entropy on CUDA: far less memory, one host sync a step",
-    )
-    g.add_argument(
-        "--vocab-size", type=int, default=d.vocab_size, help="model vocabulary (0: the tokenizer's)"
-    )
-    g.add_argument(
-        "--attention",
-        choices=("auto", "flex", "dense"),
-        default=d.attention,
-        help="packed rows: FlexAttention (CUDA default) or an exact dense mask",
-    )
-    g.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false", help="use foreach AdamW")
-    g.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in backward")
-    g.add_argument(
-        "--compile",
-        action="store_true",
-        default=os.environ.get("LMPIPE_COMPILE", "") in ("1", "true"),
-        help="torch.compile the model",
-    )
-    g.add_argument(
-        "--no-copy-stream",
-        dest="copy_stream",
-        action="store_false",
-        help="copy batches on the compute stream (ablation)",
-    )
-    g.add_argument(
-        "--log-every", type=int, default=d.log_every, help="steps between status lines (default: %(default)s)"
-    )
-    g.add_argument("--slots", type=int, default=d.slots, help="pinned host slots (0: 2*accum+2)")
-    g.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: torch's default)")
-    g.add_argument("--train-seed", type=int, default=d.seed, help="model init seed")
-    g.add_argument("--doc-log", metavar="FILE", help="append the document pieces of every step as JSON lines")
-    g.add_argument("--summary-json", metavar="FILE", help="write the end-of-run summary as JSON")
-    c = p.add_argument_group("checkpoints")
-    c.add_argument(
-        "--checkpoint-dir",
-        default=os.environ.get("LMPIPE_CHECKPOINT_DIR"),
-        metavar="DIR",
-        help="where checkpoints go (none: no checkpoints)",
-    )
-    c.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=int(os.environ.get("LMPIPE_CHECKPOINT_EVERY", 0)),
-        metavar="STEPS",
-        help="also checkpoint every STEPS steps (always: at the end and on SIGTERM)",
-    )
-    c.add_argument(
-        "--keep-checkpoints", type=int, default=3, metavar="K", help="keep the last K (default: %(default)s)"
-    )
-    c.add_argument(
-        "--resume",
-        default=os.environ.get("LMPIPE_RESUME"),
-        metavar="auto|PATH",
-        help="auto: the latest checkpoint in --checkpoint-dir if any; PATH: that checkpoint",
-    )
-    g.add_argument(
-        "--wait-timeout",
-        type=float,
-        default=d.wait_timeout,
-        help="stop when no batch arrived for this many seconds (0: wait forever)",
-    )
+GLOBAL = "global options (before or after the command)"
+CORPUS = (
+    "data",
+    "tokenizer",
+    "doc_split",
+    "max_line_bytes",
+)  # the one-shot commands' share of PipelineConfig
+ENV_NOTE = (
+    "Every option of run, train and produce (and --log-level) can also be set as LMPIPE_<OPTION> in the "
+    "environment, e.g. LMPIPE_SEQ_LEN=256; a flag wins over the variable. `lmpipe COMMAND --help` lists them."
+)
 
 
-def train_config_from_args(ns: argparse.Namespace, metrics_port: int | None):
-    from lmpipe.consumer.config import TrainConfig
-
-    return TrainConfig(
-        model=ns.model,
-        steps=ns.steps,
-        accum=ns.accum,
-        lr=ns.lr,
-        warmup=ns.warmup,
-        min_lr_ratio=ns.min_lr_ratio,
-        lr_decay_steps=ns.lr_decay_steps,
-        weight_decay=ns.weight_decay,
-        grad_clip=ns.grad_clip,
-        device=ns.device,
-        precision=ns.precision,
-        loss_scale=ns.loss_scale,
-        fused_ce=ns.fused_ce,
-        tf32=ns.tf32,
-        vocab_size=ns.vocab_size,
-        attention=ns.attention,
-        fused_adamw=ns.fused_adamw,
-        grad_checkpointing=ns.grad_checkpointing,
-        compile=ns.compile,
-        copy_stream=ns.copy_stream,
-        log_every=ns.log_every,
-        slots=ns.slots,
-        threads=ns.threads,
-        seed=ns.train_seed,
-        metrics_port=metrics_port,
-        doc_log=ns.doc_log,
-        wait_timeout=ns.wait_timeout,
-        checkpoint_dir=ns.checkpoint_dir,
-        checkpoint_every=ns.checkpoint_every,
-        keep_checkpoints=ns.keep_checkpoints,
-        resume=ns.resume,
+def build_parser() -> Parser:
+    p = Parser(
+        prog="lmpipe", description="Stream packed LM batches over ZeroMQ into a GPT trainer.", epilog=ENV_NOTE
     )
-
-
-def _metrics_arg(p: argparse.ArgumentParser, default: int, what: str) -> None:
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(os.environ.get("LMPIPE_METRICS_PORT", default)),
-        help=f"Prometheus /metrics port for {what} (0: any free port, -1: off; default: %(default)s)",
-    )
-    p.add_argument(
-        "--metrics-linger",
-        type=float,
-        default=float(os.environ.get("LMPIPE_METRICS_LINGER", 0)),
-        metavar="SECONDS",
-        help="keep /metrics up this long after the work is done, for a last scrape (default: %(default)s)",
-    )
-
-
-def linger(seconds: float) -> None:
-    """Sleep after the work, /metrics still served by its daemon thread; a signal cuts it short."""
-    if seconds <= 0:
-        return
-    log.info("work done; serving metrics for %.0f s more", seconds)
-    with contextlib.suppress(KeyboardInterrupt):
-        time.sleep(seconds)
-
-
-def build_parser(with_training: bool = True) -> argparse.ArgumentParser:
-    """`with_training=False` leaves out the trainer's flags, whose defaults import torch: a producer
-    process (`lmpipe produce`) then starts without it."""
-    p = argparse.ArgumentParser(
-        prog="lmpipe", description="Stream packed LM batches over ZeroMQ into a GPT trainer."
-    )
-    p.add_argument("--log-level", default=os.environ.get("LMPIPE_LOG_LEVEL", "INFO"))
+    p.add_argument("--version", action="version", version=f"lmpipe {__version__}")
+    add_settings(p, GlobalOptions, GLOBAL)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    r = sub.add_parser(
-        "run",
-        help="start N producers and the trainer on this machine",
-        description="Start --producers producer processes and train in this process; "
-        "with no --data, on the built-in corpus and tokenizer.",
-    )
-    add_pipeline_args(r)
-    if with_training:
-        add_train_args(r)
-    _metrics_arg(r, 9400, "the trainer (producer i uses port+1+i)")
-    r.set_defaults(func=cmd_run)
+    def command(name: str, func, settings: tuple[type, ...], **kwargs) -> Parser:
+        c = sub.add_parser(name, **kwargs)
+        add_settings(c, GlobalOptions, GLOBAL, fill=False)  # the top-level parser fills it
+        c.set_defaults(func=func, settings=settings)
+        return c
 
-    pr = sub.add_parser(
-        "produce", help="run one producer", description="Tokenize, batch and stream to a trainer."
-    )
-    add_pipeline_args(pr)
-    pr.add_argument(
-        "--worker",
-        type=int,
-        default=int(os.environ.get("LMPIPE_WORKER", -1)),
-        help="worker id in 0..producers-1; -1 (default): the trainer assigns a free one, "
-        "so `docker compose --scale producer=N` needs no per-replica settings",
-    )
-    pr.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
-    _metrics_arg(pr, 9401, "this producer")
-    pr.set_defaults(func=cmd_produce)
+    for name, func, what in (
+        ("run", cmd_run, ("start N producers and the trainer on this machine", "Start --producers producer "
+                          "processes and train in this process; with no --data, on the built-in corpus and tokenizer.")),
+        ("train", cmd_train, ("run the trainer", "Bind, wait for producers, train.")),
+    ):  # fmt: skip
+        t = command(
+            name, func, (PipelineConfig, TrainConfig, ReportOptions), help=what[0], description=what[1]
+        )
+        add_settings(t, PipelineConfig, BATCHING)
+        add_settings(t, TrainConfig, TRAINING)
+        add_settings(t, ReportOptions, "reporting")
 
-    t = sub.add_parser("train", help="run the trainer", description="Bind, wait for producers, train.")
-    add_pipeline_args(t)
-    if with_training:
-        add_train_args(t)
-    _metrics_arg(t, 9400, "the trainer")
-    t.set_defaults(func=cmd_train)
+    pr = command(
+        "produce",
+        cmd_produce,
+        (PipelineConfig, ProduceOptions),
+        help="run one producer",
+        description="Tokenize, batch and stream to a trainer.",
+    )
+    add_settings(pr, PipelineConfig, BATCHING)
+    add_settings(pr, ProduceOptions, "producer")
 
-    tk = sub.add_parser("tokenizer", help="train or inspect a tokenizer")
+    tk = command(
+        "tokenizer",
+        cmd_tokenizer,
+        (PipelineConfig, TokenizerOptions),
+        help="train or inspect a tokenizer",
+        description="train: a byte-level BPE on --data (default: the built-in corpus); info: describe --tokenizer.",
+    )
     tk.add_argument("action", choices=("train", "info"))
-    tk.add_argument(
-        "--data", nargs="*", default=[], metavar="PATH", help="corpus to train on (default: built-in)"
-    )
-    tk.add_argument("--vocab-size", type=int, default=4096)
-    tk.add_argument("--out", help="where to write tokenizer.json (train)")
-    tk.add_argument("--tokenizer", help="tokenizer.json to inspect (info; default: built-in)")
-    tk.add_argument("--builtin", action="store_true", help="rebuild the shipped built-in tokenizer")
-    tk.set_defaults(func=cmd_tokenizer)
+    add_settings(tk, PipelineConfig, "corpus", only=CORPUS, env=False)
+    add_settings(tk, TokenizerOptions, "tokenizer", env=False)
 
-    pp = sub.add_parser(
+    pp = command(
         "prepare",
+        cmd_prepare,
+        (PipelineConfig, PrepareOptions),
         help="tokenize a corpus once into memory-mapped shards",
         description="Tokenize text/JSONL into shards that producers serve with no tokenizing (--data DIR).",
     )
-    pp.add_argument(
-        "--data", nargs="+", required=True, metavar="PATH", help="text/JSONL files or directories"
-    )
-    pp.add_argument("--out", required=True, metavar="DIR", help="shard directory to create")
-    pp.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: built-in)")
-    pp.add_argument("--doc-split", choices=("blank", "heading"), default="blank")
-    pp.add_argument(
-        "--shard-tokens", type=int, default=1 << 26, help="tokens per shard file (default: %(default)s)"
-    )
-    pp.add_argument("--max-line-bytes", type=int, default=1 << 20)
-    pp.add_argument("--force", action="store_true", help="replace --out if it exists")
-    pp.set_defaults(func=cmd_prepare)
+    add_settings(pp, PipelineConfig, "corpus", only=CORPUS, env=False, required=("data",))
+    add_settings(pp, PrepareOptions, "shards", env=False)
 
-    ky = sub.add_parser("keys", help="make ZeroMQ CURVE keys for --curve-dir")
-    ky.add_argument("--out", required=True, metavar="DIR")
-    ky.set_defaults(func=cmd_keys)
+    ky = command("keys", cmd_keys, (KeysOptions,), help="make ZeroMQ CURVE keys for --curve-dir")
+    add_settings(ky, KeysOptions, "keys", env=False)
 
-    ex = sub.add_parser("export", help="write a checkpoint's weights as safetensors")
+    ex = command("export", cmd_export, (ExportOptions,), help="write a checkpoint's weights as safetensors")
     ex.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir (its latest)")
-    ex.add_argument("--out", required=True, help="output .safetensors file")
-    ex.set_defaults(func=cmd_export)
+    add_settings(ex, ExportOptions, "export", env=False)
     return p
 
 
-def cmd_produce(ns: argparse.Namespace) -> int:
-    from lmpipe.producer.manager import Producer, ProducerOptions, install_signal_handlers
-    from lmpipe.shared.log import setup
-
-    cfg = pipeline_from_args(ns)
-    setup("producer" if ns.worker < 0 else f"producer {ns.worker}", ns.log_level)
-    p = Producer(
-        cfg,
-        ProducerOptions(worker=ns.worker, metrics_port=ns.metrics_port, exit_with_parent=ns.exit_with_parent),
-    )
-    install_signal_handlers(p)
-    code = p.run()
-    if not p.interrupted:
-        linger(ns.metrics_linger)
-    return code
+# -- commands: each gets the namespace, the global options and its settings, built and validated ---------
 
 
-def _trainer_signals(trainer) -> None:
-    def handler(signum, _frame):
-        name = signal.Signals(signum).name
-        log.info("%s: finishing the current step, then stopping", name)
-        trainer.request_stop(name)
+def cmd_run(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions) -> int:
+    from lmpipe.launch import train
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    return train(cfg, tcfg, opts, local_producers=True, log_level=g.log_level)
 
 
-def cmd_train(ns: argparse.Namespace) -> int:
-    from lmpipe.consumer.report import print_status
-    from lmpipe.consumer.trainer import Trainer
+def cmd_train(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions) -> int:
+    from lmpipe.launch import train
 
-    cfg = pipeline_from_args(ns)
-    tcfg = train_config_from_args(ns, ns.metrics_port)
-    trainer = Trainer(cfg, tcfg)
-    _trainer_signals(trainer)
-    summary = trainer.run(progress=lambda step, st: print_status(step, st, tcfg.steps))
-    if trainer.dist.is_main:  # under torchrun, rank 0 reports for the job
-        report(summary, ns.summary_json)
-    if not trainer.interrupted:
-        linger(ns.metrics_linger)
-    return 0
+    return train(cfg, tcfg, opts, local_producers=False, log_level=g.log_level)
 
 
-def report(summary, path: str | None) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write("\n")  # end the live status line
-    print(summary.render(), flush=True)
-    if path:
-        with open(path, "w") as f:
-            json.dump(summary.to_dict(), f, indent=1)
+def cmd_produce(ns, g: GlobalOptions, cfg: PipelineConfig, opts: ProduceOptions) -> int:
+    from lmpipe.launch import produce
+
+    return produce(cfg, opts)
 
 
-def cmd_run(ns: argparse.Namespace) -> int:
-    from lmpipe.launch import run_local
-
-    return run_local(ns)
-
-
-def cmd_tokenizer(ns: argparse.Namespace) -> int:
-    from lmpipe.producer.sources import Corpus
+def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOptions) -> int:
+    from lmpipe.launch import check_tokenizer, first_document, open_corpus
     from lmpipe.shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
 
     if ns.action == "info":
-        info = load_tokenizer(ns.tokenizer)
+        info = check_tokenizer(cfg)
         print(
             f"{info.path}\n  vocab size {info.vocab_size}, end-of-text id {info.eos_id}, pad id {info.pad_id}, hash {info.hash}"
         )
         return 0
-    out = BUILTIN_PATH if ns.builtin else ns.out
+    out = BUILTIN_PATH if opts.builtin else opts.out
     if not out:
-        print("lmpipe tokenizer train: --out FILE (or --builtin) is required", file=sys.stderr)
-        return 2
-    corpus = Corpus(ns.data, builtin_docs=5000)
+        raise SettingsError("train needs --out FILE (or --builtin)")
+    corpus = open_corpus(replace(cfg, builtin_docs=5000))  # the built-in tokenizer's corpus
+    first_document(corpus, text=True)
     texts = (r.text for r in corpus.records() if r.text and r.bad is None)
-    print(f"training a {ns.vocab_size}-token byte-level BPE on {corpus.describe()}", file=sys.stderr)
-    tok = train_tokenizer(texts, ns.vocab_size)
+    print(f"training a {opts.vocab_size}-token byte-level BPE on {corpus.describe()}", file=sys.stderr)
+    tok = train_tokenizer(texts, opts.vocab_size)
     tok.save(str(out))
     info = load_tokenizer(out)
     print(f"wrote {out}: vocab size {info.vocab_size}, hash {info.hash}")
     return 0
 
 
-def cmd_prepare(ns: argparse.Namespace) -> int:
+def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions) -> int:
+    from lmpipe.launch import check_tokenizer, first_document, open_corpus
     from lmpipe.producer.shards import prepare
-    from lmpipe.producer.sources import Corpus
     from lmpipe.producer.stream import DocStream
-    from lmpipe.shared.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(ns.tokenizer)
-    corpus = Corpus(
-        ns.data, doc_split=ns.doc_split, max_line_bytes=ns.max_line_bytes, vocab_size=tok.vocab_size
-    )
+    tok = check_tokenizer(cfg)
+    corpus = open_corpus(cfg, tok.vocab_size)
     if corpus.random_access:
-        raise ValueError("--data must be text or JSONL files, not the built-in corpus or shards")
+        raise SettingsError("--data must be text or JSONL files, not a prepared shard directory")
+    first_document(corpus)
     bad: dict[str, int] = {}
 
     def on_bad(reason: str, where: str, detail: str) -> None:
@@ -381,49 +176,62 @@ def cmd_prepare(ns: argparse.Namespace) -> int:
         log.warning("%s: %s (%s), skipped", where, detail, reason)
 
     stream = DocStream(corpus, tok, shuffle_window=0, on_bad=on_bad)
-    meta = prepare(stream, ns.out, shard_tokens=ns.shard_tokens, source=corpus.fingerprint(), force=ns.force)
+    meta = prepare(
+        stream, opts.out, shard_tokens=opts.shard_tokens, source=corpus.fingerprint(), force=opts.force
+    )
     skipped = f"; skipped {sum(bad.values())} bad records ({bad})" if bad else ""
     print(
-        f"wrote {ns.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens, {len(meta['shards'])} shard(s){skipped}"
+        f"wrote {opts.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens, {len(meta['shards'])} shard(s){skipped}"
     )
     return 0
 
 
-def cmd_keys(ns: argparse.Namespace) -> int:
+def cmd_keys(ns, g: GlobalOptions, opts: KeysOptions) -> int:
     from lmpipe.shared.security import generate_keys
 
-    out = generate_keys(ns.out)
+    out = generate_keys(opts.out)
     print(f"wrote CURVE keys to {out}: give the trainer the directory, each producer client.key_secret and "
           "server.key (--curve-dir); add public keys of other producers to authorized/")  # fmt: skip
     return 0
 
 
-def cmd_export(ns: argparse.Namespace) -> int:
+def cmd_export(ns, g: GlobalOptions, opts: ExportOptions) -> int:
     from pathlib import Path
 
     from lmpipe.consumer.checkpoint import export_safetensors, resolve_resume
 
     path = resolve_resume(ns.checkpoint, None)
-    meta = export_safetensors(path, Path(ns.out))
-    print(f"wrote {ns.out} from {path} (step {meta['step']})")
+    meta = export_safetensors(path, Path(opts.out))
+    print(f"wrote {opts.out} from {path} (step {meta['step']})")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    command = next(
-        (a for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or args[i - 1] != "--log-level")),
-        None,
-    )
-    ns = build_parser(with_training=command not in ("produce", "tokenizer", "prepare", "keys")).parse_args(
-        args
-    )
-    if ns.cmd != "produce":
-        from lmpipe.shared.log import setup
+def _role(cmd: str, configs: list) -> str:
+    if cmd in ("run", "train"):
+        return "trainer"
+    if cmd == "produce":
+        worker = configs[1].worker
+        return "producer" if worker < 0 else f"producer {worker}"
+    return "lmpipe"
 
-        setup("trainer" if ns.cmd in ("run", "train") else "lmpipe", ns.log_level)
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)  # argparse mistakes exit here: one line, status 2
+    prog = f"lmpipe {ns.cmd}"
     try:
-        return ns.func(ns)
+        g = from_args(ns, GlobalOptions)
+        configs = [from_args(ns, cls) for cls in ns.settings]
+    except SettingsError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    from lmpipe.shared.log import setup
+
+    setup(_role(ns.cmd, configs), g.log_level)
+    try:
+        return ns.func(ns, g, *configs)
+    except SettingsError as exc:  # found by a check before any work: a usage mistake
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as exc:  # bad input or config, a refused checkpoint: say it, exit 2
         log.debug("details", exc_info=True)
         log.error("%s", exc)

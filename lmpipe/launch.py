@@ -1,53 +1,196 @@
-"""`lmpipe run`: N producer processes plus the trainer in this process, stopped together.
+"""Starting lmpipe's processes: `lmpipe train` and `lmpipe run` (one path), and `lmpipe produce`.
 
-Producers are real processes (`python -m lmpipe.producer`) talking to the trainer over real TCP sockets on
-loopback, exactly as in a multi-host deployment. They share this process group, so Ctrl-C reaches all of
-them; on SIGTERM, or when training ends, the trainer tells them to stop and this launcher reaps them
-(terminate, then kill) so nothing is left behind. `--exit-with-parent` makes them quit if the launcher
-itself dies without cleaning up.
+Each first checks what it cheaply can (ports, keys, tokenizer, corpus, device), so that a usage mistake
+is one line before a model is built or a process started. `lmpipe run` then starts N producers as real
+processes (`python -m lmpipe.producer`) talking to the trainer over real TCP sockets on loopback, exactly
+as in a multi-host deployment, and trains in this process. They share this process group, so Ctrl-C
+reaches all of them; on SIGTERM, or when training ends, the trainer tells them to stop and this launcher
+reaps them (terminate, then kill) so nothing is left behind. `--exit-with-parent` makes them quit if the
+launcher itself dies without cleaning up.
+
+Layering: the CLI (lmpipe/cli.py) imports this module, never the reverse. torch is imported only once a
+trainer is about to be built, so producers never load it.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import errno
+import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from lmpipe.cli import _trainer_signals, linger, report, train_config_from_args
-from lmpipe.shared.config import pipeline_argv, pipeline_from_args
+from lmpipe.consumer.config import TrainConfig
+from lmpipe.options import GlobalOptions, ProduceOptions, ReportOptions
+from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.settings import SettingsError, to_argv
+
+if TYPE_CHECKING:
+    from lmpipe.producer.sources import Corpus, Record
+    from lmpipe.shared.tokenizer import TokenizerInfo
 
 log = logging.getLogger("lmpipe")
 
 
-def spawn_producers(ns: argparse.Namespace, cfg, metrics_base: int | None) -> list[subprocess.Popen]:
-    # Everything is passed as flags; LMPIPE_* variables would otherwise leak into the children's defaults.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMPIPE_") or k == "LMPIPE_LOG_LEVEL"}
+# -- checks before anything is built ------------------------------------------------------------------
+
+
+def check_ports(cfg: PipelineConfig) -> None:
+    """The trainer's data and control ports are free on --host (a plain bind, as ZeroMQ will do)."""
+    host = None if cfg.host == "*" else cfg.host
+    for port, what in ((cfg.port, "data port"), (cfg.port + 1, "control port (--port + 1)")):
+        try:
+            family, kind, proto, _, addr = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+        except socket.gaierror as exc:
+            raise SettingsError(f"--host {cfg.host}: cannot resolve it ({exc.strerror})") from None
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ: TIME_WAIT is no conflict
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise SettingsError(
+                        f"--port {cfg.port}: the {what} {cfg.host}:{port} is already in use; choose another --port"
+                    ) from None
+                raise SettingsError(f"--host {cfg.host}: cannot bind port {port} ({exc.strerror})") from None
+
+
+def check_keys(cfg: PipelineConfig, *, server: bool) -> None:
+    """--curve-dir holds the keys this side needs (the trainer: its pair and authorized/; a producer: its
+    pair and the server's public key)."""
+    from lmpipe.shared.security import authorized_dir, client_sockets, server_sockets
+
+    if not cfg.curve_dir:
+        return
+    try:
+        if server:
+            server_sockets([], cfg.curve_dir)
+            authorized_dir(cfg.curve_dir)
+        else:
+            client_sockets([], cfg.curve_dir)
+    except (OSError, ValueError) as exc:
+        raise SettingsError(f"--curve-dir {cfg.curve_dir}: {exc}") from None
+
+
+def check_tokenizer(cfg: PipelineConfig) -> TokenizerInfo:
+    from lmpipe.shared.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(cfg.tokenizer)
+    except (OSError, ValueError) as exc:
+        raise SettingsError(f"--tokenizer: {exc}") from None
+
+
+def open_corpus(cfg: PipelineConfig, vocab_size: int | None = None) -> Corpus:
+    from lmpipe.producer.sources import Corpus
+
+    try:
+        return Corpus(
+            cfg.data,
+            doc_split=cfg.doc_split,
+            builtin_docs=cfg.builtin_docs,
+            builtin_seed=cfg.seed,
+            max_line_bytes=cfg.max_line_bytes,
+            vocab_size=vocab_size,
+        )
+    except OSError as exc:
+        raise SettingsError(f"--data: {exc}") from None
+
+
+def first_document(corpus: Corpus, *, text: bool = False) -> Record:
+    """The corpus's first good record (with text, if `text`): an empty corpus is a usage mistake."""
+    for rec in corpus.records():
+        if rec.bad is None and (rec.text if text else True):
+            return rec
+    what = "text documents" if text else "documents"
+    raise SettingsError(f"--data: no {what} in {corpus.describe()} (every record is empty or malformed)")
+
+
+def check_device(name: str) -> None:
+    import torch
+
+    kind, _, index = name.partition(":")
+    if kind in ("auto", "cpu"):
+        return
+    if kind == "mps":
+        available, count = torch.backends.mps.is_available(), 1
+    else:
+        backend = getattr(torch, kind)
+        available = backend.is_available()
+        count = backend.device_count() if available else 0
+    if not available:
+        raise SettingsError(f"--device {name}: torch sees no {kind} device here; use --device cpu or auto")
+    if index and int(index) >= count:
+        raise SettingsError(f"--device {name}: there are {count} {kind} device(s), numbered from 0")
+
+
+# -- pieces of a run ----------------------------------------------------------------------------------
+
+
+def stop_on_signals(trainer) -> None:
+    def handler(signum, _frame):
+        name = signal.Signals(signum).name
+        log.info("%s: finishing the current step, then stopping", name)
+        trainer.request_stop(name)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def linger(seconds: float) -> None:
+    """Sleep after the work, /metrics still served by its daemon thread; a signal cuts it short."""
+    if seconds <= 0:
+        return
+    log.info("work done; serving metrics for %.0f s more", seconds)
+    with contextlib.suppress(KeyboardInterrupt):
+        time.sleep(seconds)
+
+
+def report(summary, path: str | None) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")  # end the live status line
+    print(summary.render(), flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(summary.to_dict(), f, indent=1)
+
+
+def producer_argv(cfg: PipelineConfig, worker: int, metrics_port: int, linger_s: float, log_level: str):
+    opts = ProduceOptions(
+        worker=worker, metrics_port=metrics_port, metrics_linger=linger_s, exit_with_parent=True
+    )
+    return [
+        sys.executable,
+        "-m",
+        "lmpipe.producer",
+        *to_argv(cfg),
+        *to_argv(opts),
+        *to_argv(GlobalOptions(log_level=log_level)),
+    ]
+
+
+def spawn_producers(
+    cfg: PipelineConfig, metrics_base: int | None, linger_s: float, log_level: str
+) -> list[subprocess.Popen]:
+    # Every setting goes as a flag; LMPIPE_* variables are dropped so nothing else reaches the children.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMPIPE_")}
     env.setdefault("TOKENIZERS_PARALLELISM", "true")
     procs = []
     for i in range(cfg.producers):
-        port = (
-            -1
-            if metrics_base is None or metrics_base < 0
-            else (0 if metrics_base == 0 else metrics_base + 1 + i)
-        )
-        env["LMPIPE_LOG_LEVEL"] = ns.log_level
-        linger = ["--metrics-linger", str(ns.metrics_linger)] if ns.metrics_linger > 0 else []
-        cmd = [
-            sys.executable,
-            "-m",
-            "lmpipe.producer",
-            *pipeline_argv(cfg),
-            "--worker",
-            str(i),
-            "--metrics-port",
-            str(port),
-            "--exit-with-parent",
-            *linger,
-        ]
-        procs.append(subprocess.Popen(cmd, env=env))
+        if metrics_base is None or metrics_base < 0:
+            port = -1
+        else:
+            port = 0 if metrics_base == 0 else metrics_base + 1 + i
+        procs.append(subprocess.Popen(producer_argv(cfg, i, port, linger_s, log_level), env=env))
     return procs
 
 
@@ -68,35 +211,73 @@ def reap(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
             p.wait()
 
 
-def run_local(ns: argparse.Namespace) -> int:
+# -- the commands -------------------------------------------------------------------------------------
+
+
+def train(
+    cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions, *, local_producers: bool, log_level: str
+) -> int:
+    """`lmpipe train` (producers come from elsewhere) and `lmpipe run` (local_producers: started here)."""
+    # under torchrun, rank r binds port + 2r (consumer/distributed.py)
+    rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    check_ports(replace(cfg, port=cfg.port + 2 * rank))
+    check_keys(cfg, server=True)
+    tok = check_tokenizer(cfg)
+    if local_producers:
+        first_document(open_corpus(cfg, tok.vocab_size))
+    check_device(tcfg.device)
+
     from lmpipe.consumer.report import print_status
     from lmpipe.consumer.trainer import Trainer
 
-    cfg = pipeline_from_args(ns)
-    tcfg = train_config_from_args(ns, ns.metrics_port)
-    trainer = Trainer(cfg, tcfg)  # builds the model first: a bad flag fails before any process starts
-    _trainer_signals(trainer)
+    trainer = Trainer(cfg, tcfg)
+    stop_on_signals(trainer)
     # under torchrun the trainer is one rank: its producers get that rank's share, port and metrics ports
-    procs = spawn_producers(ns, trainer.pcfg, trainer.cfg.metrics_port)
-    log.info("started %d producer process(es): pids %s", len(procs), " ".join(str(p.pid) for p in procs))
+    procs = (
+        spawn_producers(trainer.pcfg, trainer.cfg.metrics_port, opts.metrics_linger, log_level)
+        if local_producers
+        else []
+    )
+    if procs:
+        log.info("started %d producer process(es): pids %s", len(procs), " ".join(str(p.pid) for p in procs))
 
-    def producers_alive() -> str | None:
-        for i, p in enumerate(procs):
-            if p.poll() not in (None, 0):
-                return f"producer {i} exited with code {p.returncode}"
-        return None
+        def producers_alive() -> str | None:
+            for i, p in enumerate(procs):
+                if p.poll() not in (None, 0):
+                    return f"producer {i} exited with code {p.returncode}"
+            return None
 
-    trainer.health_check = producers_alive
+        trainer.health_check = producers_alive
     try:
         summary = trainer.run(progress=lambda step, st: print_status(step, st, tcfg.steps))
         if trainer.dist.is_main:  # under torchrun, rank 0 reports for the job
-            report(summary, ns.summary_json)
+            report(summary, opts.summary_json)
         if not trainer.interrupted:
-            linger(ns.metrics_linger)  # the producers linger as long, side by side
+            linger(opts.metrics_linger)  # local producers linger as long, side by side
     finally:
         reap(procs)
-    bad = [p.returncode for p in procs if p.returncode not in (0, -15)]
-    if bad:
+    if any(p.returncode not in (0, -signal.SIGTERM) for p in procs):
         log.error("producer exit codes: %s", [p.returncode for p in procs])
         return 1
     return 0
+
+
+def produce(cfg: PipelineConfig, opts: ProduceOptions) -> int:
+    from lmpipe.producer.manager import Producer, ProducerOptions, install_signal_handlers
+
+    if opts.worker >= cfg.producers:
+        raise SettingsError(f"--worker {opts.worker} must be below --producers {cfg.producers}")
+    check_keys(cfg, server=False)
+    tok = check_tokenizer(cfg)
+    first_document(open_corpus(cfg, tok.vocab_size))
+    p = Producer(
+        cfg,
+        ProducerOptions(
+            worker=opts.worker, metrics_port=opts.metrics_port, exit_with_parent=opts.exit_with_parent
+        ),
+    )
+    install_signal_handlers(p)
+    code = p.run()
+    if not p.interrupted:
+        linger(opts.metrics_linger)
+    return code

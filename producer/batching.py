@@ -17,36 +17,34 @@ A piece is a document, or a seq_len-long slice of one that is longer (for the pa
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from lmpipe.producer.stream import Doc, DocStream
 from lmpipe.shared.batch import Batch, Cursor
-
-STRATEGIES = ("pad", "pad-batch", "bucket", "pack")
+from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.settings import inherit, validate
 
 
 @dataclass(frozen=True)
 class BatchSpec:
-    strategy: str = "pack"
-    seq_len: int = 256
-    batch_size: int = 16
-    bucket_k: int = 32  # bucket: longest - shortest row length <= k
-    bucket_window: int = 4096  # bucket: pieces indexed together
-    pad_multiple: int = 1  # pad-batch/bucket: round row width up to a multiple (bounded shapes for compile)
-    seed: int = 0
+    """The batching part of PipelineConfig: the same settings, defaults and checks (`BatchSpec.of(cfg)`)."""
+
+    strategy: str = inherit(PipelineConfig, "strategy")
+    seq_len: int = inherit(PipelineConfig, "seq_len")
+    batch_size: int = inherit(PipelineConfig, "batch_size")
+    bucket_k: int = inherit(PipelineConfig, "bucket_k")  # bucket: longest - shortest row length <= k
+    bucket_window: int = inherit(PipelineConfig, "bucket_window")  # bucket: pieces indexed together
+    pad_multiple: int = inherit(PipelineConfig, "pad_multiple")  # pad-batch/bucket: bounded widths
+    seed: int = inherit(PipelineConfig, "seed")
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if not (
-            2 <= self.seq_len <= 65535
-            and self.batch_size >= 1
-            and self.bucket_k >= 0
-            and self.pad_multiple >= 1
-        ):
-            raise ValueError(f"bad batch spec {self}")
+        validate(self)
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig) -> BatchSpec:
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
 
 @dataclass

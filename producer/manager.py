@@ -75,15 +75,7 @@ class Producer:
                 f"this producer uses {self.tok.hash} ({self.tok.path}); pass the same --tokenizer or prepare again"
             )
         self.stream: DocStream | None = None
-        self.spec = BatchSpec(
-            strategy=cfg.strategy,
-            seq_len=cfg.seq_len,
-            batch_size=cfg.batch_size,
-            bucket_k=cfg.bucket_k,
-            bucket_window=cfg.bucket_window,
-            pad_multiple=cfg.pad_multiple,
-            seed=cfg.seed,
-        )
+        self.spec = BatchSpec.of(cfg)
         self.dtype = token_dtype(self.tok.vocab_size)
         for m in (self.metrics.tokens, self.metrics.padding):
             m.labels(cfg.strategy)

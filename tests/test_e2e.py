@@ -38,7 +38,7 @@ def test_run_trains_every_document_exactly_once(procs, tmp_path, port, tok, stra
     assert out["stopped_by"] == "end of data"
     assert out["rejected"] == 0 and out["stale"] == 0
     # steady state excludes the first interval (compilation, warm-up); time to first step stands apart
-    assert 0 < out["time_to_first_step"] and 0 < out["steady_tokens"] < out["tokens"]
+    assert out["time_to_first_step"] > 0 and 0 < out["steady_tokens"] < out["tokens"]
     assert 0 < out["steady_seconds"] < out["seconds"]
     assert_exactly_once(read_doc_log(log), builtin_lengths(tok, docs))
     if strategy == "pack":

@@ -1,0 +1,312 @@
+"""Settings as dataclass fields: one definition gives a setting's default, type, help, check, flag and
+environment variable.
+
+A settings class is a dataclass whose fields are made with `setting(...)`. From it:
+- `add_settings(parser, Cls)` adds the flags: `--seq-len` for the field `seq_len` (or `flag=`), the type
+  from the annotation (`bool`: `--x` and `--no-x`; `list[str]`: several values; `X | None`: an empty value
+  is None), `choices`, and help naming the default and the variable;
+- a `Parser` fills what the command line left out from `LMPIPE_<FLAG>` (LMPIPE_SEQ_LEN=256), else from the
+  field's default: flags win over the environment;
+- `validate(cfg)` runs every field's `check`, then the class's `cross_check()`; a settings class calls it
+  in `__post_init__`, so an invalid one cannot be made. A bad value raises SettingsError: one line;
+- `from_args(ns, Cls)` builds the dataclass from parsed arguments, a bad value naming the flag or the
+  variable it came from;
+- `to_argv(cfg)` gives the flags that reproduce `cfg` (how `lmpipe run` starts its producers).
+Nothing here imports torch: the parsers stay quick for `lmpipe --help` and the producer processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import shlex
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "LMPIPE_"
+_META = "lmpipe.setting"
+_SOURCES = "_setting_sources"  # namespace attribute: dest -> the flag or variable its value came from
+
+Check = Callable[[Any], "str | None"]  # None when the value is fine, else what is wrong with it
+
+
+class SettingsError(ValueError):
+    """A bad setting: the message is one line naming the flag or environment variable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    help: str
+    check: Check | None = None
+    choices: tuple[Any, ...] | None = None
+    flag: str | None = None  # without the dashes; default: the field name with '-' for '_'
+    metavar: str | None = None
+    group: str | None = None  # argparse group title; default: the one add_settings is given
+    env: bool = True  # also read LMPIPE_<FLAG>
+    hidden: bool = False  # left out of --help (internal flags)
+    required: bool = False
+
+
+def setting(default: Any, *, help: str, **meta: Any) -> Any:
+    """A dataclass field carrying its setting's metadata (see Meta for the keywords)."""
+    md = {_META: Meta(help=help, **meta)}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=functools.partial(list, default), metadata=md)
+    return dataclasses.field(default=default, metadata=md)
+
+
+def inherit(cls: type, name: str) -> Any:
+    """The same setting as `cls.name`: its default, help and check (BatchSpec takes PipelineConfig's)."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
+
+
+# -- checks -------------------------------------------------------------------------------------------
+
+
+def at_least(low: float) -> Check:
+    return lambda v: None if v >= low else f"must be >= {low}"
+
+
+def between(low: float, high: float) -> Check:
+    return lambda v: None if low <= v <= high else f"must be in {low}..{high}"
+
+
+def positive(v: float) -> str | None:
+    return None if v > 0 and math.isfinite(v) else "must be > 0"
+
+
+def existing_dir(v: str) -> str | None:
+    return None if Path(v).is_dir() else "no such directory"
+
+
+# -- what a field says --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    name: str  # field name
+    flag: str  # without dashes
+    dest: str  # argparse namespace attribute
+    env: str | None  # LMPIPE_<FLAG>
+    type: type  # bool, int, float or str (of each item, for lists)
+    optional: bool  # `X | None`: an empty value means None
+    many: bool  # list[X]
+    default: Any
+    meta: Meta
+
+
+def _unpack(tp: Any) -> tuple[type, bool, bool]:
+    optional = many = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional, tp = len(args) < len(typing.get_args(tp)), args[0]
+    if typing.get_origin(tp) is list:
+        many, tp = True, typing.get_args(tp)[0]
+    if tp not in (bool, int, float, str):
+        raise TypeError(f"settings support bool, int, float, str, list[str] and X | None, not {tp!r}")
+    return tp, optional, many
+
+
+@functools.cache
+def specs(cls: type) -> tuple[Spec, ...]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get(_META)
+        if meta is None:
+            continue
+        tp, optional, many = _unpack(hints[f.name])
+        flag = meta.flag or f.name.replace("_", "-")
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        env = ENV_PREFIX + flag.upper().replace("-", "_") if meta.env else None
+        out.append(Spec(f.name, flag, flag.replace("-", "_"), env, tp, optional, many, default, meta))
+    return tuple(out)
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def parse_value(spec: Spec, raw: str) -> Any:
+    """A string from the command line or the environment as the field's type; ValueError if it is not."""
+    if spec.many:
+        return [parse_value(dataclasses.replace(spec, many=False, optional=False), r) for r in raw.split()]
+    if spec.optional and raw == "":
+        return None
+    if spec.type is bool:
+        if raw.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"{raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
+        return raw.lower() in _TRUE
+    if spec.type is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not an integer") from None
+    if spec.type is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not a number") from None
+    return raw
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if v is None or v == []:
+        return "none"
+    return str(v)
+
+
+# -- argparse -----------------------------------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with settings filled from the environment after parsing, and errors as one line."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._fill: list[Spec] = []
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message.removeprefix('argument ')}\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = super().parse_known_args(args, namespace)
+        sources = ns.__dict__.setdefault(_SOURCES, {})
+        for spec in self._fill:
+            if hasattr(ns, spec.dest):  # given as a flag (here, or to a subcommand and copied up)
+                sources.setdefault(spec.dest, "--" + spec.flag)
+                continue
+            raw = None if spec.env is None else os.environ.get(spec.env)
+            if raw is None:
+                value = spec.default
+            else:
+                try:
+                    value = parse_value(spec, raw)
+                except ValueError as exc:
+                    self.error(f"{spec.env}: {exc}")
+                sources[spec.dest] = spec.env
+            setattr(ns, spec.dest, value)
+        return ns, extras
+
+
+def _argtype(spec: Spec) -> Callable[[str], Any]:
+    def convert(raw: str) -> Any:
+        try:
+            return parse_value(dataclasses.replace(spec, many=False), raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def add_settings(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    title: str,
+    *,
+    only: tuple[str, ...] | None = None,
+    env: bool = True,
+    fill: bool = True,
+    required: tuple[str, ...] = (),
+) -> None:
+    """Add a flag per setting of `cls` (or the `only` ones). env=False: flags only (one-shot commands);
+    fill=False: the flag is accepted here but its default is filled by a parent parser (global options)."""
+    for spec in specs(cls):
+        if only is not None and spec.name not in only:
+            continue
+        if not env:
+            spec = dataclasses.replace(spec, env=None)
+        m = spec.meta
+        name = m.group or title
+        g = next((g for g in parser._action_groups if g.title == name), None)
+        g = g or parser.add_argument_group(name)
+        where = f"; ${spec.env}" if spec.env else ""
+        text = f"{m.help} [default: {_show(spec.default)}{where}]".replace("%", "%%")  # argparse %-formats
+        text = argparse.SUPPRESS if m.hidden else text
+        kwargs: dict[str, Any] = dict(dest=spec.dest, default=argparse.SUPPRESS, help=text)
+        if m.required or spec.name in required:
+            kwargs["required"] = True
+        if spec.type is bool:
+            g.add_argument("--" + spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            metavar = m.metavar or {int: "N", float: "X"}.get(spec.type)
+            kwargs.update(type=_argtype(spec), choices=m.choices, metavar=metavar)
+            if spec.many:
+                kwargs["nargs"] = "+" if spec.name in required else "*"
+            g.add_argument("--" + spec.flag, **kwargs)
+        if fill and isinstance(parser, Parser):
+            parser._fill.append(spec)
+
+
+# -- building and checking ----------------------------------------------------------------------------
+
+
+def field_problems(
+    cls: type, values: dict[str, Any], sources: dict[str, str | None] | None = None
+) -> list[str]:
+    """What is wrong with the `values` of settings of `cls` (missing ones are not looked at), each naming
+    the flag (or the variable it came from, per `sources`) and the value."""
+    out = []
+    for spec in specs(cls):
+        if spec.name not in values or (values[spec.name] is None and spec.optional):
+            continue
+        v = values[spec.name]
+        shown = " ".join(shlex.quote(str(x)) for x in (v if spec.many else [v]))
+        src = (sources or {}).get(spec.name)
+        src = f"{src}={shown}" if src and not src.startswith("-") else f"--{spec.flag} {shown}"
+        m = spec.meta
+        if m.choices is not None and v not in m.choices:
+            noun = spec.name.replace("_", " ")
+            out.append(f"{src}: unknown {noun}; choose one of {', '.join(map(str, m.choices))}")
+        elif m.check is not None and (why := m.check(v)):
+            out.append(f"{src}: {why}")
+    return out
+
+
+def validate(cfg: Any) -> None:
+    """Every field's check, then the class's cross_check(); a settings class calls it in __post_init__."""
+    found = field_problems(type(cfg), {s.name: getattr(cfg, s.name) for s in specs(type(cfg))})
+    if not found and hasattr(cfg, "cross_check"):
+        found = cfg.cross_check()
+    if found:
+        raise SettingsError("; ".join(found))
+
+
+def from_args(ns: argparse.Namespace, cls: type) -> Any:
+    """The dataclass from a parsed namespace (fields it lacks keep their defaults), validated: a bad value
+    names the flag or the variable it came from."""
+    given = getattr(ns, _SOURCES, {})
+    values, sources = {}, {}
+    for spec in specs(cls):
+        if hasattr(ns, spec.dest):
+            values[spec.name] = getattr(ns, spec.dest)
+            sources[spec.name] = given.get(spec.dest)
+    if found := field_problems(cls, values, sources):
+        raise SettingsError("; ".join(found))
+    cfg = cls(**values)
+    validate(cfg)  # again if __post_init__ did: cheap, and classes without one are checked too
+    return cfg
+
+
+def to_argv(cfg: Any) -> list[str]:
+    """Flags that reproduce every setting of `cfg`, whatever the environment says."""
+    argv: list[str] = []
+    for spec in specs(type(cfg)):
+        v, flag = getattr(cfg, spec.name), "--" + spec.flag
+        if spec.type is bool:
+            argv.append(flag if v else f"--no-{spec.flag}")
+        elif spec.many:
+            argv += [flag, *map(str, v)]
+        else:
+            argv += [flag, "" if v is None else str(v)]
+    return argv

@@ -1,0 +1,192 @@
+"""Every usage mistake is one line on stderr naming the flag or variable, exit status 2, no traceback.
+
+Each case starts the real command (`python -m lmpipe ...`). The checks run before a model is built or a
+process started, so most cases take a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, lmpipe_env
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    port: int
+    checkpoint: Path
+    env: dict[str, str] = field(default_factory=dict)
+    hold: list[socket.socket] = field(default_factory=list)
+
+    def listen(self, port: int) -> None:
+        """Take `port` the way another server would."""
+        s = socket.socket()
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        self.hold.append(s)
+
+
+def _state_sha(path: Path) -> None:
+    header = json.loads((path / "header.json").read_text())
+    header["state_sha256"] = hashlib.sha256((path / "state.pt").read_bytes()).hexdigest()
+    (path / "header.json").write_text(json.dumps(header))
+
+
+def empty_corpus(c: Ctx) -> list[str]:
+    (c.tmp / "empty.txt").write_text("\n\n   \n")
+    (c.tmp / "blank.jsonl").write_text('{"text": " "}\n\n')
+    return ["--data", str(c.tmp / "empty.txt"), str(c.tmp / "blank.jsonl")]
+
+
+def resume_state_without(key: str) -> Callable[[Ctx], list[str]]:
+    def make(c: Ctx) -> list[str]:
+        ck = c.tmp / "ck"
+        shutil.copytree(c.checkpoint.parent, ck)
+        step = ck / c.checkpoint.name
+        state = torch.load(step / "state.pt", weights_only=True)
+        del state[key]
+        torch.save(state, step / "state.pt")
+        _state_sha(step)
+        return ["train", "--port", str(c.port), "--checkpoint-dir", str(ck), "--resume", "auto"]
+
+    return make
+
+
+def export_garbage(matching_checksum: bool) -> Callable[[Ctx], list[str]]:
+    def make(c: Ctx) -> list[str]:
+        step = c.tmp / "step"
+        shutil.copytree(c.checkpoint, step)
+        (step / "state.pt").write_bytes(os.urandom(4096))
+        if matching_checksum:
+            _state_sha(step)
+        return ["export", str(step), "--out", str(c.tmp / "m.safetensors")]
+
+    return make
+
+
+def port_taken(offset: int, cmd: str) -> Callable[[Ctx], list[str]]:
+    def make(c: Ctx) -> list[str]:
+        c.listen(c.port + offset)
+        return [cmd, "--port", str(c.port)]
+
+    return make
+
+
+def env(var: str, value: str, *argv: str) -> Callable[[Ctx], list[str]]:
+    def make(c: Ctx) -> list[str]:
+        c.env[var] = value
+        return list(argv)
+
+    return make
+
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+# (id, argv or a function of the context giving it, text the one line must contain)
+CASES = [
+    # issue 8, item 5: tracebacks before
+    ("data-port-in-use", port_taken(0, "run"), "--port"),
+    ("control-port-in-use", port_taken(1, "train"), "--port"),
+    ("curve-dir-missing", ["train", "--curve-dir", "/nonexistent/keys"], "--curve-dir /nonexistent/keys"),
+    ("curve-dir-without-keys", lambda c: ["train", "--curve-dir", str(c.tmp)], "--curve-dir"),
+    ("host-invalid", ["train", "--host", "999.1.1.1", "--trusted-network"], "--host 999.1.1.1"),
+    pytest.param("device-cuda-no-gpu", ["run", "--device", "cuda"], "--device cuda", marks=no_gpu),
+    ("device-nonsense", ["run", "--device", "nonsense"], "--device nonsense"),
+    ("log-every-0", ["run", "--log-every", "0"], "--log-every 0"),
+    ("export-garbage-state", export_garbage(False), "state.pt"),
+    ("export-garbage-state-matching-checksum", export_garbage(True), "state.pt: cannot be loaded"),
+    (
+        "resume-state-lacks-keys",
+        resume_state_without("optimizer"),
+        "state.pt: not an lmpipe trainer state (no optimizer)",
+    ),
+    ("env-seq-len-not-int", env("LMPIPE_SEQ_LEN", "abc", "run"), "LMPIPE_SEQ_LEN"),
+    # issue 8, item 6: silently accepted before
+    ("accum-0", ["run", "--accum", "0"], "--accum 0"),
+    ("steps-negative", ["run", "--steps", "-1"], "--steps -1"),
+    ("warmup-negative", ["run", "--warmup", "-5"], "--warmup -5"),
+    ("max-line-bytes-0", ["run", "--max-line-bytes", "0"], "--max-line-bytes 0"),
+    ("shuffle-window-negative", ["run", "--shuffle-window", "-1"], "--shuffle-window -1"),
+    ("keep-checkpoints-0", ["run", "--keep-checkpoints", "0"], "--keep-checkpoints 0"),
+    ("slots-below-accum", ["run", "--accum", "4", "--slots", "3"], "--slots 3 is fewer than --accum 4"),
+    ("empty-corpus-run", lambda c: ["run", *empty_corpus(c)], "no documents in"),
+    ("empty-corpus-produce", lambda c: ["produce", *empty_corpus(c)], "no documents in"),
+    (
+        "empty-corpus-prepare",
+        lambda c: ["prepare", *empty_corpus(c), "--out", str(c.tmp / "s")],
+        "no documents in",
+    ),
+    (
+        "tokenizer-train-empty",
+        lambda c: ["tokenizer", "train", *empty_corpus(c), "--out", str(c.tmp / "t.json")],
+        "no text documents in",
+    ),
+    # and their relatives
+    ("env-bad-choice", env("LMPIPE_STRATEGY", "zip", "produce"), "LMPIPE_STRATEGY=zip: unknown strategy"),
+    ("env-bad-bool", env("LMPIPE_COMPILE", "maybe", "train"), "LMPIPE_COMPILE"),
+    ("env-check", env("LMPIPE_ACCUM", "0", "train"), "LMPIPE_ACCUM=0"),
+    ("bad-choice", ["run", "--strategy", "zip"], "--strategy"),
+    ("flag-not-int", ["run", "--seq-len", "abc"], "--seq-len"),
+    ("unknown-flag", ["run", "--sequence-length", "5"], "--sequence-length"),
+    ("log-level", ["--log-level", "loud", "run"], "--log-level loud"),
+    ("rank-outside-world", ["produce", "--rank", "2", "--world-size", "2"], "--rank 2"),
+    ("worker-outside-producers", ["produce", "--worker", "2", "--producers", "2"], "--worker 2"),
+    ("resume-auto-without-dir", ["train", "--resume", "auto"], "--resume auto needs --checkpoint-dir"),
+    ("missing-corpus-file", ["run", "--data", "/nonexistent.txt"], "--data"),
+    ("missing-tokenizer", ["produce", "--tokenizer", "/nonexistent.json"], "--tokenizer"),
+    ("loss-scale", ["train", "--loss-scale", "static:0"], "--loss-scale static:0"),
+    ("tokenizer-without-out", ["tokenizer", "train"], "--out"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A real checkpoint of the default run, written without training (step 0)."""
+    from lmpipe.consumer.config import TrainConfig
+    from lmpipe.consumer.trainer import Trainer
+    from lmpipe.shared.config import PipelineConfig
+
+    ck = tmp_path_factory.mktemp("ck")
+    path = Trainer(PipelineConfig(), TrainConfig(checkpoint_dir=str(ck), metrics_port=-1)).save_checkpoint()
+    assert path is not None
+    return path
+
+
+@pytest.mark.parametrize("name,argv,expect", CASES)
+def test_usage_mistake_is_one_line_and_status_2(tmp_path, port, checkpoint, name, argv, expect):
+    c = Ctx(tmp_path, port, checkpoint)
+    args = argv(c) if callable(argv) else argv
+    if args[0] in ("run", "train", "produce") and "--port" not in args:
+        args += ["--port", str(port)]  # never a port another test is using
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "lmpipe", *args, "--metrics-port", "-1"]
+            if args[0] in ("run", "train", "produce")
+            else [sys.executable, "-m", "lmpipe", *args],
+            env={**lmpipe_env(), **c.env},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        for s in c.hold:
+            s.close()
+    lines = out.stderr.splitlines()
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout
+    assert len(lines) == 1, out.stderr
+    assert expect in lines[0], lines[0]

@@ -1,0 +1,232 @@
+"""Settings: each dataclass field is the one definition of its flag, variable, default and check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from lmpipe.cli import build_parser
+from lmpipe.consumer.config import MODELS, TrainConfig
+from lmpipe.options import GlobalOptions, ProduceOptions, ReportOptions
+from lmpipe.producer.batching import BatchSpec
+from lmpipe.shared.config import PipelineConfig, pipeline_argv
+from lmpipe.shared.settings import SettingsError, from_args, specs, to_argv
+from tests.conftest import REPO, lmpipe_env
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """A clean LMPIPE_* environment; returns a setter."""
+    import os
+
+    for k in [k for k in os.environ if k.startswith("LMPIPE_")]:
+        monkeypatch.delenv(k)
+    return monkeypatch.setenv
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def as_env(cfg) -> dict[str, str]:
+    """The LMPIPE_* variables that say what `cfg` says."""
+    out = {}
+    for s in specs(type(cfg)):
+        v = getattr(cfg, s.name)
+        if s.env is None:
+            continue
+        out[s.env] = (
+            ("1" if v else "0") if s.type is bool else " ".join(v) if s.many else "" if v is None else str(v)
+        )
+    return out
+
+
+# Every field changed from its default (and valid), so a setting that does not travel shows up.
+PIPELINE = PipelineConfig(
+    data=["a.txt", "b.jsonl"], tokenizer="tok.json", strategy="bucket", seq_len=64, batch_size=3, bucket_k=5,
+    bucket_window=77, pad_multiple=8, seed=4, shuffle_window=9, doc_split="heading", builtin_docs=123,
+    epochs=2, producers=3, rank=1, world_size=2, host="gpu-host", port=6000, trusted_network=True,
+    curve_dir=None, max_line_bytes=999,
+)  # fmt: skip
+TRAIN = TrainConfig(
+    model="small", steps=7, accum=2, lr=1e-4, min_lr_ratio=0.5, warmup=3, lr_decay_steps=50, weight_decay=0.0,
+    beta1=0.8, beta2=0.9, grad_clip=0.5, device="cpu", precision="fp16", loss_scale="static:128",
+    fused_ce=True, vocab_size=512, attention="dense", fused_adamw=False, grad_checkpointing=True, compile=True,
+    copy_stream=False, tf32=False, log_every=2, slots=6, threads=1, seed=9, metrics_port=-1, doc_log="d.jsonl",
+    wait_timeout=1.5, checkpoint_dir="ck", checkpoint_every=5, keep_checkpoints=2, resume="auto",
+)  # fmt: skip
+
+
+def test_the_examples_change_every_field():
+    for example in (PIPELINE, TRAIN):
+        default = type(example)()
+        same = [f.name for f in fields(example) if getattr(example, f.name) == getattr(default, f.name)]
+        assert same in ([], ["curve_dir"]), same  # curve_dir must name an existing directory
+
+
+def test_no_flags_and_no_environment_give_the_dataclass_defaults(env):
+    ns = parse("run")
+    assert from_args(ns, PipelineConfig) == PipelineConfig()
+    assert from_args(ns, TrainConfig) == TrainConfig()
+    assert from_args(ns, ReportOptions) == ReportOptions()
+    assert from_args(ns, GlobalOptions) == GlobalOptions()
+    assert from_args(parse("produce"), ProduceOptions) == ProduceOptions()
+
+
+@pytest.mark.parametrize("cmd", ["run", "train"])
+def test_every_setting_comes_from_its_flag_or_its_variable(env, cmd):
+    argv = [cmd, *to_argv(PIPELINE), *to_argv(TRAIN)]
+    ns = parse(*argv)
+    assert (from_args(ns, PipelineConfig), from_args(ns, TrainConfig)) == (PIPELINE, TRAIN)
+    for k, v in {**as_env(PIPELINE), **as_env(TRAIN)}.items():
+        env(k, v)
+    ns = parse(cmd)
+    assert (from_args(ns, PipelineConfig), from_args(ns, TrainConfig)) == (PIPELINE, TRAIN)
+
+
+def test_a_flag_wins_over_the_environment(env):
+    env("LMPIPE_SEQ_LEN", "64")
+    env("LMPIPE_LR", "0.1")
+    env("LMPIPE_TF32", "0")
+    ns = parse("run", "--seq-len", "32", "--tf32")
+    assert from_args(ns, PipelineConfig).seq_len == 32
+    tcfg = from_args(ns, TrainConfig)
+    assert tcfg.lr == 0.1 and tcfg.tf32 is True
+
+
+def test_the_flags_that_always_worked_still_do(env):
+    ns = parse(
+        "train", "--no-tf32", "--no-fused-adamw", "--no-copy-stream", "--train-seed", "7", "--compile",
+        "--fused-ce", "--grad-checkpointing", "--trusted-network", "--seed", "3", "--metrics-port", "-1",
+        "--doc-split", "line", "--data", "x.txt", "y.txt", "--tokenizer", "t.json",
+    )  # fmt: skip
+    tcfg, cfg = from_args(ns, TrainConfig), from_args(ns, PipelineConfig)
+    assert (tcfg.tf32, tcfg.fused_adamw, tcfg.copy_stream) == (False, False, False)
+    assert (tcfg.seed, cfg.seed) == (7, 3), "--train-seed and --seed are two settings"
+    assert tcfg.compile and tcfg.fused_ce and tcfg.grad_checkpointing and cfg.trusted_network
+    assert tcfg.metrics_port == -1 and cfg.doc_split == "line"
+    assert (cfg.data, cfg.tokenizer) == (["x.txt", "y.txt"], "t.json")
+
+
+def test_empty_variables_mean_none_as_compose_passes_them(env):
+    env("LMPIPE_DATA", "")
+    env("LMPIPE_TOKENIZER", "")
+    env("LMPIPE_COMPILE", "0")
+    ns = parse("train")
+    assert from_args(ns, PipelineConfig) == PipelineConfig()
+    assert from_args(ns, TrainConfig).compile is False
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_global_options_go_before_or_after_the_command(env, before):
+    env("LMPIPE_LOG_LEVEL", "ERROR")
+    argv = ["--log-level", "DEBUG", "run"] if before else ["run", "--log-level", "DEBUG"]
+    assert from_args(parse(*argv), GlobalOptions).log_level == "DEBUG"
+    assert from_args(parse("run"), GlobalOptions).log_level == "ERROR"
+
+
+def test_pipeline_argv_reproduces_the_config_whatever_the_environment(env):
+    for k, v in as_env(PipelineConfig(strategy="pad", seq_len=16)).items():
+        env(k, v)  # a different config in the environment must not leak into the producers
+    for cfg in (PIPELINE, PipelineConfig()):  # PipelineConfig(): tokenizer None travels as well
+        assert from_args(parse("produce", *pipeline_argv(cfg)), PipelineConfig) == cfg
+    opts = ProduceOptions(worker=1, metrics_port=-1, metrics_linger=2.5, exit_with_parent=True)
+    assert from_args(parse("produce", *to_argv(opts)), ProduceOptions) == opts
+
+
+def test_validation_names_the_flag_or_the_variable(env):
+    with pytest.raises(SettingsError, match=r"^--accum 0: must be >= 1$"):
+        from_args(parse("run", "--accum", "0"), TrainConfig)
+    env("LMPIPE_ACCUM", "0")
+    with pytest.raises(SettingsError, match=r"^LMPIPE_ACCUM=0: must be >= 1$"):
+        from_args(parse("run"), TrainConfig)
+
+
+def test_an_invalid_config_cannot_be_made():
+    with pytest.raises(SettingsError, match=r"^--accum 0: must be >= 1$"):
+        TrainConfig(accum=0)
+    with pytest.raises(SettingsError, match=r"^--slots 1 is fewer than --accum 2"):
+        TrainConfig(accum=2, slots=1)
+    with pytest.raises(SettingsError, match=r"^--rank 1 must be below --world-size 1$"):
+        PipelineConfig(rank=1)
+
+
+def test_batch_spec_is_the_pipeline_configs_batching():
+    names = [f.name for f in fields(BatchSpec)]
+    assert BatchSpec() == BatchSpec(**{n: getattr(PipelineConfig(), n) for n in names}), "same defaults"
+    assert BatchSpec.of(PIPELINE) == BatchSpec(**{n: getattr(PIPELINE, n) for n in names})
+    with pytest.raises(ValueError, match="--seq-len 1: must be in 2..65535"):
+        BatchSpec(seq_len=1)
+
+
+def test_model_names_are_the_presets():
+    from lmpipe.consumer.model import PRESETS
+
+    assert tuple(PRESETS) == MODELS
+
+
+def test_compose_variables_are_settings():
+    import re
+
+    known = {s.env for cls in (PipelineConfig, TrainConfig, ReportOptions, ProduceOptions, GlobalOptions)
+             for s in specs(cls)}  # fmt: skip
+    for f in ("docker-compose.yml", "docker-compose.cpu.yml"):
+        used = set(re.findall(r"^\s+(LMPIPE_\w+):", (REPO / f).read_text(), re.M))
+        assert used and used <= known, f"{f}: {sorted(used - known)} are no setting"
+
+
+def test_help_version_and_parsing_import_no_torch():
+    code = (
+        "import contextlib, io, sys\n"
+        "from lmpipe.cli import build_parser, main\n"
+        "import lmpipe.launch, lmpipe.producer.manager\n"
+        "for argv in (['--help'], ['run', '--help'], ['--version']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main(argv)\n"
+        "build_parser().parse_args(['produce'])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=lmpipe_env(), cwd=REPO, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    version = subprocess.run(
+        [sys.executable, "-m", "lmpipe", "--version"], env=lmpipe_env(), capture_output=True, text=True
+    )
+    from lmpipe import __version__
+
+    assert version.stdout.strip() == f"lmpipe {__version__}" and version.returncode == 0
+
+
+def test_imports_follow_the_layering():
+    """shared imports nothing of ours; producer and consumer import shared, never each other; lmpipe/ is on
+    top and nothing imports it (the `python -m` shims aside); in lmpipe/, cli imports launch, not back."""
+    import ast
+
+    allowed = {
+        "shared": ("lmpipe.shared",),
+        "producer": ("lmpipe.shared", "lmpipe.producer"),
+        "consumer": ("lmpipe.shared", "lmpipe.consumer"),
+        "lmpipe": ("lmpipe",),
+    }
+    wrong = []
+    for top, ok in allowed.items():
+        for path in sorted((REPO / top).glob("*.py")):
+            if path.name == "__main__.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                for name in (n for n in names if n == "lmpipe" or n.startswith("lmpipe.")):
+                    upward = top == "lmpipe" and path.stem in ("launch", "options") and name == "lmpipe.cli"
+                    if (
+                        not name.startswith(ok)
+                        or upward
+                        or (top != "lmpipe" and name in ("lmpipe", "lmpipe.cli"))
+                    ):
+                        wrong.append(f"{top}/{path.name} imports {name}")
+    assert not wrong, wrong

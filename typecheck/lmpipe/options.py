@@ -1,0 +1,1 @@
+../../lmpipe/options.py
