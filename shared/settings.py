@@ -116,8 +116,13 @@ def _unpack(tp: Any) -> tuple[type, bool, bool]:
     return tp, optional, many
 
 
-@functools.cache
 def specs(cls: type) -> tuple[Spec, ...]:
+    """The settings of a settings dataclass, in field order (read once per class)."""
+    return _specs(cls)
+
+
+@functools.cache
+def _specs(cls: type) -> tuple[Spec, ...]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -179,7 +184,7 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"{self.prog}: {message.removeprefix('argument ')}\n")
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         ns, extras = super().parse_known_args(args, namespace)
         sources = ns.__dict__.setdefault(_SOURCES, {})
         for spec in self._fill:
