@@ -396,7 +396,7 @@ def _parquet_batches(f: DataFile, text_column: str) -> Iterator[tuple[Any, str]]
     import pyarrow.parquet as pq
 
     source = f.path if f.remote is None else RangeReader(f.remote, f.path, f.size)
-    pf = pq.ParquetFile(source)
+    pf = pq.ParquetFile(source, pre_buffer=False)  # pre-buffering reads every row group up front
     name, kind = _column(f, pf.schema_arrow, text_column)
     for batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, columns=[name], use_threads=False):
         yield batch.column(0), kind

@@ -43,7 +43,9 @@ def _write_stream(path: Path, table: pa.Table, batch_rows: int) -> None:
             w.write_batch(batch)
 
 
-def write(dest: Path, docs: list[str | None], fmt: str, *, rows_per_group: int = 64, column: str = "text") -> Path:
+def write(
+    dest: Path, docs: list[str | None], fmt: str, *, rows_per_group: int = 64, column: str = "text"
+) -> Path:
     """Write `docs` as `fmt` at dest + its extension (a folder for "hf"); returns the path to pass."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "jsonl":

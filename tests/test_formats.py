@@ -49,16 +49,21 @@ def test_every_format_gives_the_records_of_plain_jsonl(tmp_path):
             got = read(path, w, 3)
             assert [r[0] for r in got] == [r[0] for r in ref[w]], f"{fmt}: record ids of worker {w}"
             assert [r[1] for r in got if not r[2]] == [r[1] for r in ref[w] if not r[2]], fmt
-            assert {r[0] for r in got if r[2]} == {r[0] for r in ref[w] if r[2]} == set(BAD) & {
-                i for i in range(300) if i % 3 == w
-            }
+            assert (
+                {r[0] for r in got if r[2]}
+                == {r[0] for r in ref[w] if r[2]}
+                == set(BAD) & {i for i in range(300) if i % 3 == w}
+            )
         rows = {r[0]: r for r in read(path)}
         if fmt.startswith("jsonl"):
             assert rows[5][2:] == ("bad_json", f"{path}:6") and rows[7][2:] == ("empty", f"{path}:8")
         elif fmt == "hf":  # 300 rows in two Arrow files of 150: row 200 is the second file's row 50
             assert rows[200][2:] == ("missing_text", f"{path}/data-00001-of-00002.arrow:row 50")
         else:
-            assert rows[5][2:] == ("missing_text", f"{path}:row 5") and rows[7][2:] == ("empty", f"{path}:row 7")
+            assert rows[5][2:] == ("missing_text", f"{path}:row 5") and rows[7][2:] == (
+                "empty",
+                f"{path}:row 7",
+            )
 
 
 def test_formats_are_detected_by_content_when_the_name_does_not_say(tmp_path):
@@ -92,7 +97,9 @@ def test_bad_rows_are_named_counted_and_skipped(tmp_path, tok):
     pq.write_table(pa.table({"ids": pa.array(ids, pa.list_(pa.int32()))}), tmp_path / "i.parquet")
     bad = []
     corpus = Corpus([str(tmp_path / "t.parquet"), str(tmp_path / "i.parquet")], vocab_size=tok.vocab_size)
-    stream = DocStream(corpus, tok, shuffle_window=0, on_bad=lambda reason, where, _: bad.append((reason, where)))
+    stream = DocStream(
+        corpus, tok, shuffle_window=0, on_bad=lambda reason, where, _: bad.append((reason, where))
+    )
     docs = list(stream.docs(0))
     assert [d.doc_id for d in docs] == [0, 4, 5, 9]
     assert tok.tokenizer.decode(docs[1].ids[:-1].tolist()) == "good two"
@@ -112,7 +119,9 @@ def test_a_named_text_column_is_read_and_a_missing_one_is_named(tmp_path):
     path = write(tmp_path / "c", ["alpha", "beta"], "parquet", column="content")
     assert [r[1] for r in read(path, text_column="content")] == ["alpha", "beta"]
     assert Corpus([str(path)], text_column="content").fingerprint() != Corpus([str(path)]).fingerprint()
-    with pytest.raises(FormatError, match=r"c\.parquet: no column 'text' \(columns: content\).*--text-column"):
+    with pytest.raises(
+        FormatError, match=r"c\.parquet: no column 'text' \(columns: content\).*--text-column"
+    ):
         read(path)
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
     with pytest.raises(FormatError, match=r"n\.parquet: column 'text' is int64, not text"):
@@ -128,7 +137,9 @@ def test_broken_files_stop_with_one_line_naming_them(tmp_path):
     }
     for name, blob in cases.items():
         (tmp_path / name).write_bytes(blob)
-        with pytest.raises(FormatError, match=rf"{name}: \w+ data is truncated or corrupt after [\d,]+ decompressed"):
+        with pytest.raises(
+            FormatError, match=rf"{name}: \w+ data is truncated or corrupt after [\d,]+ decompressed"
+        ):
             read(tmp_path / name)
     good = write(tmp_path / "p", builtin_docs(200), "parquet", rows_per_group=20)
     (tmp_path / "cut.parquet").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
@@ -137,7 +148,9 @@ def test_broken_files_stop_with_one_line_naming_them(tmp_path):
     hf = tmp_path / "dd"
     write_hf_dataset(hf / "train", ["a", "b"])
     (hf / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
-    with pytest.raises(FormatError, match=r"DatasetDict \(splits: train, test\); pass one split's folder, e\.g\. .*dd/train"):
+    with pytest.raises(
+        FormatError, match=r"DatasetDict \(splits: train, test\); pass one split's folder, e\.g\. .*dd/train"
+    ):
         Corpus([str(hf)])
     (hf / "train" / "data-00001-of-00002.arrow").unlink()
     with pytest.raises(FormatError, match=r"state\.json lists data-00001-of-00002\.arrow, which is missing"):
