@@ -30,6 +30,7 @@ from pathlib import Path
 from bench.common import WIKITEXT, free_port_pair, table, write_result
 
 REMOTE = ("text", "jsonl.zst", "parquet", "hf", "shards")
+PER_DOC = "s3 shards, a request per document"
 
 
 def _build(work: Path, tok_path: str) -> tuple[dict[str, str], dict]:
@@ -112,10 +113,17 @@ def _remote_url(name: str, path: str) -> str:
     return f"s3://bench/{name}" if p.is_dir() else f"s3://bench/{name}/{p.name}"
 
 
-def _measure(data: str, tok, seconds: float, seq_len: int, batch_size: int) -> tuple[int, float, int]:
+def _measure(
+    data: str, tok, seconds: float, seq_len: int, batch_size: int, merge: bool = True
+) -> tuple[int, float, int]:
     from lmpipe.producer.batching import BatchSpec, batches
+    from lmpipe.producer.shards import _RemoteShards
     from lmpipe.producer.sources import Corpus
     from lmpipe.producer.stream import DocStream
+
+    # merge=False: remote shards fetch every document with its own request, as on a corpus too large for
+    # the documents of one chunk to lie within MERGE_GAP of each other
+    _RemoteShards.MERGE_GAP = 64 << 10 if merge else -1
 
     tokens = passes = 0
     t0 = time.perf_counter()
@@ -142,6 +150,7 @@ def main() -> None:
     from lmpipe.shared.tokenizer import load_tokenizer
 
     tok_path, _ = bench_data(Path(args.work))
+    load = [os.getloadavg()[0]]
     tok = load_tokenizer(tok_path)
     with tempfile.TemporaryDirectory(prefix="lmpipe-sources-") as tmp:
         local, meta = _build(Path(tmp), tok_path)
@@ -153,17 +162,21 @@ def main() -> None:
         try:
             sources = {name: path for name, path in local.items()}
             sources |= {f"s3 {name}": _remote_url(name, local[name]) for name in REMOTE}
+            sources[PER_DOC] = sources["s3 shards"]
             rates: dict[str, list[float]] = {s: [] for s in sources}
             ratios: dict[str, list[float]] = {s: [] for s in sources}
             passes = dict.fromkeys(sources, 0)
             for r in range(args.rounds):
                 for name, data in sources.items():
-                    tokens, dt, n = _measure(data, tok, args.seconds, args.seq_len, args.batch_size)
+                    tokens, dt, n = _measure(
+                        data, tok, args.seconds, args.seq_len, args.batch_size, name != PER_DOC
+                    )
                     rates[name].append(tokens / dt)
                     passes[name] += n
                     print(f"round {r + 1}: {name}: {tokens / dt:,.0f} tokens/s", flush=True)
                 for name in sources:
                     ratios[name].append(rates[name][-1] / rates["text"][-1])
+            load.append(os.getloadavg()[0])
         finally:
             server.terminate()
             server.wait()
@@ -171,7 +184,7 @@ def main() -> None:
                  else Path(path).stat().st_size for name, path in local.items()}  # fmt: skip
     rows = [
         [name, statistics.median(rates[name]), statistics.median(ratios[name]), passes[name],
-         f"{sizes[name.removeprefix('s3 ')] / 2**20:.2f}"]
+         f"{sizes[name.removeprefix('s3 ').split(',')[0]] / 2**20:.2f}"]
         for name in sources
     ]  # fmt: skip
     body = (
@@ -180,7 +193,10 @@ def main() -> None:
         f"{args.batch_size} rows, one worker, {os.cpu_count()} cores visible (encode_batch uses all of "
         f"them). {args.rounds} rounds of at least {args.seconds:.0f} s per source, sources taking turns; "
         "tokens/s is the median over rounds, `vs text` the median of the per-round ratios. `s3 X` is X on an "
-        "S3 server (moto) on loopback.\n\n"
+        "S3 server (moto) on loopback; `s3 shards, a request per document` turns off the merging of nearby "
+        "documents into one read, as a corpus far larger than this one gets. Load average "
+        f"{load[0]:.1f} at the start, {load[-1]:.1f} at the end (other jobs share the cores: absolute "
+        "tokens/s move between rounds, ratios much less).\n\n"
         + table(["source", "tokens/s", "vs text", "passes", "MiB on disk"], rows)
     )
     print(body)

@@ -130,10 +130,9 @@ def _permanent(what: str, exc: BaseException) -> Exception:
     return OSError(f"{what}: {type(exc).__name__}: {detail}")
 
 
-def retry(what: str, fn: Callable[[], T], *, retries: int | None = None) -> T:
+def retry(what: str, fn: Callable[[], T]) -> T:
     """fn(), again after each transient error (RETRIES times, backing off); permanent errors at once."""
-    retries = RETRIES if retries is None else retries
-    delay, t0 = BACKOFF, time.monotonic()
+    retries, delay, t0 = RETRIES, BACKOFF, time.monotonic()
     for attempt in range(retries + 1):
         try:
             return fn()

@@ -42,9 +42,10 @@ class ShardError(ValueError):
 
 def is_shard_dir(path: str | Path) -> bool:
     if is_url(str(path)):
+        url = str(path).rstrip("/")
+        r = Remote(url)
         try:
-            r = Remote(str(path))
-            return r.info(f"{str(path).rstrip('/')}/{META}")["type"] == "file"
+            return r.info(url)["type"] == "directory" and r.info(f"{url}/{META}")["type"] == "file"
         except FileNotFoundError:
             return False  # resolving the path as files will say what is missing
     return (Path(path) / META).is_file()

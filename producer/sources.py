@@ -175,9 +175,9 @@ class Corpus:
         doc_split: str = "blank",
         builtin_docs: int = 20_000,
         builtin_seed: int = 0,
+        text_column: str = "text",
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         vocab_size: int | None = None,
-        text_column: str = "text",
     ):
         if doc_split not in ("blank", "heading"):
             raise ValueError(f"doc_split must be 'blank' or 'heading', not {doc_split!r}")

@@ -209,6 +209,25 @@ def test_a_missing_bucket_stops_the_producer_at_once_with_one_line(procs, s3, po
     )
 
 
+def test_retries_are_bounded_and_end_in_one_line(s3, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "RETRIES", 2)
+    monkeypatch.setattr(remote, "BACKOFF", 0.05)
+    url = f"s3://{BUCKET}/each/parquet.parquet"
+    s3.kill()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(remote.RemoteError) as err:
+            Corpus([url])
+        assert time.monotonic() - t0 < 20
+    finally:
+        s3.start()
+    assert str(err.value).startswith(f"{url}: still failing after 2 retries over ")
+    assert "EndpointConnectionError" in str(err.value) and "\n" not in str(err.value)
+    retried = [r.getMessage() for r in caplog.records if "; retry " in r.getMessage()]
+    assert [m.split("; ")[-1] for m in retried] == ["retry 1/2 in 0.1 s", "retry 2/2 in 0.1 s"]
+    assert len(records(url)) == 200  # the restarted server serves the same objects
+
+
 @pytest.mark.slow
 def test_server_restart_mid_epoch_is_retried_and_every_document_trained_once(procs, s3, tmp_path, port):
     """kill -9 of the S3 server while a producer streams six objects of four formats; restarted on the same
