@@ -7,10 +7,11 @@ A file's format comes from its name:
   .parquet .pq              Parquet: one record per row, from the text column, row group by row group
   .arrow                    Arrow IPC, stream or file format (what Hugging Face `datasets` writes)
 and, for any other name, from its first bytes (Parquet, Arrow, gzip and zstd magic numbers), else text.
-A directory stands for its files of those kinds (sorted by name, not recursive). A directory written by
-Hugging Face `save_to_disk` (state.json beside data-*.arrow) stands for its Arrow files in state.json's
-order, read with pyarrow alone: the `datasets` package is not needed. A DatasetDict folder
-(dataset_dict.json) is refused with the splits named: pass one split's folder.
+A directory stands for its files of those kinds (sorted by name, not recursive; plain .json files are left
+out as likely configs, compressed ones kept). A directory written by Hugging Face `save_to_disk`
+(state.json beside data-*.arrow) stands for its Arrow files in state.json's order, read with pyarrow
+alone: the `datasets` package is not needed. A DatasetDict folder (dataset_dict.json) is refused with
+the splits named: pass one split's folder.
 
 Tables (Parquet, Arrow) are read from the column named `text_column` ("text" by default: string or
 binary), or, when there is no "text" column, from pre-tokenized "ids" or "input_ids" (lists of integers).
@@ -39,7 +40,7 @@ from lmpipe.producer.remote import BLOCK, MissingExtra, RangeReader, Remote, Rem
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-DIR_SUFFIXES = (".txt", ".jsonl", ".ndjson", ".parquet", ".pq", ".arrow")  # .json: configs sit beside data
+DIR_SUFFIXES = (".txt", ".jsonl", ".ndjson", ".parquet", ".pq", ".arrow")  # not .json: configs sit beside data
 COMPRESSION = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 TABLES = ("parquet", "arrow")
 IDS_COLUMNS = ("ids", "input_ids")
@@ -106,13 +107,15 @@ def _classify(name: str, size: int, peek) -> tuple[str, str | None]:
 
 
 def _wanted_in_dir(name: str) -> bool:
-    fmt, _ = _from_name(name)
+    """A directory's corpus files: .json only compressed (x.json.gz is data, as in C4; x.json a config)."""
+    fmt, compression = _from_name(name)
     lower = name.lower()
     for ext in COMPRESSION:
         if lower.endswith(ext):
             lower = lower[: -len(ext)]
             break
-    return fmt is not None and PurePosixPath(lower).suffix in DIR_SUFFIXES
+    suffix = PurePosixPath(lower).suffix
+    return fmt is not None and (suffix in DIR_SUFFIXES or (suffix == ".json" and compression is not None))
 
 
 # -- resolving --data paths -----------------------------------------------------------------------------

@@ -85,7 +85,8 @@ def test_formats_are_detected_by_content_when_the_name_does_not_say(tmp_path):
     # a directory stands for its corpus files; dataset_info.json-like configs beside them are not records
     folder = tmp_path / "mixed"
     write(folder / "a", docs[:20], "parquet")
-    write(folder / "b", docs[20:], "jsonl.zst")
+    write(folder / "b", docs[20:30], "jsonl.gz").rename(folder / "b.json.gz")  # as C4 names its files
+    write(folder / "c", docs[30:], "jsonl.zst")
     (folder / "config.json").write_text("{}")
     assert [r[1] for r in read(folder)] == docs
 
