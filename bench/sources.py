@@ -28,9 +28,12 @@ import time
 from pathlib import Path
 
 from bench.common import WIKITEXT, free_port_pair, table, write_result
+from lmpipe.producer.shards import _RemoteShards
 
 REMOTE = ("text", "jsonl.zst", "parquet", "hf", "shards")
 PER_DOC = "s3 shards, a request per document"
+
+MERGE_GAP = _RemoteShards.MERGE_GAP  # restored after the per-document measurement
 
 
 def _build(work: Path, tok_path: str) -> tuple[dict[str, str], dict]:
@@ -117,13 +120,12 @@ def _measure(
     data: str, tok, seconds: float, seq_len: int, batch_size: int, merge: bool = True
 ) -> tuple[int, float, int]:
     from lmpipe.producer.batching import BatchSpec, batches
-    from lmpipe.producer.shards import _RemoteShards
     from lmpipe.producer.sources import Corpus
     from lmpipe.producer.stream import DocStream
 
     # merge=False: remote shards fetch every document with its own request, as on a corpus too large for
     # the documents of one chunk to lie within MERGE_GAP of each other
-    _RemoteShards.MERGE_GAP = 64 << 10 if merge else -1
+    _RemoteShards.MERGE_GAP = MERGE_GAP if merge else -1
 
     tokens = passes = 0
     t0 = time.perf_counter()

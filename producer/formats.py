@@ -40,7 +40,14 @@ from lmpipe.producer.remote import BLOCK, MissingExtra, RangeReader, Remote, Rem
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-DIR_SUFFIXES = (".txt", ".jsonl", ".ndjson", ".parquet", ".pq", ".arrow")  # not .json: configs sit beside data
+DIR_SUFFIXES = (
+    ".txt",
+    ".jsonl",
+    ".ndjson",
+    ".parquet",
+    ".pq",
+    ".arrow",
+)  # not .json: configs sit beside data
 COMPRESSION = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 TABLES = ("parquet", "arrow")
 IDS_COLUMNS = ("ids", "input_ids")

@@ -160,6 +160,23 @@ def test_remote_files_give_the_records_and_fingerprint_of_local_ones(s3):
     assert [f.fmt for f in Corpus([f"s3://{BUCKET}/each/*.jsonl*"]).paths] == ["jsonl"] * 3
 
 
+def test_a_cursor_names_the_same_documents_when_remote_objects_are_read_again(s3):
+    """Resuming at a position re-opens the objects, reads them from the start and skips: the documents
+    from there on are the uninterrupted stream's, and the local files'."""
+    tok = _tok()
+    urls = [f"s3://{BUCKET}/mixed", f"s3://{BUCKET}/hf"]
+    local = [str(s3.root / BUCKET / "mixed"), str(s3.root / BUCKET / "hf")]
+
+    def docs(paths, w, start):
+        stream = DocStream(Corpus(paths), tok, w, 2, seed=7, shuffle_window=256)
+        return [(d.pos, d.doc_id, d.ids.tolist()) for d in stream.docs(1, start)]
+
+    for w in range(2):
+        full = docs(urls, w, 0)
+        assert len(full) > 4000 and full == docs(local, w, 0)
+        assert docs(urls, w, 1234) == full[1234:]
+
+
 def test_remote_shards_serve_the_documents_of_local_ones(s3):
     tok = _tok()
     url = f"s3://{BUCKET}/shards"
