@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -234,11 +235,13 @@ def test_retries_are_bounded_and_end_in_one_line(s3, monkeypatch, caplog):
     try:
         t0 = time.monotonic()
         with pytest.raises(remote.RemoteError) as err:
-            Corpus([url])
+            records(url)  # listings may come from s3fs's cache; reading the object cannot
         assert time.monotonic() - t0 < 20
     finally:
         s3.start()
-    assert str(err.value).startswith(f"{url}: still failing after 2 retries over ")
+    assert re.match(rf"{url}( bytes \d+-\d+)?: still failing after 2 retries over ", str(err.value)), (
+        err.value
+    )
     assert "EndpointConnectionError" in str(err.value) and "\n" not in str(err.value)
     retried = [r.getMessage() for r in caplog.records if "; retry " in r.getMessage()]
     assert [m.split("; ")[-1] for m in retried] == ["retry 1/2 in 0.1 s", "retry 2/2 in 0.1 s"]
