@@ -161,6 +161,17 @@ def test_remote_files_give_the_records_and_fingerprint_of_local_ones(s3):
     assert [f.fmt for f in Corpus([f"s3://{BUCKET}/each/*.jsonl*"]).paths] == ["jsonl"] * 3
 
 
+def test_prepare_reads_object_storage(s3, tmp_path):
+    from lmpipe.cli import main
+
+    out = {}
+    for name, data in (("remote", [f"s3://{BUCKET}/mixed", f"s3://{BUCKET}/hf"]),
+                       ("local", [str(s3.root / BUCKET / "mixed"), str(s3.root / BUCKET / "hf")])):  # fmt: skip
+        assert main(["prepare", "--data", *data, "--out", str(tmp_path / name)]) == 0
+        out[name] = [(tmp_path / name / f).read_bytes() for f in ("tokens-00000.bin", "rids-00000.bin")]
+    assert out["remote"] == out["local"] and len(out["local"][1]) == 8 * (10_000 - 3)
+
+
 def test_a_cursor_names_the_same_documents_when_remote_objects_are_read_again(s3):
     """Resuming at a position re-opens the objects, reads them from the start and skips: the documents
     from there on are the uninterrupted stream's, and the local files'."""
