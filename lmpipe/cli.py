@@ -40,6 +40,7 @@ CORPUS = (
     "data",
     "tokenizer",
     "doc_split",
+    "text_column",
     "max_line_bytes",
 )  # the one-shot commands' share of PipelineConfig
 ENV_NOTE = (
@@ -167,7 +168,9 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
     tok = check_tokenizer(cfg)
     corpus = open_corpus(cfg, tok.vocab_size)
     if corpus.random_access:
-        raise SettingsError("--data must be text or JSONL files, not a prepared shard directory")
+        raise SettingsError(
+            "--data must be corpus files (text, JSONL, Parquet, Arrow...), not a prepared shard directory"
+        )
     first_document(corpus)
     bad: dict[str, int] = {}
 

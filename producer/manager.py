@@ -63,6 +63,7 @@ class Producer:
         self.corpus = Corpus(
             cfg.data,
             doc_split=cfg.doc_split,
+            text_column=cfg.text_column,
             builtin_docs=cfg.builtin_docs,
             builtin_seed=cfg.seed,
             max_line_bytes=cfg.max_line_bytes,

@@ -1,4 +1,4 @@
-"""Corpus readers: plain text, JSONL and the built-in corpus, each a stream of numbered records.
+"""Corpus readers: text, JSONL, Parquet, Arrow and the built-in corpus, each a stream of numbered records.
 
 Every record gets an id: its index across all files in the order given. Good records are documents;
 bad ones (invalid UTF-8, broken JSON, empty, over-long lines) are reported with file and line, counted by
@@ -9,6 +9,8 @@ A directory written by `lmpipe prepare` (it holds meta.json) is read as pre-toke
 Plain text: a document is a block of non-blank lines (`--doc-split blank`, the default), or everything
 from one top-level ` = Heading = ` line to the next (`--doc-split heading`, WikiText's article layout).
 JSONL: one object per line with a `text` string, or pre-tokenized `ids` (a list of token ids).
+Compressed text/JSONL, Parquet, Arrow and Hugging Face `save_to_disk` folders: see formats.py; any of
+them, and shards, can be a URL (s3://bucket/prefix, any fsspec URL): see remote.py.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lmpipe.producer import builtin_corpus
+from lmpipe.producer import builtin_corpus, formats
+from lmpipe.producer.formats import DataFile
 from lmpipe.producer.shards import ShardSet, is_shard_dir
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
@@ -41,9 +44,9 @@ class Record:
     warnings: list[tuple[str, str, str]] | None = None  # (reason, where, detail) for skipped lines inside
 
 
-def _lines(path: Path, max_line_bytes: int) -> Iterator[tuple[int, bytes | None, int]]:
+def _lines(path: Path | DataFile, max_line_bytes: int) -> Iterator[tuple[int, bytes | None, int]]:
     """(line number, raw bytes without newline or None when over the limit, full length)."""
-    with open(path, "rb") as f:
+    with formats.open_binary(path) as f:
         lineno = 0
         while True:
             raw = f.readline(max_line_bytes + 1)
@@ -149,9 +152,22 @@ def _jsonl_records(
         yield rec
 
 
+class _FetchedRecord(Record):
+    """A record of remote shards whose ids arrive with the others requested before them (one batch of
+    concurrent ranged reads) when any of them is first read; the stream reads ids a chunk at a time."""
+
+    def __init__(self, rid: int, pending, where: str):
+        self.rid, self.text, self.where, self.bad, self.warnings = rid, None, where, None, None
+        self._pending = pending
+
+    @property
+    def ids(self) -> np.ndarray:  # type: ignore[override]
+        return self._pending.result()
+
+
 class Corpus:
-    """Records from a list of files (.jsonl/.json lines, anything else plain text), or the built-in
-    corpus when no files are given."""
+    """Records from a list of files (formats.py says which formats, by name or content), or the
+    built-in corpus when no files are given."""
 
     def __init__(
         self,
@@ -160,6 +176,7 @@ class Corpus:
         doc_split: str = "blank",
         builtin_docs: int = 20_000,
         builtin_seed: int = 0,
+        text_column: str = "text",
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         vocab_size: int | None = None,
     ):
@@ -168,14 +185,15 @@ class Corpus:
         self.shards: ShardSet | None = None
         if paths and len(paths) == 1 and is_shard_dir(paths[0]):
             self.shards = ShardSet(paths[0])
-            self.paths: list[Path] = []
+            self.paths: list[DataFile] = []
         else:
-            self.paths = [Path(p) for p in expand_paths(paths or [])]
+            self.paths = formats.resolve(paths or [])
         self.doc_split = doc_split
         self.builtin_docs = builtin_docs
         self.builtin_seed = builtin_seed
         self.max_line_bytes = max_line_bytes
         self.vocab_size = vocab_size
+        self.text_column = text_column  # Parquet/Arrow column to read
 
     @property
     def builtin(self) -> bool:
@@ -200,10 +218,9 @@ class Corpus:
             return self.shards.fingerprint()
         if self.builtin:
             return f"builtin:{self.builtin_seed}:{self.builtin_docs}"
-        parts = []
-        for p in self.paths:
-            st = p.stat()
-            parts.append(f"{p.name}:{st.st_size}")
+        parts = [f"{p.name}:{p.size}" for p in self.paths]  # a local file and its remote copy agree
+        if self.text_column != "text":
+            parts.append(f"column={self.text_column}")
         return f"{self.doc_split}|" + "|".join(parts)
 
     # -- random access (built-in corpus, shards) -----------------------------------------------------
@@ -217,7 +234,10 @@ class Corpus:
     def record(self, index: int) -> Record:
         if self.shards is not None:
             rid = int(self.shards.rids[index])
-            return Record(rid=rid, ids=self.shards.ids(index), where=f"{self.shards.path}#{index}")
+            where = f"{self.shards.path}#{index}"
+            if self.shards.remote is not None:
+                return _FetchedRecord(rid, self.shards.fetch_later(index), where)
+            return Record(rid=rid, ids=self.shards.ids(index), where=where)
         return Record(
             rid=int(index),
             text=builtin_corpus.document(self.builtin_seed, int(index)),
@@ -234,7 +254,13 @@ class Corpus:
             return
         rid = 0
         for p in self.paths:
-            if p.suffix in (".jsonl", ".json", ".ndjson"):
+            if p.fmt in formats.TABLES:  # yields only this worker's rows; returns the next file's first id
+                rid = yield from formats.table_records(
+                    p, rid, worker, num_workers, text_column=self.text_column, vocab_size=self.vocab_size,
+                    make=Record,
+                )  # fmt: skip
+                continue
+            if p.fmt == "jsonl":
                 it = _jsonl_records(p, rid, self.max_line_bytes, self.vocab_size)
             else:
                 it = _text_records(p, rid, self.doc_split, self.max_line_bytes)
@@ -245,16 +271,5 @@ class Corpus:
 
 
 def expand_paths(paths: list[str]) -> list[str]:
-    """Files as given; a directory stands for its *.txt, *.jsonl files, sorted."""
-    out: list[str] = []
-    for p in paths:
-        path = Path(p)
-        if path.is_dir():
-            out += sorted(str(q) for q in path.iterdir() if q.suffix in (".txt", ".jsonl", ".ndjson"))
-        elif path.is_file():
-            out.append(str(path))
-        else:
-            raise FileNotFoundError(f"corpus file not found: {p}")
-    if paths and not out:
-        raise FileNotFoundError(f"no .txt or .jsonl files in {', '.join(paths)}")
-    return out
+    """Files as given; a directory stands for its corpus files, sorted (formats.resolve says which)."""
+    return [f.path for f in formats.resolve(paths)]

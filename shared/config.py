@@ -44,7 +44,8 @@ class PipelineConfig:
     data: list[str] = setting(
         [],
         metavar="PATH",
-        help="text/JSONL files, directories of them, or a prepared shard directory; none: the built-in corpus",
+        help="corpus files (text, JSONL, .gz/.zst, Parquet, Arrow), directories or fsspec URLs (s3://...) of "
+        "them, or a prepared shard directory; none: the built-in corpus (see README, Corpora)",
     )
     tokenizer: str | None = setting(
         None, metavar="FILE", help="Hugging Face tokenizer.json (none: the built-in BPE)"
@@ -69,6 +70,11 @@ class PipelineConfig:
         "blank",
         choices=DOC_SPLITS,
         help="plain text: a document per blank-line block, per ' = Heading = ' article, or per line",
+    )
+    text_column: str = setting(
+        "text",
+        metavar="NAME",
+        help="Parquet, Arrow and Hugging Face datasets: the column holding each document",
     )
     builtin_docs: int = setting(20_000, check=at_least(1), help="size of the built-in corpus")
     epochs: int = setting(0, check=at_least(0), help="passes over the corpus; 0: until the trainer stops")

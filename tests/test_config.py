@@ -47,7 +47,8 @@ def as_env(cfg) -> dict[str, str]:
 # Every field changed from its default (and valid), so a setting that does not travel shows up.
 PIPELINE = PipelineConfig(
     data=["a.txt", "b.jsonl"], tokenizer="tok.json", strategy="bucket", seq_len=64, batch_size=3, bucket_k=5,
-    bucket_window=77, pad_multiple=8, seed=4, shuffle_window=9, doc_split="heading", builtin_docs=123,
+    bucket_window=77, pad_multiple=8, seed=4, shuffle_window=9, doc_split="heading", text_column="body",
+    builtin_docs=123,
     epochs=2, producers=3, rank=1, world_size=2, host="gpu-host", port=6000, trusted_network=True,
     curve_dir=None, max_line_bytes=999,
 )  # fmt: skip

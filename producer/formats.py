@@ -1,0 +1,456 @@
+"""Which corpus files a `--data` path stands for, what format each is in, and readers for the binary ones.
+
+A file's format comes from its name:
+  .txt                      plain text (documents split by --doc-split)
+  .jsonl .ndjson .json      JSON lines: {"text": ...} or {"ids": [...]} per line
+  + .gz / .zst / .zstd      the same, compressed (gzip or zstandard), decompressed as it streams
+  .parquet .pq              Parquet: one record per row, from the text column, row group by row group
+  .arrow                    Arrow IPC, stream or file format (what Hugging Face `datasets` writes)
+and, for any other name, from its first bytes (Parquet, Arrow, gzip and zstd magic numbers), else text.
+A directory stands for its files of those kinds (sorted by name, not recursive; plain .json files are left
+out as likely configs, compressed ones kept). A directory written by Hugging Face `save_to_disk`
+(state.json beside data-*.arrow) stands for its Arrow files in state.json's order, read with pyarrow
+alone: the `datasets` package is not needed. A DatasetDict folder (dataset_dict.json) is refused with
+the splits named: pass one split's folder.
+
+Tables (Parquet, Arrow) are read from the column named `text_column` ("text" by default: string or
+binary), or, when there is no "text" column, from pre-tokenized "ids" or "input_ids" (lists of integers).
+Row r of a table is one record; a null, empty, non-UTF-8 or out-of-vocabulary row is a bad record named
+`FILE:row R` (R counts from 0 in that file, as `dataset[R]` does), counted and skipped like a bad line.
+A file that cannot be decoded at all (a truncated gzip or zstd stream, a damaged Parquet file) stops the
+reader with one line naming the file: re-download or re-create it (`lmpipe prepare` reads every byte).
+
+pyarrow (lmpipe[parquet]) and zstandard (lmpipe[zstd]) are needed only for the files that use them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from lmpipe.producer.remote import BLOCK, MissingExtra, RangeReader, Remote, RemoteError, is_url
+
+TEXT_SUFFIXES = (".txt",)
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+DIR_SUFFIXES = (
+    ".txt",
+    ".jsonl",
+    ".ndjson",
+    ".parquet",
+    ".pq",
+    ".arrow",
+)  # not .json: configs sit beside data
+COMPRESSION = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+TABLES = ("parquet", "arrow")
+IDS_COLUMNS = ("ids", "input_ids")
+ROWS_PER_BATCH = 4096  # rows decoded at a time from a Parquet row group
+
+
+class FormatError(ValueError):
+    """A file that cannot be read as the format it claims (one line naming the file and what to do)."""
+
+
+@dataclass(frozen=True, eq=False)
+class DataFile:
+    path: str  # a local path or a URL, as messages show it
+    fmt: str  # "text" | "jsonl" | "parquet" | "arrow"
+    compression: str | None = None  # "gzip" | "zstd" for streamed text/JSONL
+    size: int = 0
+    remote: Remote | None = None
+
+    def __str__(self) -> str:
+        return self.path
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _from_name(name: str) -> tuple[str | None, str | None]:
+    """(format or None when the name does not say, compression) from a file name."""
+    lower = name.lower()
+    compression = None
+    for ext, kind in COMPRESSION.items():
+        if lower.endswith(ext):
+            compression, lower = kind, lower[: -len(ext)]
+            break
+    suffix = PurePosixPath(lower).suffix
+    if suffix in (".parquet", ".pq") and compression is None:
+        return "parquet", None
+    if suffix == ".arrow" and compression is None:
+        return "arrow", None
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl", compression
+    if suffix in TEXT_SUFFIXES:
+        return "text", compression
+    return None, compression
+
+
+def _from_content(head: bytes, tail: bytes) -> tuple[str | None, str | None]:
+    if head[:4] == b"PAR1" and tail[-4:] == b"PAR1":
+        return "parquet", None
+    if head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff":  # IPC file; IPC stream's first message
+        return "arrow", None
+    if head[:2] == b"\x1f\x8b":
+        return None, "gzip"
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return None, "zstd"
+    return None, None
+
+
+def _classify(name: str, size: int, peek) -> tuple[str, str | None]:
+    fmt, compression = _from_name(name)
+    if fmt is None and compression is None and size:
+        fmt, compression = _from_content(peek(0, min(size, 8)), peek(max(0, size - 8), size))
+    return fmt or "text", compression
+
+
+def _wanted_in_dir(name: str) -> bool:
+    """A directory's corpus files: .json only compressed (x.json.gz is data, as in C4; x.json a config)."""
+    fmt, compression = _from_name(name)
+    lower = name.lower()
+    for ext in COMPRESSION:
+        if lower.endswith(ext):
+            lower = lower[: -len(ext)]
+            break
+    suffix = PurePosixPath(lower).suffix
+    return fmt is not None and (suffix in DIR_SUFFIXES or (suffix == ".json" and compression is not None))
+
+
+# -- resolving --data paths -----------------------------------------------------------------------------
+
+
+def resolve(paths: list[str]) -> list[DataFile]:
+    """The corpus files `paths` stand for, in order, each with its format; missing extras fail here."""
+    out: list[DataFile] = []
+    for p in paths:
+        out += _resolve_remote(p) if is_url(p) else _resolve_local(p)
+    if paths and not out:
+        raise FileNotFoundError(
+            f"no corpus files in {', '.join(paths)} (.txt, .jsonl, .parquet, .arrow, or .gz/.zst of text/JSONL)"
+        )
+    for f in out:
+        require_extras(f)
+    return out
+
+
+def _local_file(path: Path) -> DataFile:
+    size = path.stat().st_size
+
+    def peek(a: int, b: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(a)
+            return f.read(b - a)
+
+    fmt, compression = _classify(path.name, size, peek)
+    return DataFile(str(path), fmt, compression, size)
+
+
+def _resolve_local(p: str) -> list[DataFile]:
+    path = Path(p)
+    if path.is_dir():
+        names = {q.name for q in path.iterdir()}
+        hf = _hf_dataset(p, names, lambda name: (path / name).read_text())
+        if hf is not None:
+            return [_local_file(path / name) for name in hf]
+        return [_local_file(q) for q in sorted(path.iterdir()) if q.is_file() and _wanted_in_dir(q.name)]
+    if path.is_file():
+        return [_local_file(path)]
+    raise FileNotFoundError(f"corpus file not found: {p}")
+
+
+def _resolve_remote(url: str) -> list[DataFile]:
+    r = Remote(url)
+    url = url.rstrip("/")
+
+    def remote_file(u: str, size: int) -> DataFile:
+        fmt, compression = _classify(u.rsplit("/", 1)[-1], size, lambda a, b: r.read(u, a, b))
+        return DataFile(u, fmt, compression, size, r)
+
+    if any(c in url.split("://", 1)[1] for c in "*?["):
+        return [remote_file(u, size) for u, size in r.glob(url)]
+    info = r.info(url)  # a missing bucket or key: FileNotFoundError naming the URL
+    if info["type"] != "directory":
+        return [remote_file(url, int(info.get("size") or 0))]
+    entries = r.ls(url)
+    by_name = {u.rsplit("/", 1)[-1]: (u, size) for u, size, kind in entries if kind == "file"}
+    hf = _hf_dataset(url, set(by_name), lambda name: r.read_all(by_name[name][0]).decode())
+    if hf is not None:
+        return [remote_file(*by_name[name]) for name in hf]
+    return [remote_file(u, size) for name, (u, size) in sorted(by_name.items()) if _wanted_in_dir(name)]
+
+
+def _hf_dataset(where: str, names: set[str], read) -> list[str] | None:
+    """Arrow file names of a Hugging Face `save_to_disk` folder in order, or None if it is not one."""
+    if "dataset_dict.json" in names:
+        try:
+            splits = json.loads(read("dataset_dict.json")).get("splits", [])
+        except (ValueError, AttributeError):
+            splits = []
+        raise FormatError(
+            f"{where} is a Hugging Face DatasetDict (splits: {', '.join(map(str, splits)) or '?'}); "
+            f"pass one split's folder, e.g. {where.rstrip('/')}/{splits[0] if splits else 'train'}"
+        )
+    if "state.json" not in names:
+        return None
+    try:
+        files = [entry["filename"] for entry in json.loads(read("state.json"))["_data_files"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{where}/state.json: not a Hugging Face dataset state ({exc})") from None
+    missing = [f for f in files if f not in names]
+    if missing:
+        raise FormatError(f"{where}: state.json lists {', '.join(missing)}, which is missing")
+    return files
+
+
+def require_extras(f: DataFile) -> None:
+    if f.fmt in TABLES:
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise MissingExtra(
+                f"{f}: reading {f.fmt.capitalize()} needs pyarrow: pip install 'lmpipe[parquet]'"
+            ) from None
+    if f.compression == "zstd":
+        try:
+            import zstandard  # noqa: F401
+        except ImportError:
+            raise MissingExtra(f"{f}: reading zstd needs zstandard: pip install 'lmpipe[zstd]'") from None
+
+
+# -- streams for text and JSONL --------------------------------------------------------------------------
+
+
+def _open_raw(f: DataFile) -> BinaryIO:
+    if f.remote is None:
+        return open(f.path, "rb")  # noqa: SIM115 - the caller closes it
+    return io.BufferedReader(RangeReader(f.remote, f.path, f.size), BLOCK)
+
+
+class _Zstd(io.RawIOBase):
+    """zstd frames, one after another, decompressed as read; a frame cut short is an error (python-zstandard's
+    stream_reader would end quietly, passing off a truncated file as a shorter one)."""
+
+    CHUNK = 1 << 16  # compressed bytes fed at a time: bounds what one call decompresses
+
+    def __init__(self, raw: BinaryIO):
+        super().__init__()
+        import zstandard
+
+        self.raw = raw
+        self.dctx = zstandard.ZstdDecompressor()
+        self.obj = self.dctx.decompressobj()
+        self.in_frame = False
+        self.buf = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while not self.buf:
+            data = self.raw.read(self.CHUNK)
+            if not data:
+                if self.in_frame:
+                    raise EOFError("zstd stream ended inside a frame")
+                return 0
+            out = []
+            while data:
+                if self.obj.eof:
+                    self.obj = self.dctx.decompressobj()
+                out.append(self.obj.decompress(data))
+                data = self.obj.unused_data if self.obj.eof else b""
+            self.in_frame = not self.obj.eof
+            self.buf = b"".join(out)
+        n = min(len(b), len(self.buf))
+        b[:n] = self.buf[:n]
+        self.buf = self.buf[n:]
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+class _Checked(io.RawIOBase):
+    """A decompressing stream whose decoding errors become one FormatError naming the file."""
+
+    def __init__(self, inner: BinaryIO, raw: BinaryIO, f: DataFile):
+        super().__init__()
+        self.inner, self.raw, self.f = inner, raw, f
+        self.done = 0  # decompressed bytes so far
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        try:
+            n = self.inner.readinto(b)
+        except RemoteError:
+            raise
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise self._error(exc) from None
+        except Exception as exc:
+            if type(exc).__name__ != "ZstdError":
+                raise
+            raise self._error(exc) from None
+        self.done += n
+        return n
+
+    def _error(self, exc: Exception) -> FormatError:
+        return FormatError(
+            f"{self.f}: {self.f.compression} data is truncated or corrupt after {self.done:,} decompressed "
+            f"bytes ({exc}); re-download or re-compress the file"
+        )
+
+    def close(self) -> None:
+        self.inner.close()
+        self.raw.close()
+        super().close()
+
+
+def open_binary(f: DataFile | Path | str) -> BinaryIO:
+    """A text or JSONL file's bytes, decompressed, local or remote, with readline()."""
+    if not isinstance(f, DataFile):
+        return open(f, "rb")  # noqa: SIM115 - the caller closes it
+    raw = _open_raw(f)
+    if f.compression is None:
+        return raw
+    inner: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb") if f.compression == "gzip" else _Zstd(raw)  # type: ignore[assignment]
+    return io.BufferedReader(_Checked(inner, raw, f), 1 << 20)
+
+
+# -- tables: Parquet and Arrow ------------------------------------------------------------------------------
+
+
+def _column(f: DataFile, schema: Any, text_column: str) -> tuple[str, str]:
+    """(column name, kind): kind is "str", "bytes" or "ids"."""
+    import pyarrow as pa
+
+    names = list(schema.names)
+    candidates = [text_column] + (list(IDS_COLUMNS) if text_column == "text" else [])
+    name = next((c for c in candidates if c in names), None)
+    if name is None:
+        raise FormatError(
+            f"{f}: no column {text_column!r} (columns: {', '.join(names)}); name the text column "
+            "(--text-column)"
+        )
+    t = schema.field(name).type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or str(t) == "string_view":
+        return name, "str"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or str(t) == "binary_view":
+        return name, "bytes"
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type):
+        return name, "ids"
+    raise FormatError(
+        f"{f}: column {name!r} is {t}, not text (string/binary) or token ids (list of integers)"
+    )
+
+
+def _rows(col: Any, kind: str, first: int, worker: int, num_workers: int, row0: int, f: DataFile,
+          vocab_size: int | None, make) -> Iterator:  # fmt: skip
+    """Records of the rows of `col` this worker owns; row i of `col` has record id first + i."""
+    import pyarrow as pa
+
+    start = (worker - first) % num_workers
+    if start >= len(col):
+        return
+    if num_workers > 1:  # materialize only this worker's rows
+        col = col.take(pa.array(np.arange(start, len(col), num_workers)))
+    values: list[Any]
+    if kind == "str":
+        try:
+            values = col.to_pylist()
+        except UnicodeDecodeError:  # the file holds invalid UTF-8 in a string column: row by row
+            as_bytes = {"large_string": pa.large_binary(), "string_view": pa.binary_view()}
+            values = col.view(as_bytes.get(str(col.type), pa.binary())).to_pylist()
+            kind = "bytes"
+    else:
+        values = col.to_pylist()
+    limit = vocab_size or (1 << 31)
+    for j, v in enumerate(values):
+        i = start + j * num_workers
+        rec = make(rid=first + i, where=f"{f}:row {row0 + i}")
+        if v is None:
+            rec.bad = ("missing_text", f"{'ids' if kind == 'ids' else 'text'} is null")
+        elif kind == "ids":
+            ids = np.asarray(v, dtype=np.int64)
+            if not ids.size:
+                rec.bad = ("empty", "empty ids")
+            elif ids.min() < 0 or ids.max() >= limit:
+                rec.bad = ("bad_ids", f"ids must be integers in [0, {limit})")
+            else:
+                rec.ids = ids
+        else:
+            if kind == "bytes":
+                try:
+                    v = v.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    rec.bad = ("invalid_utf8", f"invalid UTF-8 at byte {exc.start}")
+                    yield rec
+                    continue
+            rec.text = v
+            if not v.strip():
+                rec.bad = ("empty", "empty text")
+        yield rec
+
+
+def _parquet_batches(f: DataFile, text_column: str) -> Iterator[tuple[Any, str]]:
+    import pyarrow.parquet as pq
+
+    source = f.path if f.remote is None else RangeReader(f.remote, f.path, f.size)
+    pf = pq.ParquetFile(source, pre_buffer=False)  # pre-buffering reads every row group up front
+    name, kind = _column(f, pf.schema_arrow, text_column)
+    for batch in pf.iter_batches(batch_size=ROWS_PER_BATCH, columns=[name], use_threads=False):
+        yield batch.column(0), kind
+
+
+def _arrow_batches(f: DataFile, text_column: str) -> Iterator[tuple[Any, str]]:
+    import pyarrow as pa
+
+    if f.remote is None:
+        source = pa.memory_map(f.path)
+    else:  # IPC streams are read message by message: buffer, so each message is not its own request
+        source = io.BufferedReader(RangeReader(f.remote, f.path, f.size), BLOCK)
+    with source:
+        head = source.read(6)
+        source.seek(0)
+        if head == b"ARROW1":
+            reader = pa.ipc.open_file(source)
+            name, kind = _column(f, reader.schema, text_column)
+            for k in range(reader.num_record_batches):
+                yield reader.get_batch(k).column(name), kind
+        else:
+            stream = pa.ipc.open_stream(source)
+            name, kind = _column(f, stream.schema, text_column)
+            for batch in stream:
+                yield batch.column(name), kind
+
+
+def table_records(f: DataFile, first_rid: int, worker: int, num_workers: int, *, text_column: str,
+                  vocab_size: int | None, make) -> Iterator:  # fmt: skip
+    """Records of a Parquet or Arrow file that this worker owns (`make` builds a Record); returns the
+    record id after the file's last row."""
+    import pyarrow as pa
+
+    batches = _parquet_batches(f, text_column) if f.fmt == "parquet" else _arrow_batches(f, text_column)
+    row = 0
+    try:
+        for col, kind in batches:
+            yield from _rows(col, kind, first_rid + row, worker, num_workers, row, f, vocab_size, make)
+            row += len(col)
+    except pa.ArrowException as exc:
+        if isinstance(exc, RemoteError):
+            raise
+        raise FormatError(
+            f"{f}: unreadable {f.fmt.capitalize()} data after row {row} ({' '.join(str(exc).split())}); "
+            "re-download or re-create the file"
+        ) from None
+    return first_rid + row
