@@ -107,7 +107,7 @@ class Host:
     name: str
     ns: str
     addr: str
-    port: str  # this host's port on the switch
+    switch_port: str  # the bridge port its link plugs into
 
 
 @dataclass
@@ -157,8 +157,21 @@ class NetBed:
             self._netns_add(ns)
             h = Host(name, ns, f"{SUBNET}.{10 + i}", f"h{i}")
             # both ends are born inside their namespaces: nothing appears in the machine's own
-            _ip("-n", self.switch, "link", "add", h.port, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("-n", self.switch, "link", "set", h.port, "master", "br0", "up")
+            _ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                h.switch_port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
+            _ip("-n", self.switch, "link", "set", h.switch_port, "master", "br0", "up")
             _ip("-n", ns, "addr", "add", f"{h.addr}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
@@ -234,16 +247,17 @@ class NetBed:
     # -- the network --------------------------------------------------------------------------------
 
     def cut(self, host: str) -> None:
-        _ip("-n", self.switch, "link", "set", self.hosts[host].port, "down")
+        _ip("-n", self.switch, "link", "set", self.hosts[host].switch_port, "down")
 
     def restore(self, host: str) -> None:
-        _ip("-n", self.switch, "link", "set", self.hosts[host].port, "up")
+        _ip("-n", self.switch, "link", "set", self.hosts[host].switch_port, "up")
 
-    def limit(self, host: str, kbit: int) -> None:
-        """Cap the host's link at `kbit` kbit/s each way (a token bucket on both ends of its veth)."""
+    def limit(self, host: str, kbit: int, queue_kb: int = 16) -> None:
+        """Cap the host's link at `kbit` kbit/s each way: a token bucket on both ends of its veth, with a
+        queue of `queue_kb` KiB (a queue of a packet or two would make TCP back off far below the rate)."""
         h = self.hosts[host]
-        tbf = ["tbf", "rate", f"{kbit}kbit", "burst", "4kb", "latency", "200ms"]
-        for ns, dev in ((h.ns, "eth0"), (self.switch, h.port)):
+        tbf = ["tbf", "rate", f"{kbit}kbit", "burst", "4kb", "limit", f"{queue_kb}kb"]
+        for ns, dev in ((h.ns, "eth0"), (self.switch, h.switch_port)):
             r = subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf],
                                capture_output=True, text=True, timeout=30)  # fmt: skip
             if r.returncode != 0:

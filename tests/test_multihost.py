@@ -91,6 +91,13 @@ def data_peers(bed: NetBed) -> set[str]:
     return {m.group(1) for line in out.splitlines() if (m := re.search(r"([\d.]+):\d+\s*$", line))}
 
 
+def exit_code(p: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def sample(metrics: dict, name: str, **labels: str) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
@@ -131,7 +138,7 @@ def test_leftovers_of_a_crashed_run_are_removed(tmp_path):
 
 
 def test_three_producer_hosts_feed_one_trainer(bed, tmp_path, tok):
-    docs = 450
+    docs = 300
     log, summary = tmp_path / "docs.jsonl", tmp_path / "summary.json"
     trainer, producers = start_job(
         bed, tmp_path, job(docs), ["--steps", "0", "--doc-log", str(log), "--summary-json", str(summary)]
@@ -219,18 +226,21 @@ def test_a_slow_link_shows_in_its_producers_metrics(bed, tmp_path):
     trainer, producers = start_job(bed, tmp_path, job(1800, seq_len=128, batch=8), ["--steps", "0"])
     t0 = time.monotonic()
     workers = {host: worker_of(bed, p) for host, p in producers.items()}
-    # the fast hosts have handed their whole epoch to their sockets (their last batches are still in
-    # flight): how far has the slow one come meanwhile?
+
+    def received(m: dict, host: str) -> float:
+        return sample(m, "lmpipe_trainer_batches_received_total", worker=str(workers[host]))
+
+    # the fast hosts have handed their whole epoch to their sockets and the trainer has taken a dozen
+    # batches from each: how far has the slow host come meanwhile?
     for host in ("p0", "p1"):
         bed.wait_for(producers[host], "finished its 1 epoch", timeout=120)
+    wait_until(lambda: min(received(bed.scrape("trainer", METRICS), h) for h in ("p0", "p1")) >= 12, 120,
+               "12 batches from each fast host")  # fmt: skip
     t1 = time.monotonic()
     m = {h: bed.scrape(h, METRICS) for h in ["trainer", *PRODUCERS]}
     sent = {h: sample(m[h], "lmpipe_producer_batches_sent_total") for h in producers}
     blocked = {h: sample(m[h], "lmpipe_producer_send_blocked_seconds_total") for h in producers}
-    got = {
-        h: sample(m["trainer"], "lmpipe_trainer_batches_received_total", worker=str(w))
-        for h, w in workers.items()
-    }
+    got = {h: received(m["trainer"], h) for h in producers}
     print(f"after {t1 - t0:.1f} s: sent {sent}, blocked {blocked}, received {got}")
     assert "finished" not in bed.log(producers["p2"])
     assert sent["p2"] <= 0.6 * min(sent["p0"], sent["p1"]), "the slow host's producer sent the fewest batches"
@@ -239,8 +249,35 @@ def test_a_slow_link_shows_in_its_producers_metrics(bed, tmp_path):
     assert 3 * got["p2"] <= min(got["p0"], got["p1"])
     trainer.terminate()
     assert trainer.wait(timeout=30) == 0, bed.log(trainer)
-    for p in producers.values():
-        assert p.wait(timeout=30) == 0, bed.log(p)
+    for host in ("p0", "p1"):  # p2 misses the trainer's stop: see the test below
+        assert producers[host].wait(timeout=30) == 0, bed.log(producers[host])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lmpipe bug: the trainer's `stop` is fire-and-forget (Receiver._shutdown: 0.2 s drain, 0.5 s "
+    "linger); behind a congested link it is still unacknowledged when the trainer exits, the producer's "
+    "next hello meets the closed socket and is answered with a TCP reset, and the producer waits for a "
+    "trainer for ever without a word",
+)
+def test_the_end_of_the_run_reaches_a_host_on_a_congested_link(bed, tmp_path):
+    try:
+        bed.limit("p2", 8)
+    except NetBedUnavailable as exc:
+        pytest.skip(str(exc))
+    trainer, producers = start_job(bed, tmp_path, job(1800, seq_len=128, batch=8, epochs=0), ["--steps", "0"])
+    worker_of(bed, producers["p2"])
+
+    def control_backing_off() -> bool:
+        """The trainer's control connection to p2 waits on acknowledgements queued behind p2's data."""
+        out = bed.run("trainer", "ss", "-tni", "dst", bed["p2"].addr, f"( sport = :{PORT + 1} )")
+        return "backoff:" in out
+
+    wait_until(control_backing_off, 60, "the control connection to back off")
+    trainer.terminate()  # the end of the run, as a step limit or a Ctrl-C ends it
+    assert trainer.wait(timeout=30) == 0, bed.log(trainer)
+    for host in PRODUCERS:
+        assert exit_code(producers[host], 10) == 0, f"{host} is still up: {bed.log(producers[host])[-2000:]}"
 
 
 @pytest.mark.xfail(
