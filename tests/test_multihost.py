@@ -223,7 +223,7 @@ def test_a_slow_link_shows_in_its_producers_metrics(bed, tmp_path):
         bed.limit("p2", kbit)
     except NetBedUnavailable as exc:
         pytest.skip(str(exc))
-    trainer, producers = start_job(bed, tmp_path, job(1800, seq_len=128, batch=8), ["--steps", "0"])
+    trainer, producers = start_job(bed, tmp_path, job(2100, seq_len=128, batch=8), ["--steps", "0"])
     t0 = time.monotonic()
     workers = {host: worker_of(bed, p) for host, p in producers.items()}
 
