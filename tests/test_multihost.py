@@ -1,0 +1,312 @@
+"""Several hosts, simulated for real: producers and the trainer each in a network namespace of their own.
+
+Each "host" (tests/netbed.py) has its own address on a private switch, its own hostname, and reaches the
+others only over its link; keys are made with `lmpipe keys` and copied the way a user copies them, and
+every process is the `lmpipe train` / `lmpipe produce` a user starts on real hosts. Links are cut
+(`ip link set ... down` on the switch port) and slowed (`tc ... tbf`) under a running job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import lmpipe_env
+from tests.netbed import PREFIX, NetBed, NetBedUnavailable, check_available, remove_leftovers
+from tests.test_e2e import assert_exactly_once, builtin_lengths, read_doc_log
+from tests.test_resume import doc_log_entries, steps_logged, wait_until
+
+pytestmark = pytest.mark.slow
+
+PORT = 5555  # every host has its own port space: fixed ports cannot collide
+METRICS = 9400
+PRODUCERS = ["p0", "p1", "p2"]
+HOSTS = ["trainer", *PRODUCERS, "spare"]  # the spare host stands in for a replacement machine
+
+
+@pytest.fixture
+def bed(tmp_path):
+    b = NetBed(HOSTS, tmp_path)
+    try:
+        b.__enter__()
+    except NetBedUnavailable as exc:
+        pytest.skip(f"no simulated hosts on this machine: {exc}")
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def job(docs: int, seq_len: int = 64, batch: int = 4, epochs: int = 1) -> list[str]:
+    return ["--producers", "3", "--builtin-docs", str(docs), "--seq-len", str(seq_len),
+            "--batch-size", str(batch), "--epochs", str(epochs), "--port", str(PORT)]  # fmt: skip
+
+
+def make_keys(bed: NetBed, tmp: Path) -> tuple[Path, dict[str, Path]]:
+    """`lmpipe keys` on the trainer host; each producer host gets a copy of the two files it needs."""
+    keys = tmp / "keys"
+    p = bed.start("trainer", "keys", "--out", str(keys), name="keys", env=lmpipe_env())
+    assert p.wait(timeout=60) == 0, bed.log(p)
+    copies = {}
+    for host in HOSTS[1:]:
+        d = tmp / f"{host}-keys"
+        d.mkdir()
+        for f in ("client.key_secret", "server.key"):
+            shutil.copy(keys / f, d / f)
+        copies[host] = d
+    return keys, copies
+
+
+def start_job(bed: NetBed, tmp: Path, common: list[str], trainer_extra: list[str] = ()):
+    keys, copies = make_keys(bed, tmp)
+    trainer = bed.start(
+        "trainer", "train", *common, "--host", "0.0.0.0", "--curve-dir", str(keys), "--metrics-port", str(METRICS),
+        "--threads", "1", "--log-every", "5", *trainer_extra, name="trainer", env=lmpipe_env(),
+    )  # fmt: skip
+    producers = {host: start_producer(bed, host, common, copies[host]) for host in PRODUCERS}
+    return trainer, producers
+
+
+def start_producer(bed: NetBed, host: str, common: list[str], keys: Path):
+    return bed.start(
+        host, "produce", *common, "--host", bed["trainer"].addr, "--curve-dir", str(keys), "--worker", "-1",
+        "--metrics-port", str(METRICS), name=host, env=lmpipe_env(),
+    )  # fmt: skip
+
+
+def worker_of(bed: NetBed, p) -> int:
+    bed.wait_for(p, "the trainer assigned worker id")
+    return int(re.search(r"assigned worker id (\d+)", bed.log(p)).group(1))
+
+
+def data_peers(bed: NetBed) -> set[str]:
+    """Addresses with a TCP connection to the trainer's data port, as the trainer host sees them."""
+    out = bed.run("trainer", "ss", "-tn", "state", "established", f"( sport = :{PORT} )")
+    return {m.group(1) for line in out.splitlines() if (m := re.search(r"([\d.]+):\d+\s*$", line))}
+
+
+def exit_code(p: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def sample(metrics: dict, name: str, **labels: str) -> float:
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+# -- the bed itself ---------------------------------------------------------------------------------------
+
+
+def test_bed_is_removed_even_when_the_test_fails(tmp_path):
+    try:
+        check_available()
+    except NetBedUnavailable as exc:
+        pytest.skip(str(exc))
+    with pytest.raises(RuntimeError, match="the test failed"), NetBed(["a", "b"], tmp_path) as b:
+        made = b.namespaces()
+        p = b.start("a", "train", "--steps", "0", "--metrics-port", "-1", name="t", env=lmpipe_env())
+        raise RuntimeError("the test failed")
+    assert len(made) == 3 and b.namespaces() == []
+    assert p.poll() is not None, "processes on the bed's hosts are killed with it"
+
+
+def test_leftovers_of_a_crashed_run_are_removed(tmp_path):
+    try:
+        check_available()
+    except NetBedUnavailable as exc:
+        pytest.skip(str(exc))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs: the "crashed" test process
+    stale = f"{PREFIX}{gone.pid}-dead00-sw"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        assert stale in remove_leftovers()
+        assert stale not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
+# -- lmpipe on several hosts ------------------------------------------------------------------------------
+
+
+def test_three_producer_hosts_feed_one_trainer(bed, tmp_path, tok):
+    docs = 300
+    log, summary = tmp_path / "docs.jsonl", tmp_path / "summary.json"
+    trainer, producers = start_job(
+        bed, tmp_path, job(docs), ["--steps", "0", "--doc-log", str(log), "--summary-json", str(summary)]
+    )
+    t0 = time.monotonic()
+    workers = {host: worker_of(bed, p) for host, p in producers.items()}
+    assert sorted(workers.values()) == [0, 1, 2]
+    # each producer came from its own host, over the switch, to the trainer's address
+    wait_until(lambda: data_peers(bed) == {bed[h].addr for h in producers}, 10, "a connection from each host")
+    assert trainer.wait(timeout=120) == 0, bed.log(trainer)
+    print(f"3 hosts: {time.monotonic() - t0:.1f} s, {steps_logged(log)} steps")
+    text = bed.log(trainer)
+    for host, w in workers.items():
+        assert f"producer {w} joined from {host}:" in text
+        assert producers[host].wait(timeout=15) == 0, bed.log(producers[host])
+    out = json.loads(summary.read_text())
+    assert out["stopped_by"] == "end of data" and out["rejected"] == 0 and out["stale"] == 0
+    assert {b["worker"] for e in doc_log_entries(log) for b in e["batches"]} == {0, 1, 2}
+    assert_exactly_once(read_doc_log(log), builtin_lengths(tok, docs))
+
+
+def test_a_partitioned_host_rejoins_and_every_document_is_trained_once(bed, tmp_path, tok):
+    docs, cut_seconds = 1200, 20
+    log, summary = tmp_path / "docs.jsonl", tmp_path / "summary.json"
+    trainer, producers = start_job(
+        bed, tmp_path, job(docs), ["--steps", "0", "--doc-log", str(log), "--summary-json", str(summary)]
+    )
+    workers = {host: worker_of(bed, p) for host, p in producers.items()}
+    cut_host, w = "p2", workers["p2"]
+    others = [str(v) for h, v in workers.items() if h != cut_host]
+    wait_until(lambda: steps_logged(log) >= 10, 60, "step 10")
+    assert "finished" not in bed.log(producers[cut_host]), "the cut host still has data to send"
+    sent = "lmpipe_producer_batches_sent_total"
+
+    def received(m: dict, worker: str) -> float:
+        return sample(m, "lmpipe_trainer_batches_received_total", worker=worker)
+
+    bed.cut(cut_host)
+    t_cut, steps_at_cut = time.monotonic(), steps_logged(log)
+    connected, mid = [], None
+    while (now := time.monotonic()) < t_cut + cut_seconds:
+        tm, pm = bed.scrape("trainer", METRICS), bed.scrape(cut_host, METRICS)
+        connected.append(sample(tm, "lmpipe_trainer_producers_connected"))
+        if mid is None and now >= t_cut + 3:  # what the cut host's own buffers take, they have taken
+            mid = (tm, pm)
+        time.sleep(0.5)
+    end = (bed.scrape("trainer", METRICS), bed.scrape(cut_host, METRICS))
+    bed.restore(cut_host)
+    t_restore, steps_at_restore = time.monotonic(), steps_logged(log)
+    assert sample(end[1], sent) == sample(mid[1], sent), "no batch left the cut host"
+    assert min(connected) == 2, "the trainer saw the cut host's heartbeats stop"
+    during = doc_log_entries(log)[steps_at_cut:steps_at_restore]
+    fed = sum(1 for e in during if any(b["worker"] != w for b in e["batches"]))
+    assert fed >= 20, f"the trainer kept stepping on the other hosts ({fed} steps in {cut_seconds} s)"
+    assert all(received(end[0], o) > received(mid[0], o) for o in others), "both other hosts fed it"
+    assert "finished" not in bed.log(producers[cut_host])
+
+    # the link is back: the cut host's sends resume on the same connections (TCP retransmits)
+    wait_until(
+        lambda: sample(bed.scrape(cut_host, METRICS), sent) > sample(end[1], sent), 60, "resumed sends"
+    )
+    print(f"partition: {len(during)} steps ({fed} fed by the other hosts) in {cut_seconds} s, "
+          f"producers connected {min(connected):.0f}; sends resumed {time.monotonic() - t_restore:.1f} s "
+          f"after the link came back")  # fmt: skip
+    assert trainer.wait(timeout=120) == 0, bed.log(trainer)
+    for p in producers.values():
+        assert p.wait(timeout=15) == 0, bed.log(p)
+    out = json.loads(summary.read_text())
+    assert out["stopped_by"] == "end of data" and out["rejected"] == 0
+    entries = doc_log_entries(log)
+    assert any(b["worker"] == w for e in entries[steps_at_restore:] for b in e["batches"]), (
+        "the host rejoined"
+    )
+    assert len({b["session"] for e in entries for b in e["batches"]}) == 1
+    assert_exactly_once(read_doc_log(log), builtin_lengths(tok, docs))
+
+
+def test_a_slow_link_shows_in_its_producers_metrics(bed, tmp_path):
+    # p2's link carries 1 KB/s each way; a batch is 8 x 128 uint16 tokens and as many segment ids (4 KiB+)
+    kbit, burst, min_batch_bytes = 8, 4096, 8 * 128 * 2 * 2
+    try:
+        bed.limit("p2", kbit)
+    except NetBedUnavailable as exc:
+        pytest.skip(str(exc))
+    trainer, producers = start_job(bed, tmp_path, job(2100, seq_len=128, batch=8), ["--steps", "0"])
+    t0 = time.monotonic()
+    workers = {host: worker_of(bed, p) for host, p in producers.items()}
+
+    def received(m: dict, host: str) -> float:
+        return sample(m, "lmpipe_trainer_batches_received_total", worker=str(workers[host]))
+
+    # the fast hosts have handed their whole epoch to their sockets and the trainer has taken a dozen
+    # batches from each: how far has the slow host come meanwhile?
+    for host in ("p0", "p1"):
+        bed.wait_for(producers[host], "finished its 1 epoch", timeout=120)
+    wait_until(lambda: min(received(bed.scrape("trainer", METRICS), h) for h in ("p0", "p1")) >= 12, 120,
+               "12 batches from each fast host")  # fmt: skip
+    t1 = time.monotonic()
+    m = {h: bed.scrape(h, METRICS) for h in ["trainer", *PRODUCERS]}
+    sent = {h: sample(m[h], "lmpipe_producer_batches_sent_total") for h in producers}
+    blocked = {h: sample(m[h], "lmpipe_producer_send_blocked_seconds_total") for h in producers}
+    got = {h: received(m["trainer"], h) for h in producers}
+    print(f"after {t1 - t0:.1f} s: sent {sent}, blocked {blocked}, received {got}")
+    assert "finished" not in bed.log(producers["p2"])
+    assert sent["p2"] <= 0.6 * min(sent["p0"], sent["p1"]), "the slow host's producer sent the fewest batches"
+    # what reached the trainer from p2 fits through its link, and is a fraction of the others' share
+    assert got["p2"] * min_batch_bytes <= kbit * 125 * (t1 - t0) + burst + min_batch_bytes
+    assert 3 * got["p2"] <= min(got["p0"], got["p1"])
+    trainer.terminate()
+    assert trainer.wait(timeout=30) == 0, bed.log(trainer)
+    for host in ("p0", "p1"):  # p2 misses the trainer's stop: see the test below
+        assert producers[host].wait(timeout=30) == 0, bed.log(producers[host])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lmpipe bug: the trainer's `stop` is fire-and-forget (Receiver._shutdown: 0.2 s drain, 0.5 s "
+    "linger); behind a congested link it is still unacknowledged when the trainer exits, the producer's "
+    "next hello meets the closed socket and is answered with a TCP reset, and the producer waits for a "
+    "trainer for ever without a word",
+)
+def test_the_end_of_the_run_reaches_a_host_on_a_congested_link(bed, tmp_path):
+    try:
+        bed.limit("p2", 8)
+    except NetBedUnavailable as exc:
+        pytest.skip(str(exc))
+    trainer, producers = start_job(bed, tmp_path, job(1800, seq_len=128, batch=8, epochs=0), ["--steps", "0"])
+    worker_of(bed, producers["p2"])
+
+    def control_backing_off() -> bool:
+        """The trainer's control connection to p2 waits on acknowledgements queued behind p2's data."""
+        out = bed.run("trainer", "ss", "-tni", "dst", bed["p2"].addr, f"( sport = :{PORT + 1} )")
+        return "backoff:" in out
+
+    wait_until(control_backing_off, 60, "the control connection to back off")
+    trainer.terminate()  # the end of the run, as a step limit or a Ctrl-C ends it
+    assert trainer.wait(timeout=30) == 0, bed.log(trainer)
+    for host in PRODUCERS:
+        assert exit_code(producers[host], 10) == 0, f"{host} is still up: {bed.log(producers[host])[-2000:]}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lmpipe bug: a producer whose worker id was taken over while its host was cut off is never told; "
+    "on its return the trainer refuses its hellos with retry=True every second (a retry loop) and drops "
+    "everything it sends as stale, and it is never sent `stop`, so it outlives the run "
+    "(consumer/receiver.py Receiver._hello)",
+)
+def test_a_host_replaced_while_cut_off_stops_when_it_returns(bed, tmp_path):
+    # --epochs 0: the trainer is still there when the old host comes back, however fast this machine is
+    log = tmp_path / "docs.jsonl"
+    trainer, producers = start_job(
+        bed, tmp_path, job(2000, epochs=0), ["--steps", "0", "--doc-log", str(log)]
+    )
+    w = worker_of(bed, producers["p2"])
+    wait_until(lambda: steps_logged(log) >= 10, 60, "step 10")
+    bed.cut("p2")
+    time.sleep(6)  # silent for longer than the trainer's 5-s liveness window: its worker id is free again
+    # the operator replaces the lost host, as the README says: any host, `--worker -1`
+    spare = start_producer(bed, "spare", job(2000, epochs=0), tmp_path / "p2-keys")
+    assert worker_of(bed, spare) == w
+    bed.restore("p2")
+    old = producers["p2"]
+    # with the link back, the old producer must learn it was replaced and stop, not try again for ever
+    wait_until(lambda: old.poll() is not None or bed.log(old).count("trainer asks to retry") >= 3, 60,
+               "the old producer to stop or to retry")  # fmt: skip
+    assert old.poll() is not None, bed.log(old)[-2000:]
+    trainer.terminate()
+    assert trainer.wait(timeout=30) == 0, bed.log(trainer)
+    for p in (producers["p0"], producers["p1"], spare):
+        assert p.wait(timeout=15) == 0, bed.log(p)
