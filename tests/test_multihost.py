@@ -17,10 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import lmpipe_env
+from tests.helpers import (
+    assert_exactly_once,
+    builtin_lengths,
+    doc_log_entries,
+    lmpipe_env,
+    read_doc_log,
+    steps_logged,
+    wait_until,
+)
 from tests.netbed import PREFIX, NetBed, NetBedUnavailable, check_available, remove_leftovers
-from tests.test_e2e import assert_exactly_once, builtin_lengths, read_doc_log
-from tests.test_resume import doc_log_entries, steps_logged, wait_until
 
 pytestmark = pytest.mark.slow
 
