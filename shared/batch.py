@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lmpipe.shared.wire import CURSOR_KEYS, Message, WireError, encode
+from lmpipe.shared.wire import CURSOR_KEYS, Limits, Message, WireError, encode
 
 
 @dataclass(frozen=True, order=True)
@@ -44,6 +44,29 @@ def batch_bytes(cfg) -> int:
     """Upper bound of one batch's array bytes for a PipelineConfig (tokens, seg, lengths, doc pieces)."""
     cells = cfg.batch_size * cfg.seq_len
     return cells * (4 + 2) + cfg.batch_size * 4 + cells * 16
+
+
+def batch_limits(batch_size: int, seq_len: int) -> Limits:
+    """The receiver's wire limits, derived from what a valid batch of up to `batch_size` rows of up to
+    `seq_len` tokens can hold. Every document piece has at least one token, so a batch holds at most
+    B*T pieces (a corpus of one-token documents); a fixed bound on the piece count rejects valid batches
+    of short documents. The largest array is then `doc_id`: B*T int64."""
+    cells = batch_size * seq_len
+    shapes = {
+        "tokens": (batch_size, seq_len),
+        "seg": (batch_size, seq_len),
+        "lengths": (batch_size,),
+        "doc_id": (cells,),
+        "doc_start": (cells,),
+        "doc_len": (cells,),
+    }
+    return Limits(
+        max_arrays=len(shapes),
+        max_ndim=2,
+        max_dim=max(batch_size, seq_len, cells),
+        max_array_bytes=8 * cells,
+        shapes=shapes,
+    )
 
 
 @dataclass
@@ -148,10 +171,21 @@ def batch_from_message(msg: Message, vocab_size: int, seq_len: int, max_rows: in
     doc_len = _want(msg, "doc_len", 1, ("int32",))
     if not (doc_id.shape == doc_start.shape == doc_len.shape):
         raise WireError("bad_batch", "doc_id, doc_start and doc_len differ in length")
+    if doc_len.size and (int(doc_len.min()) < 1 or int(doc_start.min()) < 0 or int(doc_id.min()) < 0):
+        raise WireError("bad_batch", "document pieces must have ids >= 0, starts >= 0 and >= 1 token")
     real = int(lengths.sum())
     counts = hdr["counts"]
-    if int(doc_len.sum()) != real or counts["tokens"] != real or counts["pad"] != rows * width - real:
+    if (
+        int(doc_len.sum(dtype=np.int64)) != real
+        or counts["tokens"] != real
+        or counts["pad"] != rows * width - real
+        or counts["docs"] != doc_id.shape[0]
+    ):
         raise WireError("bad_batch", "token counts do not add up")
+    # pieces are listed row by row and none crosses a row: every row's end is some piece's end
+    row_ends = np.cumsum(lengths, dtype=np.int64)[lengths > 0]
+    if row_ends.size and not np.isin(row_ends, np.cumsum(doc_len, dtype=np.int64)).all():
+        raise WireError("bad_batch", "document pieces do not line up with the rows")
     return Batch(
         tokens=tokens,
         lengths=lengths,

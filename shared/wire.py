@@ -33,23 +33,33 @@ CURSOR_KEYS = ("epoch", "pos", "offset", "skip")
 
 
 class WireError(ValueError):
-    """A message that must be dropped. `reason` is a short label used as a metric label."""
+    """A message that must be dropped. `reason` is a short label used as a metric label; `header` is the
+    decoded header map when the message got that far (it names the sender of a rejected batch)."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, header: dict[str, Any] | None = None):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.header = header
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Upper bounds a receiver enforces; a message over any of them is rejected as `oversized`."""
+    """Upper bounds a receiver enforces; a message over any of them is rejected as `oversized` (sizes) or
+    `bad_shape` (dimensions). `shapes`, when given, names every array the receiver takes and the largest
+    shape of each (see `lmpipe.shared.batch.batch_limits`, which derives them from the batch geometry)."""
 
     max_header_bytes: int = 64 * 1024
     max_arrays: int = 16
     max_ndim: int = 3
     max_array_bytes: int = 256 * 1024 * 1024
     max_dim: int = 1 << 24
+    shapes: dict[str, tuple[int, ...]] | None = None
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest frame a valid message has (the header or one array)."""
+        return max(self.max_header_bytes, self.max_array_bytes)
 
 
 @dataclass
@@ -159,6 +169,14 @@ def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
     if not frames:
         raise WireError("bad_frames", "empty message")
     hdr = unpack_map(_buffer(frames[0]), limits.max_header_bytes)
+    try:
+        return _decode(hdr, frames, limits)
+    except WireError as exc:
+        exc.header = hdr  # untrusted, but it lets the receiver say whose batch it dropped
+        raise
+
+
+def _decode(hdr: dict[str, Any], frames: Sequence[Any], limits: Limits) -> Message:
     version = hdr.get("v")
     if version != WIRE_VERSION:
         raise WireError("bad_version", f"wire version {version!r}, this build speaks {WIRE_VERSION}")
@@ -185,6 +203,12 @@ def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Message:
             )
         ):
             raise WireError("bad_shape", f"array {name!r} has shape {shape!r}")
+        if limits.shapes is not None:
+            bound = limits.shapes.get(name)
+            if bound is None:
+                raise WireError("bad_header", f"unexpected array {name!r}")
+            if len(shape) != len(bound) or any(d > b for d, b in zip(shape, bound)):
+                raise WireError("bad_shape", f"array {name!r} has shape {shape!r}, at most {list(bound)}")
         dtype = DTYPES[dname]
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes > limits.max_array_bytes:
