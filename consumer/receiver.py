@@ -5,8 +5,19 @@
   step loop through `ready`. With no free slot the loop stops reading, ZeroMQ's queues fill up and the
   producers block: backpressure all the way back to the tokenizers.
 - ROUTER (control): handshake. A producer's hello is checked against the trainer's fingerprint; the
-  answer is `welcome` (session, cursor of the last batch consumed from that worker, next sequence
-  number) or `refuse` with the reason. Hellos repeat every second and serve as heartbeats.
+  answer is `welcome` (session, worker id, cursor of the last batch consumed from that worker, next
+  sequence number) or `refuse` with the reason. Hellos repeat every second and serve as heartbeats.
+
+Liveness rules (nothing retries the same failing thing forever):
+- A batch of this session that is missing (a gap) or rejected makes the trainer ask its producer to
+  resend from the last consumed batch: at most one request outstanding per worker, at most MAX_RESENDS
+  at one position. A batch rejected again after a resend, or a position that never arrives intact, is a
+  deterministic failure: that worker id is stopped (its producer is refused with the reason), and once no
+  producer can make progress `error` holds a `PipelineError` that ends the run.
+- Every control message, however malformed, is answered or dropped and counted; if any task of this
+  thread dies, `error` says so and the trainer stops instead of running deaf.
+- Worker ids: a producer started with `--worker -1` takes any free id and may be moved to another one
+  when a producer that asked for that id by number arrives, so every free id is served.
 
 Consumption state lives in `WorkerTable`, shared with the step loop under a lock: the receive thread reads
 it to answer hellos and to drop duplicates early; the step loop writes it as batches are trained on.
@@ -16,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -25,19 +37,33 @@ from typing import Any
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.shared import messages
-from lmpipe.shared.batch import Cursor, batch_bytes, batch_from_message
+from lmpipe.shared.batch import Cursor, batch_bytes, batch_from_message, batch_limits
 from lmpipe.shared.config import PipelineConfig, mismatches
+from lmpipe.shared.messages import ALIVE_SECONDS
 from lmpipe.shared.metrics import TrainerMetrics
 from lmpipe.shared.security import authorized_dir, server_sockets
-from lmpipe.shared.wire import Limits, WireError, decode
+from lmpipe.shared.wire import WireError, decode
 
 log = logging.getLogger("lmpipe.trainer")
 
 RECV_HWM = 4
-ALIVE_SECONDS = 5.0
+RESEND_TIMEOUT = 5.0  # a resend request not answered within this long may be repeated
+MAX_RESENDS = 3  # resend requests at one position, without progress, before the worker is stopped
+WANTED_SECONDS = 2 * ALIVE_SECONDS  # an id a producer asked for by number is not handed to --worker -1
+ADVICE = (
+    "Producers and trainer must run the same lmpipe version with the same settings; if they do, this is "
+    "a bug: please report this message"
+)
+
+
+class PipelineError(ValueError):
+    """A failure that training cannot get past (no producer can make progress, or the receive thread
+    died); the message says what happened and what to change. A ValueError: the CLI prints it in one
+    line and exits non-zero."""
 
 
 @dataclass
@@ -49,6 +75,15 @@ class WorkerState:
     identity: bytes | None = None
     last_seen: float = 0.0
     where: str = ""
+    auto: bool = False  # its producer asked for any id (--worker -1), so it may be moved to another
+    failed: str = ""  # why this id was stopped for good (a deterministic failure)
+    # resend bookkeeping, receive thread only
+    resend_at: int = -1  # last_seq when the last resend request went out
+    resend_sent: float = 0.0
+    resends: int = 0  # requests at resend_at so far
+    answered_at: float = 0.0  # when seq resend_at + 1 arrived (accepted or not) after the request
+    resend_due: str = ""  # why another request is wanted once the outstanding one times out
+    rejected: dict[int, str] = field(default_factory=dict)  # seq -> why the receiver rejected it
 
 
 class WorkerTable:
@@ -72,7 +107,11 @@ class WorkerTable:
         return all(w.finished for w in self.workers)
 
     def connected(self, now: float) -> int:
-        return sum(1 for w in self.workers if w.identity is not None and now - w.last_seen < ALIVE_SECONDS)
+        return sum(1 for w in self.workers if _alive(w, now))
+
+    def missing(self, now: float) -> list[int]:
+        """Worker ids with no live producer that still have data to send."""
+        return [w.worker for w in self.workers if not (_alive(w, now) or w.finished or w.failed)]
 
     def state_dict(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -95,12 +134,36 @@ class WorkerTable:
                 )
 
 
+def _alive(w: WorkerState, now: float) -> bool:
+    return w.identity is not None and now - w.last_seen < ALIVE_SECONDS
+
+
 @dataclass
 class EndOfStream:
     worker: int
     seq: int
     cursor: Cursor
     session: str
+    received_at: float = 0.0
+
+
+class _Quiet:
+    """Logs a repeating message the first time, then at most once per `every` seconds with a count."""
+
+    def __init__(self, every: float = 60.0):
+        self.every = every
+        self.seen: dict[str, tuple[float, int]] = {}
+
+    def __call__(self, level: int, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        last, skipped = self.seen.get(key, (-math.inf, 0))
+        if now - last < self.every:
+            self.seen[key] = (last, skipped + 1)
+            return
+        if len(self.seen) > 1000:  # many distinct keys (a fuzzer): forget, never grow without bound
+            self.seen.clear()
+        self.seen[key] = (now, 0)
+        log.log(level, msg + (f" ({skipped} more like it since)" if skipped else ""), *args)
 
 
 class Receiver(threading.Thread):
@@ -122,15 +185,32 @@ class Receiver(threading.Thread):
         self.metrics, self.session, self.vocab_size = metrics, session, vocab_size
         self.ready: queue.Queue = queue.Queue()
         self.bound = threading.Event()
-        self.error: BaseException | None = None
-        slot_bytes = cfg.batch_size * cfg.seq_len * 4
-        self.limits = Limits(max_array_bytes=slot_bytes, max_dim=max(cfg.batch_size, cfg.seq_len))
-        self._max_frame = 2 * slot_bytes + (1 << 20)
+        self._error: BaseException | None = None
+        # What a valid batch can hold, not a constant: the same function the tests check batches against.
+        self.limits = batch_limits(cfg.batch_size, cfg.seq_len)
+        # ZeroMQ cuts a connection that sends a bigger frame (a memory guard; counted as a disconnect).
+        # Frames between the exact limit and this are read, then rejected and counted as oversized.
+        self._max_frame = 4 * self.limits.max_frame_bytes + (1 << 20)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._free: asyncio.Queue | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._reject_logged: dict[str, int] = {}
+        self._quiet = _Quiet()
+        self._wanted: dict[int, float] = {}  # worker id -> when a producer last asked for it by number
+        for w in range(len(table)):
+            metrics.stream_resets.labels(str(w))
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why training cannot go on, or None. Read by the step loop whenever it waits."""
+        if self._error is None:
+            self._error = self._no_progress()
+        return self._error
+
+    @error.setter
+    def error(self, exc: BaseException | None) -> None:
+        self._error = exc
 
     # -- called from the step loop's thread ---------------------------------------------------------
 
@@ -139,15 +219,20 @@ class Receiver(threading.Thread):
         slot.meta = None
         self._loop.call_soon_threadsafe(self._free.put_nowait, slot)
 
-    def force_reset(self, worker: int) -> None:
-        """Send a worker back to its consumed cursor (after a gap in its sequence numbers)."""
-        self._loop.call_soon_threadsafe(self._send_welcome, worker, True)
+    def force_reset(self, worker: int, seq: int | None = None, arrived: float | None = None) -> None:
+        """A message of `worker` came out of order (seq `seq`, received at `arrived`): ask its producer to
+        resend from its consumed cursor, within the limits above."""
+        why = f"sent seq {seq}" if seq is not None else "is out of order"
+        self._loop.call_soon_threadsafe(self._request_resend, worker, why, arrived)
 
     def stop(self, reason: str = "") -> None:
         """Tell every producer to stop (when `reason` is given), close the sockets, end the thread."""
         if self._loop is None or self._loop.is_closed():
             return
-        self._loop.call_soon_threadsafe(self._shutdown, reason)
+        try:
+            self._loop.call_soon_threadsafe(self._shutdown, reason)
+        except RuntimeError:  # the loop closed in between (the thread failed)
+            return
         self.join(timeout=5)
 
     # -- the thread ---------------------------------------------------------------------------------
@@ -160,7 +245,8 @@ class Receiver(threading.Thread):
         except ImportError:  # uvloop is Linux/macOS only; asyncio's loop does the same job more slowly
             asyncio.run(self._main())
         except BaseException as exc:  # surfaced to the trainer through .error
-            self.error = exc
+            log.error("the receive thread failed", exc_info=exc)
+            self.error = PipelineError(f"the trainer's receive thread failed ({type(exc).__name__}: {exc})")
             self.bound.set()
 
     async def _main(self) -> None:
@@ -177,9 +263,11 @@ class Receiver(threading.Thread):
             s.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.HEARTBEAT_IVL, 2000)  # not on the data socket; see producer/manager.py
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
+        # Producers name their control connection; a producer that reconnects keeps its routing id.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         pull.setsockopt(zmq.RCVHWM, RECV_HWM)
         pull.setsockopt(zmq.RCVBUF, max(1 << 16, 2 * batch_bytes(self.cfg)))
-        pull.setsockopt(zmq.MAXMSGSIZE, self._max_frame)  # a peer sending bigger frames is disconnected
+        pull.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         router.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
         auth = None
         if self.cfg.curve_dir:
@@ -201,15 +289,34 @@ class Receiver(threading.Thread):
             self.bound.set()
             ctx.destroy(0)
             return
+        monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.bound.set()
-        tasks = [asyncio.create_task(self._recv_loop(pull)), asyncio.create_task(self._control_loop(router))]
-        await self._stopping.wait()
+        tasks = [
+            asyncio.create_task(self._recv_loop(pull), name="data"),
+            asyncio.create_task(self._control_loop(router), name="control"),
+            asyncio.create_task(self._monitor_loop(monitor), name="monitor"),
+        ]
+        stopping = asyncio.create_task(self._stopping.wait())
+        done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            if t in done:  # a task that ends on its own is a bug: say so rather than run deaf
+                exc = t.exception()
+                log.error("the receive thread's %s task died", t.get_name(), exc_info=exc)
+                self.error = PipelineError(
+                    f"the trainer's {t.get_name()} task died ({type(exc).__name__}: {exc}); this is a bug, "
+                    "please report it"
+                    if exc is not None
+                    else f"the trainer's {t.get_name()} task ended; this is a bug, please report it"
+                )
+                self._shutdown("the trainer failed")
         # Closing right after the stop messages were queued lost them in tests (the data socket's
         # teardown raced the control socket's flush); a short drain makes their delivery reliable.
         await asyncio.sleep(0.2)
-        for t in tasks:
+        for t in [*tasks, stopping]:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, stopping, return_exceptions=True)
+        pull.disable_monitor()
+        monitor.close(0)
         pull.close(0)
         router.close(linger=500)  # let the stop messages out
         if auth is not None:
@@ -233,6 +340,37 @@ class Receiver(threading.Thread):
         if n <= 5 or n % 1000 == 0:
             log.warning("dropped a message (%s, #%d): %s", reason, n, detail)
 
+    def _origin(self, hdr: Any) -> tuple[WorkerState, int] | None:
+        """The worker of this session and the seq a message's header names, if it names them."""
+        if not isinstance(hdr, dict) or hdr.get("session") != self.session:
+            return None
+        worker, seq = hdr.get("worker"), hdr.get("seq")
+        if type(worker) is not int or type(seq) is not int or not 0 <= worker < len(self.table):
+            return None
+        return self.table[worker], seq
+
+    def _rejected(self, exc: WireError, hdr: Any) -> None:
+        """Drop a message and, when it is a batch of this session still wanted, get it sent again;
+        a batch rejected a second time is a deterministic failure."""
+        origin = self._origin(hdr)
+        if origin is None:
+            self._reject(exc.reason, exc.detail)
+            return
+        w, seq = origin
+        self._reject(exc.reason, f"worker {w.worker} seq {seq}: {exc.detail}")
+        self._arrived(w, seq, time.monotonic())
+        if seq <= w.last_seq or w.failed:
+            return
+        why = f"{exc.reason}: {exc.detail}"
+        if seq in w.rejected:
+            self._fail(w.worker, f"its batch seq {seq} is rejected every time it is sent ({why})")
+            return
+        for s in [s for s in w.rejected if s <= w.last_seq]:
+            del w.rejected[s]
+        if len(w.rejected) < 256:
+            w.rejected[seq] = why
+        self._request_resend(w.worker, f"batch seq {seq} was rejected ({why})")
+
     async def _recv_loop(self, pull: zmq.asyncio.Socket) -> None:
         while True:
             frames = await pull.recv_multipart(copy=False)
@@ -240,7 +378,7 @@ class Receiver(threading.Thread):
             try:
                 msg = decode(frames, self.limits)
             except WireError as exc:
-                self._reject(exc.reason, exc.detail)
+                self._rejected(exc, exc.header)
                 continue
             hdr = msg.header
             worker = hdr["worker"]
@@ -250,20 +388,20 @@ class Receiver(threading.Thread):
             if hdr["session"] != self.session:
                 self.metrics.stale.labels("old_session").inc()
                 continue
+            self._arrived(self.table[worker], hdr["seq"], now)
             if msg.kind == "end":
                 self.ready.put(
-                    EndOfStream(worker, hdr["seq"], Cursor.from_dict(hdr["cursor"]), hdr["session"])
+                    EndOfStream(worker, hdr["seq"], Cursor.from_dict(hdr["cursor"]), hdr["session"], now)
                 )
                 continue
             try:
                 batch = batch_from_message(msg, self.vocab_size, self.cfg.seq_len, self.cfg.batch_size)
+                if hdr["strategy"] != self.cfg.strategy:
+                    raise WireError(
+                        "bad_batch", f"strategy {hdr['strategy']!r}, this run trains on {self.cfg.strategy!r}"
+                    )
             except WireError as exc:
-                self._reject(exc.reason, exc.detail)
-                continue
-            if hdr["strategy"] != self.cfg.strategy:
-                self._reject(
-                    "bad_batch", f"strategy {hdr['strategy']!r}, this run trains on {self.cfg.strategy!r}"
-                )
+                self._rejected(exc, hdr)
                 continue
             if hdr["seq"] <= self.table[worker].last_seq:
                 self.metrics.stale.labels("duplicate").inc()
@@ -274,6 +412,90 @@ class Receiver(threading.Thread):
             del msg, batch, frames  # release the ZeroMQ buffers before waiting again
             self.ready.put(slot)
             self.metrics.ready_slots.set(self.ready.qsize())
+
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        """Counts data connections that close: a producer that exited, or one ZeroMQ cut off for a frame
+        over the size guard (the frame itself never reaches `decode`)."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.metrics.data_disconnects.inc()
+                self._quiet(
+                    logging.INFO,
+                    "disconnect",
+                    "a producer's data connection closed (it exited, or sent a frame over %d bytes)",
+                    self._max_frame,
+                )
+
+    # -- resends and deterministic failures ----------------------------------------------------------
+
+    def _arrived(self, w: WorkerState, seq: int, now: float) -> None:
+        if w.resend_sent and not w.answered_at and seq == w.resend_at + 1:
+            w.answered_at = now
+
+    def _request_resend(self, worker: int, why: str, arrived: float | None = None) -> None:
+        w = self.table[worker]
+        now = time.monotonic()
+        if w.failed or not _alive(w, now):
+            return  # a producer that (re)joins is sent to the consumed cursor anyway
+        with self.table.lock:
+            last = w.last_seq
+        if w.resend_at != last:  # progress since the last request: start counting afresh
+            w.resend_at, w.resends, w.resend_sent, w.answered_at, w.resend_due = last, 0, 0.0, 0.0, ""
+        elif arrived is not None and arrived < max(w.resend_sent, w.answered_at):
+            return  # sent before the producer rewound; the resent stream is on its way
+        elif not w.answered_at and now - w.resend_sent < RESEND_TIMEOUT:
+            if not w.resend_due:  # look again when the outstanding request times out
+                self._loop.call_later(w.resend_sent + RESEND_TIMEOUT - now, self._resend_timeout, worker)
+            w.resend_due = why
+            return
+        if w.resends >= MAX_RESENDS:
+            self._fail(
+                worker,
+                f"batch seq {last + 1} never arrived intact after {MAX_RESENDS} resend requests ({why})",
+            )
+            return
+        w.resends += 1
+        w.resend_sent, w.answered_at, w.resend_due = now, 0.0, ""
+        self.metrics.stream_resets.labels(str(worker)).inc()
+        log.warning(
+            "worker %d %s, expected %d: asking it to resend (%d/%d)",
+            worker,
+            why,
+            last + 1,
+            w.resends,
+            MAX_RESENDS,
+        )
+        self._send_welcome(worker, force=True)
+
+    def _resend_timeout(self, worker: int) -> None:
+        w = self.table[worker]
+        why, w.resend_due = w.resend_due, ""
+        if why:
+            self._request_resend(worker, why)
+
+    def _fail(self, worker: int, reason: str) -> None:
+        w = self.table[worker]
+        if w.failed:
+            return
+        w.failed = reason
+        self.metrics.workers_failed.set(sum(1 for x in self.table.workers if x.failed))
+        log.error("stopped worker %d: %s. %s", worker, reason, ADVICE)
+        if w.identity is not None:
+            self._send(
+                w.identity,
+                messages.Refuse(f"the trainer stopped worker {worker}: {reason}. {ADVICE}", retry=False),
+            )
+
+    def _no_progress(self) -> PipelineError | None:
+        failed = [w for w in self.table.workers if w.failed]
+        if failed and all(w.finished or w.failed for w in self.table.workers):
+            return PipelineError(
+                "no producer can make progress: "
+                + "; ".join(f"worker {w.worker}: {w.failed}" for w in failed)
+                + f". {ADVICE}"
+            )
+        return None
 
     # -- control ------------------------------------------------------------------------------------
 
@@ -293,64 +515,133 @@ class Receiver(threading.Thread):
             welcome = messages.Welcome(self.session, worker, w.cursor.to_dict(), w.last_seq + 1, force)
         self._send(w.identity, welcome)
 
+    def _tick(self) -> None:
+        self.metrics.producers.set(self.table.connected(time.monotonic()))
+
     async def _control_loop(self, router: zmq.asyncio.Socket) -> None:
         while True:
             try:
-                identity, raw = await asyncio.wait_for(router.recv_multipart(), timeout=1.0)
+                frames = await asyncio.wait_for(router.recv_multipart(), timeout=1.0)
             except TimeoutError:
-                self.metrics.producers.set(self.table.connected(time.monotonic()))
+                self._tick()
                 continue
-            except ValueError:
-                continue  # wrong number of frames
             try:
-                msg = messages.unpack(raw)
-            except WireError as exc:
-                self._reject(exc.reason, exc.detail)
-                continue
-            if isinstance(msg, messages.Hello):
-                self._hello(identity, msg)
-            self.metrics.producers.set(self.table.connected(time.monotonic()))
+                self._control(frames)
+            except Exception as exc:  # a bug must not take the handshake down with it: count and go on
+                self._reject("bad_control", f"{type(exc).__name__} while handling a control message: {exc}")
+                log.debug("control message", exc_info=True)
+            self._tick()
+
+    def _control(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self._reject("bad_control", f"control message of {len(frames) - 1} frames, expected 1")
+            return
+        identity, raw = frames
+        try:
+            msg = messages.unpack(raw)
+        except WireError as exc:
+            self._reject(exc.reason, exc.detail)
+            # a producer of another version learns why instead of retrying forever
+            self._send(identity, messages.Refuse(f"malformed control message: {exc.detail}", retry=False))
+            return
+        if isinstance(msg, messages.Hello):
+            self._hello(identity, msg)
+        else:
+            self._reject(
+                "bad_control", f"a producer sent {type(msg).__name__.lower()}, only hello is expected"
+            )
 
     def _hello(self, identity: bytes, hello: messages.Hello) -> None:
         now = time.monotonic()
         where = f"{hello.host}:{hello.pid}"
-        if hello.worker == -1:  # "any": the lowest id nobody holds (a replica of a scaled service)
-            mine = [w.worker for w in self.table.workers if w.identity == identity]
-            free = mine or [
-                w.worker
-                for w in self.table.workers
-                if w.identity is None or now - w.last_seen >= ALIVE_SECONDS
-            ]
-            if not free:
-                self._send(
-                    identity, messages.Refuse(f"all {len(self.table)} worker ids are taken", retry=True)
-                )
-                return
-            hello.worker = free[0]
-        if not 0 <= hello.worker < len(self.table):
-            reason = f"worker id {hello.worker} is outside 0..{len(self.table) - 1} (trainer runs {len(self.table)} producers)"
+        n = len(self.table)
+        if not -1 <= hello.worker < n:
+            reason = f"worker id {hello.worker} is outside 0..{n - 1} (trainer runs {n} producers)"
             return self._refuse(identity, where, reason)
-        w = self.table[hello.worker]
-        if hello.session == self.session and w.identity == identity:
-            w.last_seen = now  # a heartbeat
-            return
+        if hello.worker >= 0 and hello.session == self.session and not hello.rejoin:
+            w = self.table[hello.worker]
+            if w.identity == identity:  # a heartbeat
+                w.last_seen = now
+                if w.failed:  # still here after being stopped (its refusal was lost): say it again
+                    self._refuse(identity, where, f"worker {w.worker} was stopped: {w.failed}")
+                return
         pinned = bool(self.fingerprint.get("data"))
         diff = mismatches(self.fingerprint, hello.fingerprint, skip=() if pinned else ("data",))
-        if not pinned and not diff:
-            self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
         if diff:
             return self._refuse(identity, where, "config mismatch: " + "; ".join(diff))
-        if w.identity is not None and w.identity != identity and now - w.last_seen < ALIVE_SECONDS:
-            self._send(
-                identity,
-                messages.Refuse(f"worker {hello.worker} is already connected from {w.where}", retry=True),
-            )
+        if not pinned:
+            self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
+        if hello.auto or hello.worker == -1:
+            wid = self._pick_id(identity, hello.worker, now)
+            if wid is None:
+                return self._busy(identity, where, f"all {n} worker ids are taken")
+        else:
+            wid = hello.worker
+            self._wanted[wid] = now
+            w = self.table[wid]
+            if w.failed:
+                return self._refuse(identity, where, f"worker {wid} was stopped: {w.failed}")
+            if w.identity != identity and _alive(w, now):
+                free = self._pick_id(None, -1, now, exclude=wid) if w.auto else None
+                if free is None:
+                    return self._busy(identity, where, f"worker {wid} is already connected from {w.where}")
+                self._move(wid, free, where)
+        w = self.table[wid]
+        if w.identity == identity and hello.session == self.session and hello.worker == wid:
+            w.last_seen = now
+            if hello.rejoin:  # same session: the producer only lost its connection; let it carry on
+                self._send_welcome(wid)
             return
-        w.identity, w.last_seen, w.where = identity, now, where
-        self._send_welcome(hello.worker)
-        log.info("producer %d joined from %s (resumes at seq %d)", hello.worker, where, w.last_seq + 1)
+        for other in self.table.workers:  # an auto producer that was moved may still name its old id
+            if other.identity == identity and other is not w:
+                other.identity = None
+        w.identity, w.last_seen, w.where, w.auto = identity, now, where, hello.auto or hello.worker == -1
+        self._send_welcome(wid)
+        log.info("producer %d joined from %s (resumes at seq %d)", wid, where, w.last_seq + 1)
+
+    def _pick_id(self, identity: bytes | None, preferred: int, now: float, exclude: int = -1) -> int | None:
+        """A worker id for a producer that takes any: the one it holds, else the one it names if free,
+        else a free one, preferring ids nobody asked for by number, unfinished ones, the longest silent."""
+        held = [w.worker for w in self.table.workers if identity is not None and w.identity == identity]
+        if held and not self.table[held[0]].failed:
+            return held[0]
+        free = [
+            w
+            for w in self.table.workers
+            if w.worker != exclude and not w.failed and (w.identity == identity or not _alive(w, now))
+        ]
+        if not free:
+            return None
+        if 0 <= preferred < len(self.table) and self.table[preferred] in free:
+            return preferred
+
+        def rank(w: WorkerState) -> tuple:
+            wanted = now - self._wanted.get(w.worker, -math.inf) < WANTED_SECONDS
+            return (wanted, w.finished, w.last_seen, w.worker)
+
+        return min(free, key=rank).worker
+
+    def _move(self, src: int, dst: int, asker: str) -> None:
+        """Hand an auto-assigned producer's id to a producer that asked for it by number; the auto one
+        continues as `dst`. Both ids' streams are deterministic, so nothing is lost or repeated."""
+        a, b = self.table[src], self.table[dst]
+        b.identity, b.last_seen, b.where, b.auto = a.identity, a.last_seen, a.where, True
+        a.identity, a.auto = None, False
+        log.info(
+            "moved the producer at %s from worker id %d to %d: %s asked for id %d",
+            b.where,
+            src,
+            dst,
+            asker,
+            src,
+        )
+        self._send_welcome(dst, force=True)
+
+    def _busy(self, identity: bytes, where: str, reason: str) -> None:
+        self._quiet(logging.INFO, f"busy {where}", "producer at %s waits: %s", where, reason)
+        self._send(identity, messages.Refuse(reason, retry=True))
 
     def _refuse(self, identity: bytes, where: str, reason: str) -> None:
-        log.error("refused producer at %s: %s", where, reason)
         self.metrics.rejected.labels("handshake").inc()
+        self._quiet(logging.ERROR, f"refuse {where} {reason}", "refused producer at %s: %s", where, reason)
         self._send(identity, messages.Refuse(reason, retry=False))

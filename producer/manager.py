@@ -6,7 +6,10 @@ producer stops making batches (its memory stays flat; the wait is counted as bac
 
 The loop polls both sockets, so a `welcome` naming a new session (the trainer restarted from a
 checkpoint) or a `stop` is seen even while a batch waits to be sent. The hello is repeated every second
-and doubles as a heartbeat.
+and doubles as a heartbeat. When the control connection drops (the trainer died), the producer holds its
+batches until a trainer welcomes it again, instead of streaming its share into a session that is gone;
+the hello goes out as soon as the connection is back. A producer the trainer keeps refusing with "retry"
+(its worker id is held by a live producer, every id is taken) gives up after GIVE_UP_SECONDS and exits 2.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.producer.sources import Corpus
@@ -28,6 +32,7 @@ from lmpipe.shared import messages
 from lmpipe.shared.batch import Cursor, batch_bytes, end_frames, token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.log import setup as setup_log
+from lmpipe.shared.messages import GIVE_UP_SECONDS, HELLO_EVERY
 from lmpipe.shared.metrics import ProducerMetrics, serve
 from lmpipe.shared.security import client_sockets
 from lmpipe.shared.tokenizer import load_tokenizer
@@ -36,7 +41,6 @@ from lmpipe.shared.wire import WireError
 log = logging.getLogger("lmpipe.producer")
 
 SEND_HWM = 4  # batches queued per producer before send blocks
-HELLO_EVERY = 1.0
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Producer:
             )
         self.cfg, self.opts = cfg, opts
         self.worker = opts.worker  # -1 until the trainer assigns one
+        self.auto = opts.worker == -1  # any id will do; the trainer may move this producer to another
         self.metrics = ProducerMetrics()
         self.tok = load_tokenizer(cfg.tokenizer)
         self.corpus = Corpus(
@@ -85,6 +90,9 @@ class Producer:
         self._stop = False
         self._docs_counted = 0
         self.interrupted = False
+        self._held = False  # the control connection dropped: send nothing until welcomed again
+        self._refused_since: float | None = None
+        self._retry_logged = 0.0
         self._end_cursor = Cursor()
         self._parent = os.getppid()
         if self.worker >= 0:
@@ -92,6 +100,7 @@ class Producer:
 
     def _assign(self, worker: int) -> None:
         self.worker = worker
+        self._docs_counted = 0
         self.stream = DocStream(
             self.corpus,
             self.tok,
@@ -128,6 +137,8 @@ class Producer:
                 pid=os.getpid(),
                 host=socket.gethostname(),
                 session=self.session,
+                auto=self.auto,
+                rejoin=self._held,
             )
         )
 
@@ -163,26 +174,31 @@ class Producer:
         # ZeroMQ's HWM counts messages in its own queues; the kernel's socket buffer holds more on top.
         # Keep that to a couple of batches too, so backpressure reaches the tokenizer quickly.
         data.setsockopt(zmq.SNDBUF, max(1 << 16, 2 * batch_bytes(self.cfg)))
+        # A routing id of our own: the trainer knows this producer again after a reconnect.
+        ctrl.setsockopt(zmq.ROUTING_ID, b"lmpipe-" + os.urandom(8))
         if self.cfg.curve_dir:
             client_sockets([ctrl, data], self.cfg.curve_dir)
+        monitor = ctrl.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         ctrl.connect(self.cfg.control_addr)
         data.connect(self.cfg.data_addr)
         try:
-            return self._loop(ctrl, data)
+            return self._loop(ctrl, data, monitor)
         except Refused as exc:
             log.error("trainer refused this producer: %s", exc)
             return 2
         finally:
+            ctrl.disable_monitor()
+            monitor.close(0)
             ctrl.close(0)
             data.close(0)
             ctx.term()
 
-    def _loop(self, ctrl: zmq.Socket, data: zmq.Socket) -> int:
+    def _loop(self, ctrl: zmq.Socket, data: zmq.Socket, monitor: zmq.Socket) -> int:
         poller = zmq.Poller()
         poller.register(ctrl, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         gen = None
         pending: list | None = None  # frames of the next message to send
-        pending_since = 0.0
         seq = 0
         finished = False
         last_hello = 0.0
@@ -194,10 +210,10 @@ class Producer:
                 with contextlib.suppress(zmq.Again):  # no trainer connected yet
                     ctrl.send(self._hello(), zmq.NOBLOCK)
                 last_hello = now
-                if not self.session and now - waiting_logged > 10:
+                if (not self.session or self._held) and now - waiting_logged > 10:
                     log.info("waiting for the trainer at %s (%.0f s)", self.cfg.control_addr, now - started)
                     waiting_logged = now
-            if self.session and pending is None and not finished:
+            if self.session and pending is None and not finished and not self._held:
                 t0 = time.perf_counter()
                 try:
                     batch = next(gen)
@@ -215,8 +231,11 @@ class Producer:
                         seq - 1,
                     )
                 log.debug("batch %d built in %.1f ms", seq, 1e3 * (time.perf_counter() - t0))
-                pending_since = time.perf_counter()
-            flags = dict(poller.poll(timeout=50 if pending is None else 0))
+            flags = dict(poller.poll(timeout=50 if pending is None or self._held else 0))
+            if monitor in flags:
+                if self._connection_event(parse_monitor_message(monitor.recv_multipart())):
+                    last_hello = 0.0  # (re)connected: say hello now, not at the next tick
+                continue
             if ctrl in flags:
                 reset = self._control(ctrl.recv())
                 if reset is not None:
@@ -226,14 +245,17 @@ class Producer:
                     gen = self._batches(cursor)
                     seq, pending, finished = next_seq - 1, None, False
                     continue
-            if pending is not None and data.poll(timeout=50, flags=zmq.POLLOUT):
+            if pending is None or self._held:
+                continue
+            # Counted as it accrues, so a stall shows in /metrics while it lasts, not when it ends.
+            t0 = time.perf_counter()
+            writable = data.poll(timeout=50, flags=zmq.POLLOUT)
+            self.metrics.send_blocked.inc(time.perf_counter() - t0)
+            if writable:
                 try:
                     data.send_multipart(pending, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     continue  # the trainer went away between poll and send; keep the batch
-                waited = time.perf_counter() - pending_since
-                if waited > 0.001:
-                    self.metrics.send_blocked.inc(waited)
                 pending = None
                 if not finished:
                     self.metrics.batches.inc()
@@ -256,6 +278,13 @@ class Producer:
         m.cursor_pos.set(batch.cursor.pos)
         m.epoch.set(batch.cursor.epoch)
 
+    def _connection_event(self, event: dict) -> bool:
+        """Track the control connection; True when it is (back) up and a hello should go out now."""
+        if event["event"] == zmq.EVENT_DISCONNECTED and self.session and not self._held:
+            self._held = True
+            log.info("lost the connection to the trainer; holding batches until it welcomes this producer")
+        return event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+
     def _control(self, raw: bytes) -> tuple[Cursor, int] | None:
         """Handle one control message; returns (cursor, next_seq) when the stream must restart."""
         try:
@@ -264,14 +293,26 @@ class Producer:
             log.warning("ignoring malformed control message: %s", exc)
             return None
         if isinstance(msg, messages.Welcome):
-            if msg.session == self.session and not msg.force:
-                return None
-            if self.worker < 0:
+            self._refused_since = None
+            held, self._held = self._held, False
+            if msg.worker != self.worker:
+                if not self.auto:
+                    log.warning(
+                        "ignoring a welcome for worker %d (this is worker %d)", msg.worker, self.worker
+                    )
+                    return None
+                moved = self.worker >= 0
                 self._assign(msg.worker)
                 setup_log(f"producer {msg.worker}")
-                log.info("the trainer assigned worker id %d of %d", msg.worker, self.cfg.producers)
-            elif msg.worker != self.worker:
-                log.warning("ignoring a welcome for worker %d (this is worker %d)", msg.worker, self.worker)
+                log.info(
+                    "the trainer %s worker id %d of %d",
+                    "moved this producer to" if moved else "assigned",
+                    msg.worker,
+                    self.cfg.producers,
+                )
+            elif msg.session == self.session and not msg.force:
+                if held:
+                    log.info("the trainer welcomed this producer back; carrying on")
                 return None
             first = not self.session
             self.session = msg.session
@@ -293,10 +334,18 @@ class Producer:
             return cursor, msg.next_seq
         if isinstance(msg, messages.Refuse):
             self.metrics.handshakes.labels("refuse").inc()
-            if msg.retry:
-                log.info("trainer asks to retry: %s", msg.reason)
-                return None
-            raise Refused(msg.reason)
+            if not msg.retry:
+                raise Refused(msg.reason)
+            now = time.monotonic()
+            if self._refused_since is None:
+                self._refused_since = now
+            waited = now - self._refused_since
+            if waited > GIVE_UP_SECONDS:
+                raise Refused(f"{msg.reason} (still refused after {waited:.0f} s; giving up)")
+            if now - self._retry_logged >= 5:
+                log.info("trainer asks to retry: %s (gives up after %.0f s)", msg.reason, GIVE_UP_SECONDS)
+                self._retry_logged = now
+            return None
         if isinstance(msg, messages.Stop):
             log.info("trainer says stop: %s", msg.reason or "run finished")
             self.metrics.connected.set(0)

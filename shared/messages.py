@@ -1,10 +1,11 @@
 """Control-channel messages (producer DEALER <-> trainer ROUTER), one place for every type.
 
-Each message is a single msgpack map with a `type`. Producers say `hello` when they start and send
-`heartbeat`s while they run; the trainer answers `welcome` (session, cursor, next sequence number),
-`refuse` (with a reason, and whether retrying can help) or `stop`. A heartbeat that names an old
-session is answered with a fresh `welcome`: that is how a restarted trainer sends producers back to its
-checkpointed cursors.
+Each message is a single msgpack map with a `type`. Producers say `hello` when they start and repeat it
+every HELLO_EVERY seconds as a heartbeat; the trainer answers `welcome` (session, worker id, cursor, next
+sequence number), `refuse` (with a reason, and whether retrying can help) or `stop`. A hello that names an
+old session is answered with a fresh `welcome`: that is how a restarted trainer sends producers back to
+its checkpointed cursors. `unpack` checks every field's type, nested maps included, so nothing the
+trainer does with a message can trip over a value it did not expect.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from typing import Any
 import msgpack
 
 from lmpipe.shared.batch import Cursor
-from lmpipe.shared.wire import WireError, unpack_map
+from lmpipe.shared.wire import CURSOR_KEYS, WireError, unpack_map
 
 MAX_CONTROL_BYTES = 16 * 1024
+HELLO_EVERY = 1.0  # seconds between a producer's hellos (its heartbeat)
+ALIVE_SECONDS = 5.0  # a producer not heard from for this long is gone; its worker id is free again
+# A producer refused with retry=True (its id is held, all ids are taken) retries this long, then exits:
+# long enough for a dead predecessor's id to be freed (ALIVE_SECONDS), short enough not to hang.
+GIVE_UP_SECONDS = 3 * ALIVE_SECONDS
 
 
 @dataclass
@@ -28,6 +34,8 @@ class Hello:
     pid: int = 0
     host: str = ""
     session: str = ""
+    auto: bool = False  # started with --worker -1: any id will do, and the trainer may move it
+    rejoin: bool = False  # lost the control connection: asks for a welcome even in the same session
 
 
 @dataclass
@@ -67,6 +75,15 @@ TYPES: dict[str, type] = {
 }
 _NAMES = {cls: name for name, cls in TYPES.items()}
 _PY = {"int": int, "str": str, "bool": bool, "dict[str, Any]": dict, "dict[str, int]": dict}
+_SCALARS = (str, int, float, bool, type(None))  # what a fingerprint value may be
+
+
+def _check_map(name: str, val: dict, values: tuple[type, ...]) -> None:
+    for k, v in val.items():
+        if not isinstance(k, str):
+            raise WireError("bad_control", f"{name} has a {type(k).__name__} key")
+        if not isinstance(v, values) or (isinstance(v, bool) and bool not in values):
+            raise WireError("bad_control", f"{name}[{k!r}] has type {type(v).__name__}")
 
 
 def pack(msg: Any) -> bytes:
@@ -90,7 +107,15 @@ def unpack(raw: bytes | memoryview) -> Any:
         want = _PY[f.type] if isinstance(f.type, str) else f.type
         if isinstance(val, bool) and want is not bool or not isinstance(val, want):
             raise WireError("bad_control", f"{name}.{f.name} has type {type(val).__name__}")
+        if f.type == "dict[str, Any]":
+            _check_map(f"{name}.{f.name}", val, _SCALARS)
+        elif f.type == "dict[str, int]":
+            _check_map(f"{name}.{f.name}", val, (int,))
         kwargs[f.name] = val
+    if cls is Welcome and "cursor" in kwargs:
+        cursor = kwargs["cursor"]
+        if any(cursor.get(k, -1) < 0 for k in CURSOR_KEYS):
+            raise WireError("bad_control", f"welcome.cursor {cursor!r} lacks or has negative fields")
     try:
         return cls(**kwargs)
     except TypeError as exc:

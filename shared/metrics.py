@@ -141,6 +141,22 @@ class TrainerMetrics:
         self.producers = Gauge(
             "lmpipe_trainer_producers_connected", "Producers heard from in the last 5 s", registry=r
         )
+        self.stream_resets = Counter(
+            "lmpipe_trainer_stream_resets",
+            "Requests to a producer to resend from its consumed cursor (a batch missing or rejected)",
+            ["worker"],
+            registry=r,
+        )
+        self.workers_failed = Gauge(
+            "lmpipe_trainer_workers_failed",
+            "Worker ids stopped for good: their batches were rejected every time they were sent",
+            registry=r,
+        )
+        self.data_disconnects = Counter(
+            "lmpipe_trainer_data_disconnects",
+            "Data connections closed: producers that exited, or were cut off for a frame over the size guard",
+            registry=r,
+        )
         self.loss = Gauge("lmpipe_trainer_loss", "Training loss at the last logging interval", registry=r)
         self.lr = Gauge("lmpipe_trainer_learning_rate", "Learning rate", registry=r)
         self.grad_norm = Gauge("lmpipe_trainer_grad_norm", "Gradient norm before clipping", registry=r)
