@@ -6,8 +6,11 @@ reason, and skipped. Each record is reported by exactly one worker, the one that
 producers reading the same files do not report a bad line N times.
 
 A directory written by `lmpipe prepare` (it holds meta.json) is read as pre-tokenized shards.
-Plain text: a document is a block of non-blank lines (`--doc-split blank`, the default), or everything
-from one top-level ` = Heading = ` line to the next (`--doc-split heading`, WikiText's article layout).
+Plain text: a document is a block of non-blank lines (`--doc-split blank`, the default), everything
+from one top-level ` = Heading = ` line to the next (`--doc-split heading`, WikiText's article layout), or
+every non-blank line (`--doc-split line`: one sentence per line, Penn Treebank style).
+A text or JSONL file with a NUL byte near its start is binary, not a corpus: it is refused by name, before any
+process waits on batches that would be junk.
 JSONL: one object per line with a `text` string, or pre-tokenized `ids` (a list of token ids).
 Compressed text/JSONL, Parquet, Arrow and Hugging Face `save_to_disk` folders: see formats.py; any of
 them, and shards, can be a URL (s3://bucket/prefix, any fsspec URL): see remote.py.
@@ -28,7 +31,9 @@ from lmpipe.producer.formats import DataFile
 from lmpipe.producer.shards import ShardSet, is_shard_dir
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
+DOC_SPLITS = ("blank", "heading", "line")
 HEADING = re.compile(r"^ = [^=].* = $")
+BINARY_PROBE_BYTES = 8192  # how much of a file is looked at for NUL bytes (what git and grep do)
 
 # reason, "file:line", detail
 BadRecordHook = Callable[[str, str, str], None]
@@ -93,12 +98,15 @@ def _text_records(path: Path, first_rid: int, doc_split: str, max_line_bytes: in
                 )
         if line is not None:
             blank = not line.strip()
-            boundary = blank if doc_split == "blank" else bool(HEADING.match(line))
+            if doc_split == "heading":
+                boundary = bool(HEADING.match(line))
+            else:  # blank: a blank line ends a document; line: every line is one
+                boundary = blank or doc_split == "line"
             if boundary and (lines or warnings):
                 yield flush()
                 rid += 1
                 lines, warnings = [], []
-            if doc_split == "blank" and blank:
+            if doc_split != "heading" and blank:
                 continue
         if not lines and not warnings:
             start = lineno
@@ -180,14 +188,17 @@ class Corpus:
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         vocab_size: int | None = None,
     ):
-        if doc_split not in ("blank", "heading"):
-            raise ValueError(f"doc_split must be 'blank' or 'heading', not {doc_split!r}")
+        if doc_split not in DOC_SPLITS:
+            raise ValueError(f"--doc-split must be one of {', '.join(DOC_SPLITS)}, not {doc_split!r}")
         self.shards: ShardSet | None = None
         if paths and len(paths) == 1 and is_shard_dir(paths[0]):
             self.shards = ShardSet(paths[0])
             self.paths: list[DataFile] = []
         else:
             self.paths = formats.resolve(paths or [])
+            for f in self.paths:  # binary formats (Parquet, Arrow, compressed) are told apart in formats.py
+                if f.fmt in ("text", "jsonl") and f.compression is None and f.remote is None:
+                    refuse_binary(Path(f.path))
         self.doc_split = doc_split
         self.builtin_docs = builtin_docs
         self.builtin_seed = builtin_seed
@@ -268,6 +279,19 @@ class Corpus:
                 rid = rec.rid + 1
                 if rec.rid % num_workers == worker:
                     yield rec
+
+
+def refuse_binary(path: Path) -> None:
+    """Raise ValueError when `path` starts like a binary file (a NUL byte in its first bytes): no text or
+    JSONL corpus has one, and reading it as text makes thousands of junk documents."""
+    with open(path, "rb") as f:
+        head = f.read(BINARY_PROBE_BYTES)
+    at = head.find(b"\0")
+    if at >= 0:
+        raise ValueError(
+            f"{path}: binary data (a NUL byte at offset {at}), not a text or JSONL corpus; give --data "
+            "text, JSONL, Parquet or Arrow files (or .gz/.zst of text/JSONL), or a directory from `lmpipe prepare`"
+        )
 
 
 def expand_paths(paths: list[str]) -> list[str]:

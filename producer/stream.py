@@ -4,10 +4,14 @@ Worker w of n owns records with id % n == w. Its good documents are numbered 0, 
 and shuffled in fixed windows (a bounded shuffle buffer whose permutation depends only on seed, epoch,
 worker and window), so position `pos` names the same document every time: a cursor is just a position.
 Sources with random access (the built-in corpus, pre-tokenized shards) get a full seeded permutation.
+A worker whose share turns out empty or a single document says so once: that is almost always a corpus
+split the wrong way (one-sentence-per-line text read as blank-line blocks) or more producers than
+documents, and training on it silently would look like a pipeline bug.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +21,8 @@ import numpy as np
 
 from lmpipe.producer.sources import Corpus, Record
 from lmpipe.shared.tokenizer import TokenizerInfo
+
+log = logging.getLogger("lmpipe.producer")
 
 
 @dataclass
@@ -70,10 +76,33 @@ class DocStream:
         self.on_tokenize = on_tokenize  # called with the seconds of each encode_batch call
         self.stats = StreamStats()
         self._reported = False
+        self._share_checked = False
+
+    def _check_share(self, n: int) -> None:
+        """Warn once when this worker's share of the corpus is empty or a single document."""
+        if self._share_checked:
+            return
+        self._share_checked = True
+        if n > 1:
+            return
+        hints = ["the corpus has fewer documents than producers"] if n == 0 and self.total_workers > 1 else []
+        if not self.corpus.random_access and self.corpus.doc_split == "blank":
+            hints.append(
+                "plain text without blank lines is one document: for one per line, use --doc-split line"
+            )
+        log.warning(
+            "worker %d of %d owns %s of %s%s",
+            self.worker_global,
+            self.total_workers,
+            "no documents" if n == 0 else "a single document (nothing to shuffle)",
+            self.corpus.describe()[:200],
+            "".join(f"; {h}" for h in hints),
+        )
 
     def _owned(self) -> Iterator[Record]:
         """Good records this worker owns, reporting bad ones (only on the first pass, not every epoch)."""
         report = None if self._reported else self.on_bad
+        good = 0
         for rec in self.corpus.records(self.worker_global, self.total_workers):
             if report is not None and rec.warnings:
                 for reason, where, detail in rec.warnings:
@@ -82,13 +111,16 @@ class DocStream:
                 if report is not None:
                     report(rec.bad[0], rec.where, rec.bad[1])
                 continue
+            good += 1
             yield rec
         self._reported = True
+        self._check_share(good)  # a whole pass was read: `good` is this worker's share
 
     def _ordered(self, epoch: int, start_pos: int) -> Iterator[tuple[int, Record]]:
         """(pos, record) from start_pos on, in this epoch's shuffled order."""
         if self.corpus.random_access:
             owned = self.corpus.owned(self.worker_global, self.total_workers)
+            self._check_share(len(owned))
             order = permutation(len(owned), self.shuffle_window > 1, self.seed, epoch, self.worker_global, 1)
             for pos in range(start_pos, len(owned)):
                 yield pos, self.corpus.record(owned[order[pos]])
