@@ -295,6 +295,7 @@ class Producer:
         if isinstance(msg, messages.Welcome):
             self._refused_since = None
             held, self._held = self._held, False
+            moved = False
             if msg.worker != self.worker:
                 if not self.auto:
                     log.warning(
@@ -314,6 +315,14 @@ class Producer:
                 if held:
                     log.info("the trainer welcomed this producer back; carrying on")
                 return None
+            if not self.session:
+                how = "joined"
+            elif moved:
+                how = "moved to another worker id; starting over in"
+            elif msg.session != self.session:
+                how = "trainer restarted; rejoined"
+            else:
+                how = "the trainer asked for a resend in"
             first = not self.session
             self.session = msg.session
             self.metrics.handshakes.labels("welcome").inc()
@@ -321,7 +330,7 @@ class Producer:
             cursor = Cursor.from_dict(msg.cursor)
             log.info(
                 "%s session %s: starting at epoch %d doc %d offset %d skip %d, seq %d",
-                "joined" if first else "trainer restarted; rejoined",
+                how,
                 msg.session,
                 cursor.epoch,
                 cursor.pos,
