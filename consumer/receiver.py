@@ -134,6 +134,12 @@ class WorkerTable:
                 )
 
 
+def _printable(text: str, limit: int = 300) -> str:
+    """A peer's text made safe for one log line: escapes for control characters, bounded length."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return out + ("..." if len(text) > limit else "")
+
+
 def _alive(w: WorkerState, now: float) -> bool:
     return w.identity is not None and now - w.last_seen < ALIVE_SECONDS
 
@@ -338,7 +344,7 @@ class Receiver(threading.Thread):
         n = self._reject_logged.get(reason, 0) + 1
         self._reject_logged[reason] = n
         if n <= 5 or n % 1000 == 0:
-            log.warning("dropped a message (%s, #%d): %s", reason, n, detail)
+            log.warning("dropped a message (%s, #%d): %s", reason, n, _printable(detail))
 
     def _origin(self, hdr: Any) -> tuple[WorkerState, int] | None:
         """The worker of this session and the seq a message's header names, if it names them."""
@@ -553,7 +559,7 @@ class Receiver(threading.Thread):
 
     def _hello(self, identity: bytes, hello: messages.Hello) -> None:
         now = time.monotonic()
-        where = f"{hello.host}:{hello.pid}"
+        where = _printable(f"{hello.host}:{hello.pid}", 80)
         n = len(self.table)
         if not -1 <= hello.worker < n:
             reason = f"worker id {hello.worker} is outside 0..{n - 1} (trainer runs {n} producers)"
@@ -643,5 +649,6 @@ class Receiver(threading.Thread):
 
     def _refuse(self, identity: bytes, where: str, reason: str) -> None:
         self.metrics.rejected.labels("handshake").inc()
-        self._quiet(logging.ERROR, f"refuse {where} {reason}", "refused producer at %s: %s", where, reason)
+        # once a minute per peer: a misconfigured producer exits, but a buggy or hostile one may not
+        self._quiet(logging.ERROR, f"refuse {where}", "refused producer at %s: %s", where, _printable(reason))
         self._send(identity, messages.Refuse(reason, retry=False))

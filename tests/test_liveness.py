@@ -1,0 +1,397 @@
+"""Never hang, never loop, never traceback (issue 8), with real processes and real sockets.
+
+Short documents train to the end of an epoch exactly once; junk data ends with one clear line; a batch the
+trainer rejects every time stops that producer and then the run; the `--worker -1` race is served; a
+fuzzed control channel leaves the handshake alive; a stalled trainer shows as backpressure while it lasts,
+and a restarted one is not flooded with the old session's batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from lmpipe.consumer.receiver import PipelineError, Receiver, WorkerTable
+from lmpipe.producer.batching import STRATEGIES
+from lmpipe.producer.sources import Corpus
+from lmpipe.producer.stream import DocStream
+from lmpipe.shared import messages
+from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.messages import GIVE_UP_SECONDS
+from lmpipe.shared.metrics import TrainerMetrics
+from tests.conftest import REPO, lmpipe_env
+from tests.test_e2e import assert_exactly_once, builtin_lengths, read_doc_log
+from tests.test_resume import doc_log_entries, steps_logged, wait_until
+from tests.test_wire_limits import control_maps
+
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "ran",
+    "sat",
+    "on",
+    "mat",
+    "big",
+    "small",
+    "red",
+    "blue",
+    "one",
+    "two",
+    ",",
+    ".",
+    ";",
+    "(",
+    ")",
+    "=",
+    "if",
+    "x",
+]
+
+
+def short_texts(n: int, seed: int = 0) -> list[str]:
+    """Documents of 1 to 6 words: many per packed row."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) for _ in range(n)]
+
+
+def text_lengths(tok, texts: list[str]) -> dict[int, int]:
+    encs = tok.tokenizer.encode_batch(texts, add_special_tokens=False)
+    return {i: len(e.ids) + 1 for i, e in enumerate(encs)}  # + end-of-text
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(name)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_python(procs, code: str, *args: str, name: str) -> subprocess.Popen:
+    """A real lmpipe process with `code` run first (to give it a fault a test needs)."""
+    log = open(procs.tmp / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=log, stderr=subprocess.STDOUT, env=lmpipe_env(),
+        cwd=REPO, start_new_session=True,
+    )  # fmt: skip
+    p.log_path = procs.tmp / f"{name}.log"  # type: ignore[attr-defined]
+    procs.procs.append(p)
+    return p
+
+
+# -- fast: corpus splitting and the receive thread's own supervision ----------------------------------
+
+
+def test_doc_split_line_makes_every_line_a_document_and_lone_shares_are_warned(tmp_path, tok, caplog):
+    path = tmp_path / "ptb.txt"
+    lines = short_texts(7)
+    path.write_text("\n".join(lines[:4]) + "\n\n" + "\n".join(lines[4:]) + "\n")
+    by_line = [
+        d.doc_id
+        for w in range(2)
+        for d in DocStream(Corpus([str(path)], doc_split="line"), tok, w, 2).docs(0)
+    ]
+    assert sorted(by_line) == list(range(7)), "one document per non-blank line"
+    with caplog.at_level("WARNING", logger="lmpipe.producer"):
+        one = tmp_path / "one.txt"
+        one.write_text("\n".join(lines) + "\n")
+        for w in range(2):
+            list(DocStream(Corpus([str(one)]), tok, w, 2).docs(0))
+    text = caplog.text
+    assert "worker 0 of 2 owns a single document" in text and "--doc-split line" in text
+    assert "worker 1 of 2 owns no documents" in text
+
+
+def test_a_binary_file_is_refused_by_name(tmp_path):
+    junk = tmp_path / "weights.bin"
+    junk.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 8)
+    with pytest.raises(ValueError, match=r"weights.bin: binary data \(a NUL byte at offset"):
+        Corpus([str(junk)])
+
+
+def test_a_receive_task_that_dies_ends_the_run_with_an_error(port):
+    class Broken(Receiver):
+        async def _control_loop(self, router):
+            raise RuntimeError("boom")
+
+    cfg = PipelineConfig(port=port, producers=1)
+    r = Broken(cfg, {}, [], WorkerTable(1), TrainerMetrics(), "s", 100)
+    r.start()
+    r.join(timeout=10)
+    assert not r.is_alive(), "the thread ends instead of running deaf"
+    assert isinstance(r.error, PipelineError) and "control task died (RuntimeError: boom)" in str(r.error)
+
+
+# -- end to end ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy,split", [*((s, "line") for s in STRATEGIES), ("pack", "blank"), ("bucket", "blank")]
+)
+def test_short_documents_train_to_the_end_of_an_epoch_exactly_once(
+    procs, tmp_path, port, tok, strategy, split
+):
+    """At T=32, B=8 a packed batch holds ~60 of these documents, more than max(B, T): every batch was
+    rejected and replayed forever."""
+    texts = short_texts(300, seed=len(strategy))
+    corpus = tmp_path / "short.txt"
+    corpus.write_text(("\n" if split == "line" else "\n\n").join(texts) + "\n")
+    log, summary = tmp_path / "docs.jsonl", tmp_path / "summary.json"
+    p = procs.start(
+        "run", "--data", str(corpus), "--doc-split", split, "--strategy", strategy, "--epochs", "1",
+        "--steps", "0", "--seq-len", "32", "--batch-size", "8", "--bucket-window", "64", "--port", str(port),
+        "--metrics-port", "-1", "--log-every", "50", "--doc-log", str(log), "--summary-json", str(summary),
+        "--threads", "1", name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=120) == 0, procs.log(p)
+    out = json.loads(summary.read_text())
+    assert out["stopped_by"] == "end of data" and out["rejected"] == 0, out
+    assert_exactly_once(read_doc_log(log), text_lengths(tok, texts))
+    if strategy == "pack":
+        most = max(
+            len(b["docs"]) for line in log.read_text().splitlines() for b in json.loads(line)["batches"]
+        )
+        assert most > 32, "batches held more pieces than the old bound allowed"
+    assert "asking it to resend" not in procs.log(p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("junk", ["nul bytes", "invalid utf-8"])
+def test_a_junk_corpus_ends_with_a_clear_message_and_a_nonzero_exit(procs, tmp_path, port, junk):
+    path = tmp_path / "junk.dat"
+    rng = random.Random(0)
+    if junk == "nul bytes":
+        path.write_bytes(bytes(rng.randrange(256) for _ in range(20_000)))
+    else:  # no NUL, but not one line of it decodes: every record is skipped
+        path.write_bytes(b"\n".join(bytes(rng.randrange(0xC0, 0x100) for _ in range(40)) for _ in range(300)))
+    p = procs.start(
+        "run", "--data", str(path), "--epochs", "1", "--steps", "0", "--port", str(port), "--metrics-port",
+        "-1", name="run",
+    )  # fmt: skip
+    rc = p.wait(timeout=90)
+    text = procs.log(p)
+    assert rc != 0, text
+    assert "Traceback" not in text
+    if junk == "nul bytes":
+        assert f"{path}: binary data (a NUL byte at offset" in text
+    else:
+        assert "invalid UTF-8" in text and "owns no documents" in text
+        assert "no producer sent a single batch" in text
+
+
+@pytest.mark.slow
+def test_a_batch_rejected_every_time_stops_its_producer_then_the_run(procs, tmp_path, port, tok):
+    """Producer 1 speaks a newer wire version (a version skew): its batches are rejected whatever the
+    cursor. It is stopped with the reason on both sides; producer 0 trains its share to the end; then no
+    producer can make progress and the trainer exits 2 saying what to change."""
+    common = ["--port", str(port), "--producers", "2", "--builtin-docs", "60", "--epochs", "1",
+              "--seq-len", "64", "--batch-size", "4", "--metrics-port", "-1"]  # fmt: skip
+    log = tmp_path / "docs.jsonl"
+    train = procs.start(
+        "train", *common, "--steps", "0", "--threads", "1", "--doc-log", str(log), name="trainer"
+    )
+    p0 = procs.start("produce", *common, "--worker", "0", name="producer0")
+    newer = "import sys, lmpipe.shared.wire as w; w.WIRE_VERSION = 2; from lmpipe.cli import main; sys.exit(main())"
+    p1 = start_python(procs, newer, "produce", *common, "--worker", "1", name="producer1")
+    assert p1.wait(timeout=60) == 2, procs.log(p1)
+    assert "the trainer stopped worker 1: its batch seq 1 is rejected every time it is sent" in procs.log(p1)
+    assert train.wait(timeout=90) == 2, procs.log(train)
+    text = procs.log(train)
+    assert "no producer can make progress: worker 1:" in text and "bad_version" in text
+    assert "same lmpipe version" in text and "Traceback" not in text
+    assert text.count("asking it to resend") <= 3, "one resend, not a storm"
+    assert p0.wait(timeout=10) == 0
+    docs = {d: n for d, n in builtin_lengths(tok, 60).items() if d % 2 == 0}
+    assert_exactly_once(read_doc_log(log), docs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["as in the issue", "auto joined first"])
+def test_auto_and_explicit_worker_ids_are_all_served(procs, tmp_path, port, tok, order):
+    """`--worker -1`, then `--worker 0` 0.3 s later: the auto producer must not keep id 0 while id 1 is
+    never served. When it already holds 0, it is moved to 1."""
+    common = ["--port", str(port), "--producers", "2", "--builtin-docs", "60", "--epochs", "1",
+              "--seq-len", "64", "--batch-size", "4", "--metrics-port", "-1"]  # fmt: skip
+    log = tmp_path / "docs.jsonl"
+    train_args = ["train", *common, "--steps", "0", "--threads", "1", "--doc-log", str(log)]
+    if order == "auto joined first":
+        train = procs.start(*train_args, name="trainer")
+    auto = procs.start("produce", *common, "--worker", "-1", name="auto")
+    if order == "auto joined first":
+        procs.wait_for(auto, "assigned worker id 0")
+    else:
+        time.sleep(0.3)
+    explicit = procs.start("produce", *common, "--worker", "0", name="explicit")
+    if order == "as in the issue":
+        train = procs.start(*train_args, name="trainer")
+    assert train.wait(timeout=120) == 0, procs.log(train)
+    assert auto.wait(timeout=15) == 0 and explicit.wait(timeout=15) == 0
+    assert "already connected" not in procs.log(explicit)
+    if order == "auto joined first":
+        assert "moved this producer to worker id 1" in procs.log(auto)
+    assert_exactly_once(read_doc_log(log), builtin_lengths(tok, 60))
+
+
+@pytest.mark.slow
+def test_a_refused_producer_gives_up_and_the_trainer_says_which_ids_it_waits_for(procs, tmp_path, port, tok):
+    common = ["--port", str(port), "--producers", "2", "--builtin-docs", "60", "--epochs", "1",
+              "--seq-len", "64", "--batch-size", "4", "--metrics-port", "-1"]  # fmt: skip
+    log = tmp_path / "docs.jsonl"
+    train = procs.start(
+        "train", *common, "--steps", "0", "--threads", "1", "--doc-log", str(log), name="trainer"
+    )
+    p0 = procs.start("produce", *common, "--worker", "0", name="producer0")
+    procs.wait_for(train, "producer 0 joined")
+    twin = procs.start("produce", *common, "--worker", "0", name="twin")
+    t0 = time.monotonic()
+    assert twin.wait(timeout=GIVE_UP_SECONDS + 30) == 2, procs.log(twin)
+    assert time.monotonic() - t0 >= GIVE_UP_SECONDS - 1
+    assert "worker 0 is already connected from" in procs.log(twin) and "giving up" in procs.log(twin)
+    procs.wait_for(train, "waiting for worker id(s) 1", timeout=60)
+    p1 = procs.start("produce", *common, "--worker", "1", name="producer1")
+    assert train.wait(timeout=90) == 0, procs.log(train)
+    assert p0.wait(timeout=10) == 0 and p1.wait(timeout=10) == 0
+    assert_exactly_once(read_doc_log(log), builtin_lengths(tok, 60))
+
+
+control_frames = st.one_of(
+    st.lists(st.binary(max_size=64), min_size=1, max_size=4),
+    st.builds(lambda m: [msgpack.packb(m, use_bin_type=True)], control_maps),
+    st.builds(
+        lambda w, fp: [messages.pack(messages.Hello(worker=w, num_workers=2, fingerprint=fp))],
+        st.integers(-5, 5),
+        st.dictionaries(
+            st.text(max_size=10),
+            st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=10)),
+            max_size=5,
+        ),
+    ),
+)
+
+
+@pytest.mark.slow
+def test_a_fuzzed_control_channel_leaves_the_handshake_alive(procs, tmp_path, port, tok):
+    mport = free_port()
+    common = ["--port", str(port), "--producers", "2", "--builtin-docs", "60", "--epochs", "1",
+              "--seq-len", "64", "--batch-size", "4"]  # fmt: skip
+    summary = tmp_path / "s.json"
+    train = procs.start("train", *common, "--steps", "0", "--threads", "1", "--metrics-port", str(mport), "--summary-json",
+                        str(summary), name="trainer")  # fmt: skip
+    procs.wait_for(train, "listening on")
+    ctx = zmq.Context()
+    dealers = [ctx.socket(zmq.DEALER) for _ in range(3)]
+    for d in dealers:
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(f"tcp://127.0.0.1:{port + 1}")
+    sent = 0
+
+    @settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(frames=control_frames, which=st.integers(0, 2))
+    def fuzz(frames, which):
+        nonlocal sent
+        dealers[which].send_multipart(frames)
+        sent += 1
+
+    try:
+        fuzz()
+        # the issue's hello: a bytes key in the fingerprint
+        dealers[0].send(msgpack.packb({"type": "hello", "worker": 0, "num_workers": 2,
+                                       "fingerprint": {b"tokenizer": "x", "vocab_size": 1}}))  # fmt: skip
+        sent += 1
+
+        def counted() -> float:
+            return sum(
+                metric(mport, "lmpipe_trainer_batches_rejected_total", reason=r)
+                for r in ("bad_control", "bad_header", "oversized", "handshake")
+            )
+
+        wait_until(lambda: counted() >= sent, 60, "every fuzzed message counted")
+        assert counted() == sent, "each message rejected and counted exactly once"
+        assert metric(mport, "lmpipe_trainer_producers_connected") == 0
+        # data frames over the size limit are counted too: read and rejected up to ZeroMQ's guard,
+        # a disconnect beyond it
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        hdr = {"v": 1, "kind": "end", "session": "x", "worker": 0, "seq": 1,
+               "cursor": {"epoch": 0, "pos": 0, "offset": 0, "skip": 0}, "arrays": [["doc_id", "int64", [8]]]}  # fmt: skip
+        push.send_multipart([msgpack.packb(hdr), b"\0" * 100_000])
+        wait_until(lambda: metric(mport, "lmpipe_trainer_batches_rejected_total", reason="bad_length") == 1, 30,
+                   "the oversized frame counted")  # fmt: skip
+        push.send_multipart([msgpack.packb(hdr), b"\0" * (8 << 20)])
+        wait_until(lambda: metric(mport, "lmpipe_trainer_data_disconnects_total") >= 1, 30, "the cut counted")
+    finally:
+        ctx.destroy(0)
+    producers = [procs.start("produce", *common, "--worker", "-1", "--metrics-port", "-1", name=f"p{i}")
+                 for i in range(2)]  # fmt: skip
+    procs.wait_for(train, "producer 1 joined")
+    assert metric(mport, "lmpipe_trainer_producers_connected") == 2
+    assert train.wait(timeout=90) == 0, procs.log(train)
+    assert json.loads(summary.read_text())["stopped_by"] == "end of data"
+    assert all(p.wait(timeout=10) == 0 for p in producers)
+    text = procs.log(train)
+    assert "Traceback" not in text
+    assert text.count("refused producer") <= 2, "refusals of one peer are logged once a minute"
+
+
+@pytest.mark.slow
+def test_a_stalled_trainer_shows_live_and_a_restarted_one_gets_no_old_batches(procs, tmp_path, port, tok):
+    mport = free_port()
+    common = ["--port", str(port), "--producers", "1", "--builtin-docs", "3000", "--epochs", "1",
+              "--seq-len", "64", "--batch-size", "4"]  # fmt: skip
+    log, ck, summary = tmp_path / "docs.jsonl", tmp_path / "ck", tmp_path / "s.json"
+
+    def train_args(steps: int) -> list[str]:
+        return ["train", *common, "--steps", str(steps), "--metrics-port", "-1", "--checkpoint-dir", str(ck),
+                "--checkpoint-every", "4", "--resume", "auto", "--doc-log", str(log), "--threads", "1"]  # fmt: skip
+
+    t1 = procs.start(*train_args(0), name="trainer1")
+    prod = procs.start("produce", *common, "--metrics-port", str(mport), name="producer")
+    wait_until(lambda: steps_logged(log) >= 6, 90, "step 6")
+    os.kill(t1.pid, signal.SIGSTOP)  # a trainer that stops reading: backpressure
+    try:
+        time.sleep(1.5)
+        before = metric(mport, "lmpipe_producer_send_blocked_seconds_total")
+        time.sleep(2.0)
+        during = metric(mport, "lmpipe_producer_send_blocked_seconds_total")
+    finally:
+        os.kill(t1.pid, signal.SIGCONT)
+    assert during - before > 1.5, "the wait shows while it lasts, not only once the send goes through"
+    wait_until(lambda: steps_logged(log) >= 10, 60, "step 10")
+    os.kill(t1.pid, signal.SIGKILL)
+    t1.wait()
+    procs.wait_for(prod, "lost the connection to the trainer")
+    time.sleep(1.0)
+    first_session = doc_log_entries(log)[0]["batches"][0]["session"]
+    t2 = procs.start(*train_args(24), "--summary-json", str(summary), name="trainer2")
+    assert t2.wait(timeout=90) == 0, procs.log(t2)
+    out = json.loads(summary.read_text())
+    assert out["stale"] <= 2, f"{out['stale']} batches of the dead session reached the new trainer"
+    assert "trainer restarted; rejoined" in procs.log(prod)
+    sessions = [e["batches"][0]["session"] for e in doc_log_entries(log)]
+    assert sessions[0] == first_session and sessions[-1] != first_session
