@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
-from lmpipe.consumer.receiver import EndOfStream, Receiver, WorkerTable
+from lmpipe.consumer.receiver import EndOfStream, PipelineError, Receiver, WorkerTable
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.shared.metrics import TrainerMetrics
 
@@ -47,6 +47,8 @@ class DeviceFeed:
         self._in_flight: list[tuple[torch.cuda.Event, HostSlot]] = []  # (copy-done event, slot)
         self._h2d_timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, done) of each copy
         self.health_check: Callable[[], str | None] | None = None  # a reason to stop (e.g. a dead producer)
+        self._taken_any = False
+        self._ended: set[int] = set()  # workers whose end arrived in this session
 
     # -- taking batches ------------------------------------------------------------------------------
 
@@ -58,6 +60,11 @@ class DeviceFeed:
         last_news = time.monotonic()
         while len(got) < n and not stopping():
             if self.table.all_finished():
+                if not self._taken_any and len(self._ended) == len(self.table):
+                    raise PipelineError(
+                        "no producer sent a single batch: every share of the corpus was empty (see the "
+                        "producers' warnings about bad records and empty shares; check --data and --doc-split)"
+                    )
                 break
             t0 = time.perf_counter()
             try:
@@ -70,10 +77,12 @@ class DeviceFeed:
                     return got, waited, problem
                 now = time.monotonic()
                 if now - last_news > 10:
+                    missing = self.table.missing(now)
                     log.info(
-                        "waiting for batches: %d/%d producers connected",
+                        "waiting for batches: %d/%d producers connected%s",
                         self.table.connected(now),
                         len(self.table),
+                        f"; waiting for worker id(s) {', '.join(map(str, missing))}" if missing else "",
                     )
                     last_news = now
                     if self.wait_timeout and waited > self.wait_timeout:
@@ -86,6 +95,7 @@ class DeviceFeed:
                 self._consume_end(item)
             elif self._accept(item):
                 got.append(item)
+                self._taken_any = True
         return got, waited, None
 
     def _accept(self, slot: HostSlot) -> bool:
@@ -99,10 +109,8 @@ class DeviceFeed:
             self.metrics.stale.labels("duplicate").inc()
         elif m.seq > w.last_seq + 1:
             self.metrics.stale.labels("gap").inc()
-            log.warning(
-                "worker %d sent seq %d, expected %d: asking it to resend", m.worker, m.seq, w.last_seq + 1
-            )
-            self.receiver.force_reset(m.worker)
+            # the receiver asks for a resend, one request at a time, and logs it
+            self.receiver.force_reset(m.worker, m.seq, m.received_at)
         else:
             self.table.consumed(m.worker, m.seq, m.cursor)
             return True
@@ -111,13 +119,23 @@ class DeviceFeed:
 
     def _consume_end(self, end: EndOfStream) -> None:
         w = self.table[end.worker]
-        if end.session == self.session and end.seq == w.last_seq + 1:
+        if end.session != self.session:
+            return
+        if end.seq == w.last_seq + 1:
             self.table.consumed(end.worker, end.seq, end.cursor, finished=True)
+            self._ended.add(end.worker)
             log.info("producer %d finished its data", end.worker)
+        elif end.seq > w.last_seq + 1:  # batches before it went missing: without a resend, a hang
+            self.receiver.force_reset(end.worker, end.seq, end.received_at)
 
     def check_receiver(self) -> None:
-        if self.receiver.error is not None:
-            raise RuntimeError(f"receive thread failed: {self.receiver.error}") from self.receiver.error
+        err = self.receiver.error
+        if err is None:
+            return
+        self.receiver.stop(reason=f"the trainer failed: {err}")  # the producers learn why
+        if isinstance(err, (ValueError, OSError)):  # says what happened and what to change: one line
+            raise err
+        raise RuntimeError(f"receive thread failed: {err}") from err
 
     # -- host -> device ------------------------------------------------------------------------------
 

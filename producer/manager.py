@@ -210,7 +210,8 @@ class Producer:
                 with contextlib.suppress(zmq.Again):  # no trainer connected yet
                     ctrl.send(self._hello(), zmq.NOBLOCK)
                 last_hello = now
-                if (not self.session or self._held) and now - waiting_logged > 10:
+                waiting = (not self.session or self._held) and self._refused_since is None
+                if waiting and now - waiting_logged > 10:
                     log.info("waiting for the trainer at %s (%.0f s)", self.cfg.control_addr, now - started)
                     waiting_logged = now
             if self.session and pending is None and not finished and not self._held:
