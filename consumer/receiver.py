@@ -442,8 +442,8 @@ class Receiver(threading.Thread):
     def _request_resend(self, worker: int, why: str, arrived: float | None = None) -> None:
         w = self.table[worker]
         now = time.monotonic()
-        if w.failed or not _alive(w, now):
-            return  # a producer that (re)joins is sent to the consumed cursor anyway
+        if w.failed or w.finished or not _alive(w, now):
+            return  # nothing more is wanted, or a producer that (re)joins is sent to the cursor anyway
         with self.table.lock:
             last = w.last_seq
         if w.resend_at != last:  # progress since the last request: start counting afresh

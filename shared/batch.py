@@ -61,7 +61,6 @@ def batch_limits(batch_size: int, seq_len: int) -> Limits:
         "doc_len": (cells,),
     }
     return Limits(
-        max_arrays=len(shapes),
         max_ndim=2,
         max_dim=max(batch_size, seq_len, cells),
         max_array_bytes=8 * cells,

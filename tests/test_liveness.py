@@ -298,11 +298,11 @@ control_frames = st.one_of(
 @pytest.mark.slow
 def test_a_fuzzed_control_channel_leaves_the_handshake_alive(procs, tmp_path, port, tok):
     mport = free_port()
-    common = ["--port", str(port), "--producers", "2", "--builtin-docs", "60", "--epochs", "1",
+    common = ["--port", str(port), "--producers", "2", "--builtin-docs", "120", "--epochs", "1",
               "--seq-len", "64", "--batch-size", "4"]  # fmt: skip
-    summary = tmp_path / "s.json"
-    train = procs.start("train", *common, "--steps", "0", "--threads", "1", "--metrics-port", str(mport), "--summary-json",
-                        str(summary), name="trainer")  # fmt: skip
+    summary, log = tmp_path / "s.json", tmp_path / "docs.jsonl"
+    train = procs.start("train", *common, "--steps", "0", "--threads", "1", "--metrics-port", str(mport),
+                        "--summary-json", str(summary), "--doc-log", str(log), name="trainer")  # fmt: skip
     procs.wait_for(train, "listening on")
     ctx = zmq.Context()
     dealers = [ctx.socket(zmq.DEALER) for _ in range(3)]
@@ -345,17 +345,29 @@ def test_a_fuzzed_control_channel_leaves_the_handshake_alive(procs, tmp_path, po
                    "the oversized frame counted")  # fmt: skip
         push.send_multipart([msgpack.packb(hdr), b"\0" * (8 << 20)])
         wait_until(lambda: metric(mport, "lmpipe_trainer_data_disconnects_total") >= 1, 30, "the cut counted")
+
+        producers = [procs.start("produce", *common, "--worker", "-1", "--metrics-port", "-1", name=f"p{i}")
+                     for i in range(2)]  # fmt: skip
+        procs.wait_for(train, "producer 1 joined")
+        assert metric(mport, "lmpipe_trainer_producers_connected") == 2
+        # one bad batch naming worker 0 of this session: exactly one resend, then training goes on
+        wait_until(lambda: steps_logged(log) >= 2, 60, "step 2")
+        session = procs.log(train).split("session ")[1].split(":")[0]
+        bad = {**hdr, "kind": "batch", "session": session, "seq": 10_000, "strategy": "pack",
+               "counts": {"tokens": 1, "pad": 0, "docs": 1}, "arrays": [["tokens", "float64", [1]]]}  # fmt: skip
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send_multipart([msgpack.packb(bad), b"\0" * 8])
+        assert train.wait(timeout=90) == 0, procs.log(train)
     finally:
         ctx.destroy(0)
-    producers = [procs.start("produce", *common, "--worker", "-1", "--metrics-port", "-1", name=f"p{i}")
-                 for i in range(2)]  # fmt: skip
-    procs.wait_for(train, "producer 1 joined")
-    assert metric(mport, "lmpipe_trainer_producers_connected") == 2
-    assert train.wait(timeout=90) == 0, procs.log(train)
     assert json.loads(summary.read_text())["stopped_by"] == "end of data"
     assert all(p.wait(timeout=10) == 0 for p in producers)
+    assert_exactly_once(read_doc_log(log), builtin_lengths(tok, 120))
     text = procs.log(train)
     assert "Traceback" not in text
+    assert "worker 0 seq 10000: array 'tokens' has dtype 'float64'" in text
+    assert text.count("asking it to resend") == 1, "one bad message, one resend"
     assert text.count("refused producer") <= 2, "refusals of one peer are logged once a minute"
 
 

@@ -209,7 +209,7 @@ MUTATIONS = [
 ]  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(docs=doc_lists, spec=specs, mutation=st.sampled_from(MUTATIONS), pick=st.integers(0, 10_000))
 def test_every_invalid_batch_is_rejected_by_reason(docs, spec, mutation, pick):
     out = all_batches(docs, spec)
@@ -254,7 +254,7 @@ control_maps = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(obj=control_maps)
 @example(obj={"type": "hello", "worker": 0, "num_workers": 1, "fingerprint": {b"tokenizer": "x"}})
 @example(obj={"type": "hello", "worker": 0, "num_workers": 1, "fingerprint": {"seq_len": [1]}})
