@@ -3,7 +3,8 @@
 Short documents train to the end of an epoch exactly once; junk data ends with one clear line; a batch the
 trainer rejects every time stops that producer and then the run; the `--worker -1` race is served; a
 fuzzed control channel leaves the handshake alive; a stalled trainer shows as backpressure while it lasts,
-and a restarted one is not flooded with the old session's batches.
+and a restarted one is not flooded with the old session's batches. Whatever a peer packs into a control
+message decodes to a well-typed message or is rejected.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import urllib.request
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,13 +30,21 @@ from lmpipe.producer.batching import STRATEGIES
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
-from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.config import PipelineConfig, mismatches
 from lmpipe.shared.messages import GIVE_UP_SECONDS
 from lmpipe.shared.metrics import TrainerMetrics
-from tests.conftest import REPO, lmpipe_env
-from tests.test_e2e import assert_exactly_once, builtin_lengths, read_doc_log
-from tests.test_resume import doc_log_entries, steps_logged, wait_until
-from tests.test_wire_limits import control_maps
+from lmpipe.shared.wire import WireError
+from tests.helpers import (
+    REPO,
+    assert_exactly_once,
+    builtin_lengths,
+    doc_log_entries,
+    free_ports,
+    lmpipe_env,
+    read_doc_log,
+    steps_logged,
+    wait_until,
+)
 
 WORDS = [
     "the",
@@ -82,14 +91,6 @@ def metric(port: int, name: str, **labels: str) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     raise KeyError(name)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_python(procs, code: str, *args: str, name: str) -> subprocess.Popen:
@@ -145,6 +146,47 @@ def test_a_receive_task_that_dies_ends_the_run_with_an_error(port):
     r.join(timeout=10)
     assert not r.is_alive(), "the thread ends instead of running deaf"
     assert isinstance(r.error, PipelineError) and "control task died (RuntimeError: boom)" in str(r.error)
+
+
+# -- control messages: whatever a peer packs is a well-typed message or a WireError ---------------
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=20),
+    st.binary(max_size=20),
+)  # fmt: skip
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(st.one_of(st.text(max_size=8), st.binary(max_size=8)), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+HELLO_FIELDS = ["worker", "num_workers", "fingerprint", "pid", "host", "session", "auto", "rejoin"]
+control_maps = st.fixed_dictionaries(
+    {"type": st.sampled_from([*messages.TYPES, "bogus"])},
+    optional={f: values for f in [*HELLO_FIELDS, "cursor", "reason", "retry", "next_seq", "force"]},
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(obj=control_maps)
+@example(obj={"type": "hello", "worker": 0, "num_workers": 1, "fingerprint": {b"tokenizer": "x"}})
+@example(obj={"type": "hello", "worker": 0, "num_workers": 1, "fingerprint": {"seq_len": [1]}})
+@example(obj={"type": "welcome", "session": "s", "worker": 0, "cursor": {"epoch": 0}})
+def test_control_messages_decode_to_well_typed_messages_or_are_rejected(obj):
+    raw = msgpack.packb(obj, use_bin_type=True)
+    try:
+        msg = messages.unpack(raw)
+    except WireError as exc:
+        assert exc.reason in ("bad_control", "bad_header")
+        return
+    if isinstance(msg, messages.Hello):
+        ours = {"tokenizer": "abc", "seq_len": 128, "data": ""}
+        mismatches(ours, msg.fingerprint)  # what the handshake does with it: must not raise
+        assert all(isinstance(k, str) for k in msg.fingerprint)
+    if isinstance(msg, messages.Welcome):
+        assert {"epoch", "pos", "offset", "skip"} <= set(msg.cursor)
 
 
 # -- end to end ----------------------------------------------------------------------------------------
@@ -297,7 +339,7 @@ control_frames = st.one_of(
 
 @pytest.mark.slow
 def test_a_fuzzed_control_channel_leaves_the_handshake_alive(procs, tmp_path, port, tok):
-    mport = free_port()
+    mport = free_ports(1)
     common = ["--port", str(port), "--producers", "2", "--builtin-docs", "120", "--epochs", "1",
               "--seq-len", "64", "--batch-size", "4"]  # fmt: skip
     summary, log = tmp_path / "s.json", tmp_path / "docs.jsonl"
@@ -373,7 +415,7 @@ def test_a_fuzzed_control_channel_leaves_the_handshake_alive(procs, tmp_path, po
 
 @pytest.mark.slow
 def test_a_stalled_trainer_shows_live_and_a_restarted_one_gets_no_old_batches(procs, tmp_path, port, tok):
-    mport = free_port()
+    mport = free_ports(1)
     common = ["--port", str(port), "--producers", "1", "--builtin-docs", "3000", "--epochs", "1",
               "--seq-len", "64", "--batch-size", "4"]  # fmt: skip
     log, ck, summary = tmp_path / "docs.jsonl", tmp_path / "ck", tmp_path / "s.json"

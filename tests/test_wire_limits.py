@@ -3,29 +3,25 @@
 The limits are the receiver's own (`Receiver(...).limits`, which `batch_limits` computes from the batch
 geometry): every batch the four strategies make, from one-token documents to a single 1M-token document,
 at every row/length combination, must pass `decode` and `batch_from_message` under them; every batch
-altered into an invalid one must be rejected, under the reason the receiver counts it by. Control
-messages: whatever a peer packs, `unpack` returns a well-typed message or raises WireError, and the
-handshake's comparison of fingerprints never raises.
+altered into an invalid one must be rejected, under the reason the receiver counts it by.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmpipe.consumer.receiver import Receiver, WorkerTable
 from lmpipe.producer.batching import STRATEGIES, BatchSpec, batches
-from lmpipe.shared import messages
 from lmpipe.shared.batch import Batch, batch_from_message
-from lmpipe.shared.config import PipelineConfig, mismatches
+from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.metrics import TrainerMetrics
 from lmpipe.shared.wire import WireError, decode, encode
-from tests.test_batching import ListStream
+from tests.helpers import ListStream
 
 VOCAB = 50_000
 
@@ -231,44 +227,3 @@ def test_a_rejected_batch_still_names_its_sender():
     with pytest.raises(WireError) as err:
         decode(frames, receiver_limits(2, 8))
     assert err.value.reason == "bad_shape" and err.value.header["seq"] == 17
-
-
-# -- control messages -------------------------------------------------------------------------------
-
-scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=20),
-    st.binary(max_size=20),
-)  # fmt: skip
-values = st.recursive(
-    scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4),
-        st.dictionaries(st.one_of(st.text(max_size=8), st.binary(max_size=8)), inner, max_size=4),
-    ),
-    max_leaves=12,
-)
-HELLO_FIELDS = ["worker", "num_workers", "fingerprint", "pid", "host", "session", "auto", "rejoin"]
-control_maps = st.fixed_dictionaries(
-    {"type": st.sampled_from([*messages.TYPES, "bogus"])},
-    optional={f: values for f in [*HELLO_FIELDS, "cursor", "reason", "retry", "next_seq", "force"]},
-)
-
-
-@settings(max_examples=200, deadline=None)
-@given(obj=control_maps)
-@example(obj={"type": "hello", "worker": 0, "num_workers": 1, "fingerprint": {b"tokenizer": "x"}})
-@example(obj={"type": "hello", "worker": 0, "num_workers": 1, "fingerprint": {"seq_len": [1]}})
-@example(obj={"type": "welcome", "session": "s", "worker": 0, "cursor": {"epoch": 0}})
-def test_control_messages_decode_to_well_typed_messages_or_are_rejected(obj):
-    raw = msgpack.packb(obj, use_bin_type=True)
-    try:
-        msg = messages.unpack(raw)
-    except WireError as exc:
-        assert exc.reason in ("bad_control", "bad_header")
-        return
-    if isinstance(msg, messages.Hello):
-        ours = {"tokenizer": "abc", "seq_len": 128, "data": ""}
-        mismatches(ours, msg.fingerprint)  # what the handshake does with it: must not raise
-        assert all(isinstance(k, str) for k in msg.fingerprint)
-    if isinstance(msg, messages.Welcome):
-        assert {"epoch", "pos", "offset", "skip"} <= set(msg.cursor)
