@@ -379,7 +379,10 @@ class Receiver(threading.Thread):
 
     async def _recv_loop(self, pull: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await pull.recv_multipart(copy=False)
+            try:
+                frames = await pull.recv_multipart(copy=False)
+            except zmq.Again:  # woken with nothing to read (seen while a CURVE handshake fails): go on
+                continue
             now = time.monotonic()
             try:
                 msg = decode(frames, self.limits)
@@ -423,7 +426,10 @@ class Receiver(threading.Thread):
         """Counts data connections that close: a producer that exited, or one ZeroMQ cut off for a frame
         over the size guard (the frame itself never reaches `decode`)."""
         while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+            except zmq.Again:
+                continue
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.metrics.data_disconnects.inc()
                 self._quiet(
@@ -528,7 +534,7 @@ class Receiver(threading.Thread):
         while True:
             try:
                 frames = await asyncio.wait_for(router.recv_multipart(), timeout=1.0)
-            except TimeoutError:
+            except (TimeoutError, zmq.Again):  # zmq.Again: woken with nothing to read
                 self._tick()
                 continue
             try:
