@@ -13,6 +13,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
@@ -125,7 +126,9 @@ class Trainer:
         elif tcfg.resume:
             log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
         self._stop_reason = ""
-        self.health_check = None  # optional callable: returns a reason to stop (e.g. a dead producer)
+        self.health_check: Callable[[], str | None] | None = (
+            None  # optional callable: returns a reason to stop (e.g. a dead producer)
+        )
         self.feed: DeviceFeed
         self._doc_log = open(tcfg.doc_log, "a") if tcfg.doc_log else None  # noqa: SIM115 - closed in run()
         self.metrics.info.info(

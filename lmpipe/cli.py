@@ -179,6 +179,7 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
         log.warning("%s: %s (%s), skipped", where, detail, reason)
 
     stream = DocStream(corpus, tok, shuffle_window=0, on_bad=on_bad)
+    assert opts.out is not None  # a required setting
     meta = prepare(
         stream, opts.out, shard_tokens=opts.shard_tokens, source=corpus.fingerprint(), force=opts.force
     )
@@ -192,6 +193,7 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
 def cmd_keys(ns, g: GlobalOptions, opts: KeysOptions) -> int:
     from lmpipe.shared.security import generate_keys
 
+    assert opts.out is not None  # a required setting
     out = generate_keys(opts.out)
     print(f"wrote CURVE keys to {out}: give the trainer the directory, each producer client.key_secret and "
           "server.key (--curve-dir); add public keys of other producers to authorized/")  # fmt: skip
@@ -204,6 +206,9 @@ def cmd_export(ns, g: GlobalOptions, opts: ExportOptions) -> int:
     from lmpipe.consumer.checkpoint import export_safetensors, resolve_resume
 
     path = resolve_resume(ns.checkpoint, None)
+    assert (
+        path is not None and opts.out is not None
+    )  # a named checkpoint resolves or raises; --out is required
     meta = export_safetensors(path, Path(opts.out))
     print(f"wrote {opts.out} from {path} (step {meta['step']})")
     return 0

@@ -29,7 +29,7 @@ import gzip
 import io
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -282,7 +282,7 @@ class _Zstd(io.RawIOBase):
 class _Checked(io.RawIOBase):
     """A decompressing stream whose decoding errors become one FormatError naming the file."""
 
-    def __init__(self, inner: BinaryIO, raw: BinaryIO, f: DataFile):
+    def __init__(self, inner: Any, raw: BinaryIO, f: DataFile):  # inner: a decompressor with readinto
         super().__init__()
         self.inner, self.raw, self.f = inner, raw, f
         self.done = 0  # decompressed bytes so far
@@ -435,7 +435,7 @@ def _arrow_batches(f: DataFile, text_column: str) -> Iterator[tuple[Any, str]]:
 
 
 def table_records(f: DataFile, first_rid: int, worker: int, num_workers: int, *, text_column: str,
-                  vocab_size: int | None, make) -> Iterator:  # fmt: skip
+                  vocab_size: int | None, make) -> Generator[Any, None, int]:  # fmt: skip
     """Records of a Parquet or Arrow file that this worker owns (`make` builds a Record); returns the
     record id after the file's last row."""
     import pyarrow as pa

@@ -68,7 +68,9 @@ def _lines(path: Path | DataFile, max_line_bytes: int) -> Iterator[tuple[int, by
             yield lineno, raw.rstrip(b"\r\n"), len(raw)
 
 
-def _text_records(path: Path, first_rid: int, doc_split: str, max_line_bytes: int) -> Iterator[Record]:
+def _text_records(
+    path: Path | DataFile, first_rid: int, doc_split: str, max_line_bytes: int
+) -> Iterator[Record]:
     rid = first_rid
     lines: list[str] = []
     warnings: list[tuple[str, str, str]] = []
@@ -120,7 +122,7 @@ def _text_records(path: Path, first_rid: int, doc_split: str, max_line_bytes: in
 
 
 def _jsonl_records(
-    path: Path, first_rid: int, max_line_bytes: int, vocab_size: int | None
+    path: Path | DataFile, first_rid: int, max_line_bytes: int, vocab_size: int | None
 ) -> Iterator[Record]:
     rid = first_rid
     for lineno, raw, size in _lines(path, max_line_bytes):

@@ -11,7 +11,7 @@ trainer does with a message can trip over a value it did not expect.
 from __future__ import annotations
 
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -108,12 +108,12 @@ def unpack(raw: bytes | memoryview) -> Any:
         if isinstance(val, bool) and want is not bool or not isinstance(val, want):
             raise WireError("bad_control", f"{name}.{f.name} has type {type(val).__name__}")
         if f.type == "dict[str, Any]":
-            _check_map(f"{name}.{f.name}", val, _SCALARS)
+            _check_map(f"{name}.{f.name}", cast(dict, val), _SCALARS)
         elif f.type == "dict[str, int]":
-            _check_map(f"{name}.{f.name}", val, (int,))
+            _check_map(f"{name}.{f.name}", cast(dict, val), (int,))
         kwargs[f.name] = val
     if cls is Welcome and "cursor" in kwargs:
-        cursor = kwargs["cursor"]
+        cursor = cast(dict, kwargs["cursor"])
         if any(cursor.get(k, -1) < 0 for k in CURSOR_KEYS):
             raise WireError("bad_control", f"welcome.cursor {cursor!r} lacks or has negative fields")
     try:
