@@ -26,14 +26,13 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmpipe.consumer.receiver import PipelineError, Receiver, WorkerTable
-from lmpipe.producer.batching import STRATEGIES
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
 from lmpipe.shared.config import PipelineConfig, mismatches
 from lmpipe.shared.messages import GIVE_UP_SECONDS
 from lmpipe.shared.metrics import TrainerMetrics
-from lmpipe.shared.wire import WireError
+from lmpipe.shared.wire import STRATEGIES, WireError
 from tests.helpers import (
     REPO,
     assert_exactly_once,

@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmpipe.consumer.receiver import Receiver, WorkerTable
-from lmpipe.producer.batching import STRATEGIES, BatchSpec, batches
+from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.shared.batch import Batch, batch_from_message
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.metrics import TrainerMetrics
-from lmpipe.shared.wire import WireError, decode, encode
+from lmpipe.shared.wire import STRATEGIES, WireError, decode, encode
 from tests.helpers import ListStream
 
 VOCAB = 50_000
