@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
-from lmpipe.consumer.receiver import EndOfStream, PipelineError, Receiver, WorkerTable
+from lmpipe.consumer.receiver import EndOfStream, Receiver, WorkerTable
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.shared.metrics import TrainerMetrics
 
@@ -47,8 +47,6 @@ class DeviceFeed:
         self._in_flight: list[tuple[torch.cuda.Event, HostSlot]] = []  # (copy-done event, slot)
         self._h2d_timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, done) of each copy
         self.health_check: Callable[[], str | None] | None = None  # a reason to stop (e.g. a dead producer)
-        self._taken_any = False
-        self._ended: set[int] = set()  # workers whose end arrived in this session
 
     # -- taking batches ------------------------------------------------------------------------------
 
@@ -60,11 +58,6 @@ class DeviceFeed:
         last_news = time.monotonic()
         while len(got) < n and not stopping():
             if self.table.all_finished():
-                if not self._taken_any and len(self._ended) == len(self.table):
-                    raise PipelineError(
-                        "no producer sent a single batch: every share of the corpus was empty (see the "
-                        "producers' warnings about bad records and empty shares; check --data and --doc-split)"
-                    )
                 break
             t0 = time.perf_counter()
             try:
@@ -95,7 +88,6 @@ class DeviceFeed:
                 self._consume_end(item)
             elif self._accept(item):
                 got.append(item)
-                self._taken_any = True
         return got, waited, None
 
     def _accept(self, slot: HostSlot) -> bool:
@@ -123,7 +115,6 @@ class DeviceFeed:
             return
         if end.seq == w.last_seq + 1:
             self.table.consumed(end.worker, end.seq, end.cursor, finished=True)
-            self._ended.add(end.worker)
             log.info("producer %d finished its data", end.worker)
         elif end.seq > w.last_seq + 1:  # batches before it went missing: without a resend, a hang
             self.receiver.force_reset(end.worker, end.seq, end.received_at)
