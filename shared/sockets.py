@@ -111,6 +111,15 @@ class Endpoints:
             raise
         self._lock = f
 
+    def check_free(self, port: int) -> None:
+        """OSError if a trainer holds `port` in this runtime directory (ipc only)."""
+        if self.kind != "ipc":
+            return
+        self.claim(port)
+        assert self._lock is not None
+        self._lock.close()  # nobody held it: let go without touching the files
+        self._lock = None
+
     def release(self) -> None:
         """Trainer side, after closing the sockets: remove the socket files, then the lock."""
         if self._lock is None:
