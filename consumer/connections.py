@@ -34,7 +34,7 @@ class ControlConnections:
 
     def closed(self) -> list[int]:
         """File descriptors of the connections that closed since the last call (never blocks)."""
-        out = []
+        out: list[int] = []
         while True:
             try:
                 raw = self.monitor.recv_multipart(zmq.NOBLOCK)

@@ -36,6 +36,7 @@ import errno
 import fcntl
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -277,7 +278,7 @@ class HandshakeWatch:
         self.failures = 0
         self.telling: tuple[int, int] | None = None  # (event, value) of an AUTH or PROTOCOL failure
 
-    def __call__(self, event: dict[str, Any]) -> bool:
+    def __call__(self, event: Mapping[str, Any]) -> bool:
         """Returns True when a handshake succeeded; raises HandshakeFailed when it is time to give up."""
         kind, value = event["event"], int(event["value"])
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:

@@ -35,7 +35,7 @@ def test_loopback_default_is_unix_sockets_in_a_private_directory(tmp_path):
     )
     assert stat.S_IMODE(os.stat(tmp_path / "run").st_mode) == 0o700
     # keys or an explicit --trusted-network mean tcp, on loopback too (e.g. an SSH tunnel)
-    assert endpoints(PipelineConfig(port=6000, curve_dir="k")).data == "tcp://127.0.0.1:6000"
+    assert endpoints(PipelineConfig(port=6000, curve_dir=str(tmp_path))).data == "tcp://127.0.0.1:6000"
     assert endpoints(PipelineConfig(port=6000, trusted_network=True)).control == "tcp://127.0.0.1:6001"
     assert endpoints(PipelineConfig(host="::1", port=6000, trusted_network=True)).data == "tcp://[::1]:6000"
 
