@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import stat
 from collections.abc import Mapping
@@ -98,6 +97,8 @@ class Endpoints:
         port would silently take the first one's producers."""
         if self.kind != "ipc" or self._lock is not None:
             return
+        import fcntl  # POSIX only, like the ipc transport itself
+
         assert self.runtime_dir is not None
         path = self.runtime_dir / f"{port}.lock"
         f = open(path, "a")  # noqa: SIM115 - held for the sockets' lifetime, closed by release()

@@ -296,17 +296,22 @@ def attack(procs: Procs, tmp: Path, kind: str, tok) -> None:
         figures["end"]["steps_after"] = dep.steps() - s0
         assert "finished its data" not in dep.log
 
-        # takeover: freeze producer 0, claim its id (the client, and an authorized producer)
+        # takeover: freeze producer 0 for over 6 s (its hellos stop), and claim its id meanwhile: the client,
+        # and an authorized producer started with --worker 0, whose hellos are refused while it is frozen
         os.kill(dep.producer_pids[0], signal.SIGSTOP)
+        frozen = time.monotonic()
         try:
             rival = procs.start("produce", *RUN, *dep.net, "--port", str(dep.port), "--worker", "0",
                                 "--metrics-port", "-1", name="rival")  # fmt: skip
-            figures["takeover"] = got = hostile(
-                "hello", worker=0, seconds=6.0, fingerprint=dep_fingerprint(tok)
-            )
+            hostile.send("hello", worker=0, seconds=6.0, fingerprint=dep_fingerprint(tok))
+            procs.wait_for(rival, "already connected", timeout=60)
+            while time.monotonic() - frozen < 6.5:  # and still asking, 6.5 s into the freeze
+                time.sleep(0.1)
+            figures["takeover"] = got = hostile.result()
         finally:
             os.kill(dep.producer_pids[0], signal.SIGCONT)
-        procs.wait_for(rival, "already connected", timeout=30)
+        figures["takeover"]["frozen_s"] = round(time.monotonic() - frozen, 1)
+        time.sleep(1)
         rival.kill()
         assert not got["welcomed"], got
         assert "joined" not in procs.log(rival), procs.log(rival)
@@ -333,6 +338,8 @@ def attack(procs: Procs, tmp: Path, kind: str, tok) -> None:
             steps_per_s_after=round(rate_after, 2),
         )  # fmt: skip
         assert growth <= RSS_BOUND, figures["flood"]
+        if kind == "default":  # the kernel refused every connection: nothing ever reached the trainer
+            assert figures["flood"]["raw_bytes_written"] == 0, figures["flood"]
         assert rate_after >= 0.5 * rate_before, ("the step rate did not come back", figures["flood"])
 
         # forged out-of-order sequence numbers
