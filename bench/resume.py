@@ -59,7 +59,7 @@ def main() -> None:
     writes = [float(m.group(1)) for _, line in first_run if (m := re.search(r"written in ([\d.]+) s", line))]
     size = sum(f.stat().st_size for f in next(ck.glob("step-*")).iterdir()) / 2**20
     resumed = run([*base, "--steps", "4", "--resume", "auto", "--port", str(free_port_pair())])
-    t_session, _ = first(resumed, r"\[trainer\] session ")
+    t_session, _ = first(resumed, r"\[trainer\] training ")
     t_resumed, _ = first(resumed, r"resumed from ")
     t_step, _ = first(resumed, r"^step 4/4")
     rows = [

@@ -19,6 +19,13 @@ Liveness rules (nothing retries the same failing thing forever):
 - Worker ids: a producer started with `--worker -1` takes any free id and may be moved to another one
   when a producer that asked for that id by number arrives, so every free id is served.
 
+Who may connect at all is settled before either loop sees a byte (shared/sockets.py). Within that, a worker
+id changes hands only when its holder's control connection has closed (consumer/connections.py) or has
+been silent for HOLDER_SILENCE seconds, and each new holder gets a fresh lease with its welcome: data
+without the current holder's lease is dropped (counted as stale `not_holder`) before anything else looks
+at it, so it is never trained, never ends a stream, and never counts as a gap or a rejected batch that
+would make the holder rewind.
+
 Consumption state lives in `WorkerTable`, shared with the step loop under a lock: the receive thread reads
 it to answer hellos and to drop duplicates early; the step loop writes it as batches are trained on.
 """
@@ -29,6 +36,7 @@ import asyncio
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,21 +44,21 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
+from lmpipe.consumer.connections import ControlConnections
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.shared import messages
-from lmpipe.shared.batch import Cursor, batch_bytes, batch_from_message, batch_limits
+from lmpipe.shared.batch import Cursor, batch_from_message, batch_limits
 from lmpipe.shared.config import PipelineConfig, mismatches
-from lmpipe.shared.messages import ALIVE_SECONDS
+from lmpipe.shared.messages import ALIVE_SECONDS, HOLDER_SILENCE
 from lmpipe.shared.metrics import TrainerMetrics
-from lmpipe.shared.security import authorized_dir, server_sockets
+from lmpipe.shared.security import start_zap
+from lmpipe.shared.sockets import TRAINER_CONTROL, TRAINER_DATA, endpoints, open_socket
 from lmpipe.shared.wire import WireError, decode
 
 log = logging.getLogger("lmpipe.trainer")
 
-RECV_HWM = 4
 RESEND_TIMEOUT = 5.0  # a resend request not answered within this long may be repeated
 MAX_RESENDS = 3  # resend requests at one position, without progress, before the worker is stopped
 WANTED_SECONDS = 2 * ALIVE_SECONDS  # an id a producer asked for by number is not handed to --worker -1
@@ -84,6 +92,8 @@ class WorkerState:
     answered_at: float = 0.0  # when seq resend_at + 1 arrived (accepted or not) after the request
     resend_due: str = ""  # why another request is wanted once the outstanding one times out
     rejected: dict[int, str] = field(default_factory=dict)  # seq -> why the receiver rejected it
+    lease: str = ""  # the current holder's token (messages.Welcome.lease); new for every new holder
+    fd: int = -1  # the holder's control connection (consumer/connections.py)
 
 
 class WorkerTable:
@@ -144,6 +154,12 @@ def _alive(w: WorkerState, now: float) -> bool:
     return w.identity is not None and now - w.last_seen < ALIVE_SECONDS
 
 
+def _holds(w: WorkerState, now: float) -> bool:
+    """The worker id still belongs to its holder: its connection is open and it spoke not too long ago.
+    Being silent for ALIVE_SECONDS (a stopped or busy process) is not enough to lose it."""
+    return w.identity is not None and now - w.last_seen < HOLDER_SILENCE
+
+
 @dataclass
 class EndOfStream:
     worker: int
@@ -197,6 +213,7 @@ class Receiver(threading.Thread):
         # ZeroMQ cuts a connection that sends a bigger frame (a memory guard; counted as a disconnect).
         # Frames between the exact limit and this are read, then rejected and counted as oversized.
         self._max_frame = 4 * self.limits.max_frame_bytes + (1 << 20)
+        self.endpoints = endpoints(cfg)  # creates and checks the runtime directory (ValueError if unsafe)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._free: asyncio.Queue | None = None
@@ -262,39 +279,23 @@ class Receiver(threading.Thread):
         for s in self.slots:
             self._free.put_nowait(s)
         ctx = zmq.asyncio.Context()
-        pull = ctx.socket(zmq.PULL)
-        router = ctx.socket(zmq.ROUTER)
-        self._router = router
-        for s in (pull, router):
-            s.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.HEARTBEAT_IVL, 2000)  # not on the data socket; see producer/manager.py
-        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
-        # Producers name their control connection; a producer that reconnects keeps its routing id.
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        pull.setsockopt(zmq.RCVHWM, RECV_HWM)
-        pull.setsockopt(zmq.RCVBUF, max(1 << 16, 2 * batch_bytes(self.cfg)))
-        pull.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
-        router.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)
+        ep = self.endpoints
         auth = None
-        if self.cfg.curve_dir:
-            try:
-                auth = AsyncioAuthenticator(ctx)
-                auth.start()
-                auth.configure_curve(domain="*", location=authorized_dir(self.cfg.curve_dir))
-                server_sockets([pull, router], self.cfg.curve_dir)
-            except (OSError, ValueError) as exc:
-                self.error = exc
-                self.bound.set()
-                ctx.destroy(0)
-                return
         try:
-            pull.bind(self.cfg.data_addr)
-            router.bind(self.cfg.control_addr)
-        except zmq.ZMQError as exc:
-            self.error = OSError(f"cannot bind {self.cfg.data_addr} / {self.cfg.control_addr}: {exc}")
+            if ep.curve_dir:
+                auth = start_zap(ctx, ep.curve_dir)
+            ep.claim(self.cfg.port)
+            pull = open_socket(ctx, TRAINER_DATA, self.cfg, ep, max_message=self._max_frame)
+            router = open_socket(ctx, TRAINER_CONTROL, self.cfg, ep)
+        except (OSError, ValueError) as exc:
+            self.error = exc
             self.bound.set()
+            if auth is not None:
+                auth.stop()
             ctx.destroy(0)
+            ep.release()
             return
+        self._router = router
         monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.bound.set()
         tasks = [
@@ -328,6 +329,7 @@ class Receiver(threading.Thread):
         if auth is not None:
             auth.stop()
         ctx.term()
+        ep.release()
 
     def _shutdown(self, reason: str) -> None:
         if reason and self._router is not None:
@@ -347,11 +349,14 @@ class Receiver(threading.Thread):
             log.warning("dropped a message (%s, #%d): %s", reason, n, _printable(detail))
 
     def _origin(self, hdr: Any) -> tuple[WorkerState, int] | None:
-        """The worker of this session and the seq a message's header names, if it names them."""
+        """The worker of this session and the seq a message's header names, if it names them and carries
+        that worker's current lease (only then may a rejected batch ask for a resend)."""
         if not isinstance(hdr, dict) or hdr.get("session") != self.session:
             return None
         worker, seq = hdr.get("worker"), hdr.get("seq")
         if type(worker) is not int or type(seq) is not int or not 0 <= worker < len(self.table):
+            return None
+        if hdr.get("lease") != self.table[worker].lease:
             return None
         return self.table[worker], seq
 
@@ -396,6 +401,9 @@ class Receiver(threading.Thread):
                 continue
             if hdr["session"] != self.session:
                 self.metrics.stale.labels("old_session").inc()
+                continue
+            if hdr.get("lease") != self.table[worker].lease:  # not from this worker id's current holder
+                self.metrics.stale.labels("not_holder").inc()
                 continue
             self._arrived(self.table[worker], hdr["seq"], now)
             if msg.kind == "end":
@@ -524,27 +532,46 @@ class Receiver(threading.Thread):
         if w.identity is None:
             return
         with self.table.lock:
-            welcome = messages.Welcome(self.session, worker, w.cursor.to_dict(), w.last_seq + 1, force)
+            welcome = messages.Welcome(
+                self.session, worker, w.cursor.to_dict(), w.last_seq + 1, force, lease=w.lease
+            )
         self._send(w.identity, welcome)
 
     def _tick(self) -> None:
         self.metrics.producers.set(self.table.connected(time.monotonic()))
 
     async def _control_loop(self, router: zmq.asyncio.Socket) -> None:
-        while True:
-            try:
-                frames = await asyncio.wait_for(router.recv_multipart(), timeout=1.0)
-            except (TimeoutError, zmq.Again):  # zmq.Again: woken with nothing to read
+        conns = ControlConnections(router)
+        try:
+            while True:
+                try:
+                    got = await asyncio.wait_for(router.recv_multipart(copy=False), timeout=1.0)
+                except (TimeoutError, zmq.Again):  # zmq.Again: woken with nothing to read
+                    got = None
+                for fd in conns.closed():  # first: the message may come on a new connection, a reused fd
+                    self._disconnected(fd)
+                if got is None:
+                    self._tick()
+                    continue
+                try:
+                    self._control([f.bytes for f in got], conns.fd(got[-1]))
+                except Exception as exc:  # a bug must not take the handshake down with it: count, go on
+                    self._reject(
+                        "bad_control", f"{type(exc).__name__} while handling a control message: {exc}"
+                    )
+                    log.debug("control message", exc_info=True)
                 self._tick()
-                continue
-            try:
-                self._control(frames)
-            except Exception as exc:  # a bug must not take the handshake down with it: count and go on
-                self._reject("bad_control", f"{type(exc).__name__} while handling a control message: {exc}")
-                log.debug("control message", exc_info=True)
-            self._tick()
+        finally:
+            conns.close()
 
-    def _control(self, frames: list[bytes]) -> None:
+    def _disconnected(self, fd: int) -> None:
+        """A control connection closed: the worker id it held is free for a new holder."""
+        for w in self.table.workers:
+            if w.identity is not None and w.fd == fd:
+                w.identity, w.fd = None, -1
+                log.info("producer %d (%s) disconnected", w.worker, w.where)
+
+    def _control(self, frames: list[bytes], fd: int = -1) -> None:
         if len(frames) != 2:
             self._reject("bad_control", f"control message of {len(frames) - 1} frames, expected 1")
             return
@@ -557,13 +584,13 @@ class Receiver(threading.Thread):
             self._send(identity, messages.Refuse(f"malformed control message: {exc.detail}", retry=False))
             return
         if isinstance(msg, messages.Hello):
-            self._hello(identity, msg)
+            self._hello(identity, msg, fd)
         else:
             self._reject(
                 "bad_control", f"a producer sent {type(msg).__name__.lower()}, only hello is expected"
             )
 
-    def _hello(self, identity: bytes, hello: messages.Hello) -> None:
+    def _hello(self, identity: bytes, hello: messages.Hello, fd: int = -1) -> None:
         now = time.monotonic()
         where = _printable(f"{hello.host}:{hello.pid}", 80)
         n = len(self.table)
@@ -573,7 +600,7 @@ class Receiver(threading.Thread):
         if hello.worker >= 0 and hello.session == self.session and not hello.rejoin:
             w = self.table[hello.worker]
             if w.identity == identity:  # a heartbeat
-                w.last_seen = now
+                w.last_seen, w.fd = now, fd
                 if w.failed:  # still here after being stopped (its refusal was lost): say it again
                     self._refuse(identity, where, f"worker {w.worker} was stopped: {w.failed}")
                 return
@@ -593,21 +620,24 @@ class Receiver(threading.Thread):
             w = self.table[wid]
             if w.failed:
                 return self._refuse(identity, where, f"worker {wid} was stopped: {w.failed}")
-            if w.identity != identity and _alive(w, now):
+            if w.identity != identity and _holds(w, now):  # only a holder known to be gone gives it up
                 free = self._pick_id(None, -1, now, exclude=wid) if w.auto else None
                 if free is None:
                     return self._busy(identity, where, f"worker {wid} is already connected from {w.where}")
                 self._move(wid, free, where)
         w = self.table[wid]
         if w.identity == identity and hello.session == self.session and hello.worker == wid:
-            w.last_seen = now
+            w.last_seen, w.fd = now, fd
             if hello.rejoin:  # same session: the producer only lost its connection; let it carry on
                 self._send_welcome(wid)
             return
         for other in self.table.workers:  # an auto producer that was moved may still name its old id
             if other.identity == identity and other is not w:
                 other.identity = None
+        if w.identity != identity:
+            w.lease = secrets.token_hex(16)
         w.identity, w.last_seen, w.where, w.auto = identity, now, where, hello.auto or hello.worker == -1
+        w.fd = fd
         self._send_welcome(wid)
         log.info("producer %d joined from %s (resumes at seq %d)", wid, where, w.last_seq + 1)
 
@@ -620,7 +650,7 @@ class Receiver(threading.Thread):
         free = [
             w
             for w in self.table.workers
-            if w.worker != exclude and not w.failed and (w.identity == identity or not _alive(w, now))
+            if w.worker != exclude and not w.failed and (w.identity == identity or not _holds(w, now))
         ]
         if not free:
             return None
@@ -637,8 +667,9 @@ class Receiver(threading.Thread):
         """Hand an auto-assigned producer's id to a producer that asked for it by number; the auto one
         continues as `dst`. Both ids' streams are deterministic, so nothing is lost or repeated."""
         a, b = self.table[src], self.table[dst]
-        b.identity, b.last_seen, b.where, b.auto = a.identity, a.last_seen, a.where, True
-        a.identity, a.auto = None, False
+        b.identity, b.last_seen, b.where, b.auto, b.fd = a.identity, a.last_seen, a.where, True, a.fd
+        b.lease = secrets.token_hex(16)
+        a.identity, a.auto, a.fd = None, False, -1
         log.info(
             "moved the producer at %s from worker id %d to %d: %s asked for id %d",
             b.where,

@@ -36,6 +36,7 @@ from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.metrics import TrainerMetrics, serve
 from lmpipe.shared.security import check_bind
+from lmpipe.shared.sockets import endpoints
 from lmpipe.shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("lmpipe.trainer")
@@ -47,6 +48,7 @@ class Trainer:
         self.dist = from_env(tcfg.device)
         if self.dist.enabled:
             pcfg, tcfg = self._per_rank(pcfg, tcfg)
+        endpoints(pcfg)  # an unsafe runtime directory fails here, before the model is built
         self.pcfg, self.cfg = pcfg, tcfg
         if tcfg.threads > 0:
             torch.set_num_threads(tcfg.threads)
@@ -138,7 +140,6 @@ class Trainer:
                 "device": str(self.device),
                 "precision": self.precision,
                 "strategy": pcfg.strategy,
-                "session": self.session,
             }
         )
 
@@ -274,15 +275,14 @@ class Trainer:
         )
         self.feed.health_check = self.health_check
         self.feed.check_receiver()
-        port = serve(self.metrics.registry, self.cfg.metrics_port)
+        port = serve(self.metrics.registry, self.cfg.metrics_port, self.pcfg.metrics_host)
         log.info(
-            "session %s: %s on %s (%s), %.2fM params; listening on %s; expecting %d producer(s)%s",
-            self.session,
+            "training %s on %s (%s), %.2fM params; listening on %s; expecting %d producer(s)%s",
             self.cfg.model,
             self.device,
             self.precision,
             self.model.num_params() / 1e6,
-            self.pcfg.data_addr,
+            self.receiver.endpoints.describe(),
             self.pcfg.producers,
             f"; metrics on :{port}" if port else "",
         )

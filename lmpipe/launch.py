@@ -2,11 +2,12 @@
 
 Each first checks what it cheaply can (ports, keys, tokenizer, corpus, device), so that a usage mistake
 is one line before a model is built or a process started. `lmpipe run` then starts N producers as real
-processes (`python -m lmpipe.producer`) talking to the trainer over real TCP sockets on loopback, exactly
-as in a multi-host deployment, and trains in this process. They share this process group, so Ctrl-C
-reaches all of them; on SIGTERM, or when training ends, the trainer tells them to stop and this launcher
-reaps them (terminate, then kill) so nothing is left behind. `--exit-with-parent` makes them quit if the
-launcher itself dies without cleaning up.
+processes (`python -m lmpipe.producer`) talking to the trainer through the same sockets `lmpipe train` +
+`lmpipe produce` use (by default Unix sockets in a directory private to this user; TCP with --curve-dir
+or --trusted-network; shared/sockets.py), and trains in this process. They share this process group, so
+Ctrl-C reaches all of them; on SIGTERM, or when training ends, the trainer tells them to stop and this
+launcher reaps them (terminate, then kill) so nothing is left behind. `--exit-with-parent` makes them quit
+if the launcher itself dies without cleaning up.
 
 Layering: the CLI (lmpipe/cli.py) imports this module, never the reverse. torch is imported only once a
 trainer is about to be built, so producers never load it.
@@ -43,7 +44,19 @@ log = logging.getLogger("lmpipe")
 
 
 def check_ports(cfg: PipelineConfig) -> None:
-    """The trainer's data and control ports are free on --host (a plain bind, as ZeroMQ will do)."""
+    """The trainer's data and control ports are free: on Unix sockets, no trainer holds the port's lock in
+    a private runtime directory; on TCP, a plain bind on --host works, as ZeroMQ's will."""
+    from lmpipe.shared.sockets import endpoints
+
+    try:
+        ep = endpoints(cfg)
+        if ep.kind == "ipc":
+            ep.check_free(cfg.port)
+            return
+    except ValueError as exc:  # the runtime directory is unsafe or unusable
+        raise SettingsError(f"--runtime-dir: {exc}") from None
+    except OSError as exc:
+        raise SettingsError(f"--port {cfg.port}: {exc}") from None
     host = None if cfg.host == "*" else cfg.host
     for port, what in ((cfg.port, "data port"), (cfg.port + 1, "control port (--port + 1)")):
         try:

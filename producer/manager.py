@@ -1,8 +1,10 @@
 """One producer process: handshake with the trainer, then tokenize, batch and stream until told to stop.
 
-Sockets: a DEALER to the trainer's ROUTER for control, a PUSH to its PULL for data. The PUSH socket has a
-small high-water mark, so when the trainer is slower than the producers, sends stop succeeding and the
-producer stops making batches (its memory stays flat; the wait is counted as backpressure).
+Sockets (made by shared/sockets.py): a DEALER to the trainer's ROUTER for control, a PUSH to its PULL for
+data. The PUSH socket has a small high-water mark, so when the trainer is slower than the producers, sends
+stop succeeding and the producer stops making batches (its memory stays flat; the wait is counted as
+backpressure). A monitor on the control socket watches the connection and its handshakes: a trainer that
+refuses this producer's key, or wants keys it lacks, makes it exit with the reason instead of waiting.
 
 The loop polls both sockets, so a `welcome` naming a new session (the trainer restarted from a
 checkpoint) or a `stop` is seen even while a batch waits to be sent. The hello is repeated every second
@@ -20,7 +22,9 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -29,18 +33,25 @@ from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
-from lmpipe.shared.batch import Cursor, batch_bytes, end_frames, token_dtype
+from lmpipe.shared.batch import Cursor, end_frames, token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.log import setup as setup_log
 from lmpipe.shared.messages import GIVE_UP_SECONDS, HELLO_EVERY
 from lmpipe.shared.metrics import ProducerMetrics, serve
-from lmpipe.shared.security import client_sockets
+from lmpipe.shared.security import check_connect
+from lmpipe.shared.sockets import (
+    HANDSHAKE_EVENTS,
+    PRODUCER_CONTROL,
+    PRODUCER_DATA,
+    HandshakeFailed,
+    HandshakeWatch,
+    endpoints,
+    open_socket,
+)
 from lmpipe.shared.tokenizer import load_tokenizer
 from lmpipe.shared.wire import WireError
 
 log = logging.getLogger("lmpipe.producer")
-
-SEND_HWM = 4  # batches queued per producer before send blocks
 
 
 @dataclass
@@ -87,6 +98,9 @@ class Producer:
             m.labels(cfg.strategy)
         self.fingerprint = fingerprint(cfg, self.tok.hash, self.tok.vocab_size, self.corpus.fingerprint())
         self.session = ""
+        self.lease = ""  # the trainer's token for this holder of the worker id, stamped on every batch
+        check_connect(cfg.host, cfg.trusted_network, cfg.curve_dir)
+        self.endpoints = endpoints(cfg)  # creates and checks the runtime directory (ValueError if unsafe)
         self._stop = False
         self._docs_counted = 0
         self.interrupted = False
@@ -155,36 +169,21 @@ class Producer:
 
     def run(self) -> int:
         """Returns the process exit code: 0 after `stop` or a signal, 2 when refused."""
-        port = serve(self.metrics.registry, self.opts.metrics_port)
+        port = serve(self.metrics.registry, self.opts.metrics_port, self.cfg.metrics_host)
         if port is not None:
             log.info("worker %d metrics on :%d", self.worker, port)
         ctx = zmq.Context()
-        ctrl = ctx.socket(zmq.DEALER)
-        data = ctx.socket(zmq.PUSH)
-        for s in (ctrl, data):
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(
-                zmq.IMMEDIATE, 1
-            )  # queue only to live connections: a dead trainer's backlog is useless
-        # No ZeroMQ heartbeats on the data socket: a trainer busy for seconds (or a starved CPU) must not
-        # look dead and lose the batches queued on the connection. A crashed peer closes its TCP socket.
-        ctrl.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-        ctrl.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30000)
-        data.setsockopt(zmq.SNDHWM, SEND_HWM)
-        # ZeroMQ's HWM counts messages in its own queues; the kernel's socket buffer holds more on top.
-        # Keep that to a couple of batches too, so backpressure reaches the tokenizer quickly.
-        data.setsockopt(zmq.SNDBUF, max(1 << 16, 2 * batch_bytes(self.cfg)))
-        # A routing id of our own: the trainer knows this producer again after a reconnect.
-        ctrl.setsockopt(zmq.ROUTING_ID, b"lmpipe-" + os.urandom(8))
-        if self.cfg.curve_dir:
-            client_sockets([ctrl, data], self.cfg.curve_dir)
-        monitor = ctrl.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        ctrl.connect(self.cfg.control_addr)
-        data.connect(self.cfg.data_addr)
+        ep = self.endpoints
+        ctrl = open_socket(ctx, PRODUCER_CONTROL, self.cfg, ep)
+        data = open_socket(ctx, PRODUCER_DATA, self.cfg, ep)
+        monitor = ctrl.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
         try:
             return self._loop(ctrl, data, monitor)
         except Refused as exc:
             log.error("trainer refused this producer: %s", exc)
+            return 2
+        except HandshakeFailed as exc:
+            log.error("cannot connect: %s", exc)
             return 2
         finally:
             ctrl.disable_monitor()
@@ -197,6 +196,7 @@ class Producer:
         poller = zmq.Poller()
         poller.register(ctrl, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        watch = HandshakeWatch(self.endpoints)
         gen = None
         pending: list | None = None  # frames of the next message to send
         seq = 0
@@ -212,18 +212,18 @@ class Producer:
                 last_hello = now
                 waiting = (not self.session or self._held) and self._refused_since is None
                 if waiting and now - waiting_logged > 10:
-                    log.info("waiting for the trainer at %s (%.0f s)", self.cfg.control_addr, now - started)
+                    log.info("waiting for the trainer at %s (%.0f s)", self.endpoints.control, now - started)
                     waiting_logged = now
             if self.session and pending is None and not finished and not self._held:
                 t0 = time.perf_counter()
                 try:
                     batch = next(gen)
                     seq += 1
-                    pending = batch.to_frames(self.session, self.worker, seq)
+                    pending = batch.to_frames(self.session, self.worker, seq, self.lease)
                     self._count(batch)
                 except StopIteration:
                     seq += 1
-                    pending = end_frames(self.session, self.worker, seq, self._end_cursor)
+                    pending = end_frames(self.session, self.worker, seq, self._end_cursor, self.lease)
                     finished = True
                     log.info(
                         "worker %d finished its %d epoch(s) after %d batches",
@@ -234,7 +234,9 @@ class Producer:
                 log.debug("batch %d built in %.1f ms", seq, 1e3 * (time.perf_counter() - t0))
             flags = dict(poller.poll(timeout=50 if pending is None or self._held else 0))
             if monitor in flags:
-                if self._connection_event(parse_monitor_message(monitor.recv_multipart())):
+                event = parse_monitor_message(monitor.recv_multipart())
+                watch(event)  # raises HandshakeFailed once the trainer keeps refusing this producer
+                if self._connection_event(event):
                     last_hello = 0.0  # (re)connected: say hello now, not at the next tick
                 continue
             if ctrl in flags:
@@ -279,7 +281,7 @@ class Producer:
         m.cursor_pos.set(batch.cursor.pos)
         m.epoch.set(batch.cursor.epoch)
 
-    def _connection_event(self, event: dict) -> bool:
+    def _connection_event(self, event: Mapping[str, Any]) -> bool:
         """Track the control connection; True when it is (back) up and a hello should go out now."""
         if event["event"] == zmq.EVENT_DISCONNECTED and self.session and not self._held:
             self._held = True
@@ -312,7 +314,7 @@ class Producer:
                     msg.worker,
                     self.cfg.producers,
                 )
-            elif msg.session == self.session and not msg.force:
+            elif msg.session == self.session and msg.lease == self.lease and not msg.force:
                 if held:
                     log.info("the trainer welcomed this producer back; carrying on")
                 return None
@@ -322,17 +324,18 @@ class Producer:
                 how = "moved to another worker id; starting over in"
             elif msg.session != self.session:
                 how = "trainer restarted; rejoined"
+            elif msg.lease != self.lease:
+                how = "welcomed anew (the trainer had closed this producer's connection); resending in"
             else:
                 how = "the trainer asked for a resend in"
             first = not self.session
-            self.session = msg.session
+            self.session, self.lease = msg.session, msg.lease
             self.metrics.handshakes.labels("welcome").inc()
             self.metrics.connected.set(1)
             cursor = Cursor.from_dict(msg.cursor)
             log.info(
-                "%s session %s: starting at epoch %d doc %d offset %d skip %d, seq %d",
+                "%s session: starting at epoch %d doc %d offset %d skip %d, seq %d",
                 how,
-                msg.session,
                 cursor.epoch,
                 cursor.pos,
                 cursor.offset,

@@ -111,10 +111,12 @@ class Batch:
         out.update(doc_id=self.doc_id, doc_start=self.doc_start, doc_len=self.doc_len)
         return out
 
-    def to_frames(self, session: str, worker: int, seq: int) -> list[Any]:
+    def to_frames(self, session: str, worker: int, seq: int, lease: str = "") -> list[Any]:
+        """`lease`: the trainer's token for this holder of `worker` (its welcome's), checked on receipt."""
         header = {
             "kind": "batch",
             "session": session,
+            "lease": lease,
             "worker": worker,
             "seq": seq,
             "cursor": self.cursor.to_dict(),
@@ -124,10 +126,17 @@ class Batch:
         return encode(header, self.arrays())
 
 
-def end_frames(session: str, worker: int, seq: int, cursor: Cursor) -> list[Any]:
+def end_frames(session: str, worker: int, seq: int, cursor: Cursor, lease: str = "") -> list[Any]:
     """The message a worker sends after its last batch of a finite run."""
     return encode(
-        {"kind": "end", "session": session, "worker": worker, "seq": seq, "cursor": cursor.to_dict()}
+        {
+            "kind": "end",
+            "session": session,
+            "lease": lease,
+            "worker": worker,
+            "seq": seq,
+            "cursor": cursor.to_dict(),
+        }
     )
 
 

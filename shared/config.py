@@ -100,7 +100,8 @@ class PipelineConfig:
     trusted_network: bool = setting(
         False,
         group=NETWORK,
-        help="allow the trainer to bind a non-loopback address (traffic is not encrypted)",
+        help="plain TCP without keys: lets the trainer bind, and producers connect to, a non-loopback address "
+        "(anyone who reaches the ports is trusted; traffic is not encrypted)",
     )
     curve_dir: str | None = setting(
         None,
@@ -108,6 +109,20 @@ class PipelineConfig:
         metavar="DIR",
         check=existing_dir,
         help="ZeroMQ CURVE keys from `lmpipe keys`: encrypted traffic, only authorized producers get in",
+    )
+    runtime_dir: str | None = setting(
+        None,
+        group=NETWORK,
+        metavar="DIR",
+        help="loopback --host without keys: the private (0700) directory of the trainer's Unix sockets "
+        "(none: $XDG_RUNTIME_DIR/lmpipe, else /tmp/lmpipe-<uid>; see shared/sockets.py)",
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        group=NETWORK,
+        metavar="ADDR",
+        check=host_problem,
+        help="address /metrics listens on; 0.0.0.0 lets Prometheus on other hosts or containers scrape it",
     )
     max_line_bytes: int = setting(
         1 << 20, check=at_least(1), help="longer corpus lines are skipped and counted"
@@ -121,19 +136,14 @@ class PipelineConfig:
             return [f"--rank {self.rank} must be below --world-size {self.world_size}"]
         return []
 
-    @property
-    def data_addr(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
-
-    @property
-    def control_addr(self) -> str:
-        return f"tcp://{self.host}:{self.port + 1}"
-
     def stream_fields(self) -> dict[str, Any]:
         """Everything that decides which batches a worker makes, in what order: cursors are only
         meaningful while these stay the same."""
         d = asdict(self)
-        for k in ("data", "tokenizer", "host", "port", "trusted_network", "curve_dir", "max_line_bytes"):
+        for k in (
+            "data", "tokenizer", "host", "port", "trusted_network", "curve_dir", "runtime_dir", "metrics_host",
+            "max_line_bytes",
+        ):  # fmt: skip
             d.pop(k)
         return d
 

@@ -20,10 +20,13 @@ from lmpipe.shared.wire import CURSOR_KEYS, WireError, unpack_map
 
 MAX_CONTROL_BYTES = 16 * 1024
 HELLO_EVERY = 1.0  # seconds between a producer's hellos (its heartbeat)
-ALIVE_SECONDS = 5.0  # a producer not heard from for this long is gone; its worker id is free again
+ALIVE_SECONDS = 5.0  # a producer not heard from for this long no longer counts as connected
+# A worker id stays with its holder until its control connection closes, which ZMTP heartbeats force
+# 30-32 s after a peer falls silent (shared/sockets.py); a holder silent this long loses it in any case.
+HOLDER_SILENCE = 40.0
 # A producer refused with retry=True (its id is held, all ids are taken) retries this long, then exits:
-# long enough for a dead predecessor's id to be freed (ALIVE_SECONDS), short enough not to hang.
-GIVE_UP_SECONDS = 3 * ALIVE_SECONDS
+# long enough for a dead predecessor's id to be freed (HOLDER_SILENCE), short enough not to hang.
+GIVE_UP_SECONDS = HOLDER_SILENCE + ALIVE_SECONDS
 
 
 @dataclass
@@ -45,6 +48,10 @@ class Welcome:
     cursor: dict[str, int] = field(default_factory=lambda: Cursor().to_dict())
     next_seq: int = 1
     force: bool = False  # restart the stream even if the session is unchanged
+    # The trainer's token for this holder of the worker id, stamped on each of its batches: a message
+    # without it (another peer's, or a previous holder's still in flight) is never trained on and cannot
+    # make this producer rewind. Sent only on this producer's control connection.
+    lease: str = ""
 
 
 @dataclass

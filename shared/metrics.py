@@ -21,7 +21,7 @@ REJECT_REASONS = (
     "bad_header", "bad_version", "bad_kind", "bad_dtype", "bad_shape", "truncated", "bad_length",
     "bad_frames", "oversized", "bad_batch", "bad_worker", "bad_control", "handshake",
 )  # fmt: skip
-STALE_REASONS = ("old_session", "duplicate", "gap")
+STALE_REASONS = ("old_session", "duplicate", "gap", "not_holder")
 CACHES = ("causal_mask",)
 GPU_MEMORY_KINDS = ("allocated", "reserved", "peak")
 
@@ -34,8 +34,9 @@ def _init_labels(metric, values) -> None:
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-def serve(registry: CollectorRegistry, port: int | None, addr: str = "0.0.0.0") -> int | None:
-    """Expose `registry` on http://addr:port/metrics; port 0 picks a free one. Returns the bound port."""
+def serve(registry: CollectorRegistry, port: int | None, addr: str = "127.0.0.1") -> int | None:
+    """Expose `registry` on http://addr:port/metrics; port 0 picks a free one. Returns the bound port.
+    Loopback by default (--metrics-host): the numbers are not secret, but nobody else needs them."""
     if port is None or port < 0:
         return None
     try:
@@ -131,7 +132,7 @@ class TrainerMetrics:
         )
         self.stale = Counter(
             "lmpipe_trainer_stale_batches",
-            "Batches dropped as already consumed or from an old session",
+            "Batches dropped as already consumed, from an old session, or not from the worker id's holder",
             ["reason"],
             registry=r,
         )

@@ -5,8 +5,9 @@
   client.key / client.key_secret   the producers' key pair
   authorized/client.key            public keys the trainer accepts (add more to admit other producers)
 The trainer gets the whole directory (`--curve-dir`), producers need client.key_secret and server.key only.
-pyzmq's authenticator (ZAP) checks each connecting producer's public key against `authorized/`; a
-producer with another key never completes the connection, so it never reaches the handshake.
+A ZAP handler (`start_zap`, on its own thread) checks each connecting producer's public key against
+`authorized/`; a producer with another key never completes the connection, so it never reaches lmpipe's
+handshake. Which transport is used when is decided in shared/sockets.py; SECURITY.md has the threat model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from lmpipe.shared.config import is_loopback
 
@@ -28,6 +30,33 @@ def check_bind(host: str, trusted_network: bool, curve_dir: str | None) -> None:
             "give CURVE keys (--curve-dir, made by `lmpipe keys`) or pass --trusted-network if this "
             "network is private"
         )
+
+
+def check_connect(host: str, trusted_network: bool, curve_dir: str | None) -> None:
+    """The producer's side of the same policy: no unauthenticated connection to another host unasked."""
+    if not is_loopback(host) and not (trusted_network or curve_dir):
+        raise ValueError(
+            f"refusing to connect to {host} unencrypted and unauthenticated; give CURVE keys (--curve-dir, "
+            "made by `lmpipe keys`) or pass --trusted-network if this network is private"
+        )
+
+
+class _Authenticator(ThreadAuthenticator):
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        # No User-Id: libzmq would queue it as a "credential" message ahead of a connection's first batch,
+        # and while it is alone in the pipe, the socket reports POLLIN but a read finds nothing (EAGAIN).
+        return ""
+
+
+def start_zap(ctx: zmq.Context, curve_dir: str | Path) -> ThreadAuthenticator:
+    """The ZAP handler of a trainer's context: admits CURVE clients whose public key is in authorized/.
+    It runs on its own thread, so rejecting a storm of strangers never holds up the receive loop."""
+    location = authorized_dir(curve_dir)
+    _load(Path(curve_dir) / "server.key_secret", secret=True)  # fail before anything starts
+    auth = _Authenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=location)
+    return auth
 
 
 def generate_keys(out: str | Path) -> Path:

@@ -23,6 +23,8 @@ import zmq
 
 from lmpipe.producer import builtin_corpus
 from lmpipe.producer.stream import Doc
+from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.sockets import endpoints
 
 REPO = Path(__file__).resolve().parent.parent
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
@@ -141,11 +143,12 @@ GARBAGE = [[b"\x00\x01garbage"], [b"\x81\xa1v\x63"], [b"\x80", b"extra"], [os.ur
 
 
 def push_garbage(port: int, messages: list[list[bytes]] = GARBAGE) -> None:
-    """Send `messages` to the data port on 127.0.0.1:port as a producer that never said hello would."""
+    """Send `messages` to the data socket of the trainer on `port` (the default transport: its Unix socket,
+    as this user) as a producer that never said hello would."""
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
-    push.connect(f"tcp://127.0.0.1:{port}")
+    push.connect(endpoints(PipelineConfig(port=port)).data)
     for frames in messages:
         push.send_multipart(frames)
     push.close()

@@ -16,10 +16,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.sockets import endpoints
 from tests.conftest import REPO, lmpipe_env
 
 
@@ -29,7 +32,7 @@ class Ctx:
     port: int
     checkpoint: Path
     env: dict[str, str] = field(default_factory=dict)
-    hold: list[socket.socket] = field(default_factory=list)
+    hold: list[Any] = field(default_factory=list)
 
     def listen(self, port: int) -> None:
         """Take `port` the way another server would."""
@@ -37,6 +40,12 @@ class Ctx:
         s.bind(("127.0.0.1", port))
         s.listen()
         self.hold.append(s)
+
+    def claim(self, port: int) -> None:
+        """Take `port` the way another trainer on the default transport (Unix sockets) would."""
+        ep = endpoints(PipelineConfig(port=port, runtime_dir=str(self.tmp / "run")))
+        ep.claim(port)
+        self.hold.append(ep)
 
 
 def _state_sha(path: Path) -> None:
@@ -78,11 +87,30 @@ def export_garbage(matching_checksum: bool) -> Callable[[Ctx], list[str]]:
 
 
 def port_taken(offset: int, cmd: str) -> Callable[[Ctx], list[str]]:
+    """A TCP port in use (the transport of --trusted-network and --curve-dir)."""
+
     def make(c: Ctx) -> list[str]:
         c.listen(c.port + offset)
-        return [cmd, "--port", str(c.port)]
+        return [cmd, "--port", str(c.port), "--trusted-network"]
 
     return make
+
+
+def trainer_on_port(cmd: str) -> Callable[[Ctx], list[str]]:
+    """Another trainer on the same port in the same runtime directory (the default transport)."""
+
+    def make(c: Ctx) -> list[str]:
+        c.claim(c.port)
+        return [cmd, "--port", str(c.port), "--runtime-dir", str(c.tmp / "run")]
+
+    return make
+
+
+def open_runtime_dir(c: Ctx) -> list[str]:
+    d = c.tmp / "shared"
+    d.mkdir(mode=0o777)
+    d.chmod(0o777)
+    return ["train", "--runtime-dir", str(d)]
 
 
 def env(var: str, value: str, *argv: str) -> Callable[[Ctx], list[str]]:
@@ -100,6 +128,8 @@ CASES = [
     # issue 8, item 5: tracebacks before
     ("data-port-in-use", port_taken(0, "run"), "--port"),
     ("control-port-in-use", port_taken(1, "train"), "--port"),
+    ("trainer-on-the-port", trainer_on_port("run"), "--port"),
+    ("runtime-dir-open-to-others", open_runtime_dir, "--runtime-dir"),
     ("curve-dir-missing", ["train", "--curve-dir", "/nonexistent/keys"], "--curve-dir /nonexistent/keys"),
     ("curve-dir-without-keys", lambda c: ["train", "--curve-dir", str(c.tmp)], "--curve-dir"),
     ("host-invalid", ["train", "--host", "999.1.1.1", "--trusted-network"], "--host 999.1.1.1"),
@@ -183,8 +213,11 @@ def test_usage_mistake_is_one_line_and_status_2(tmp_path, port, checkpoint, name
             timeout=120,
         )
     finally:
-        for s in c.hold:
-            s.close()
+        for held in c.hold:
+            if isinstance(held, socket.socket):
+                held.close()
+            else:
+                held.release()
     lines = out.stderr.splitlines()
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert "Traceback" not in out.stderr + out.stdout

@@ -50,7 +50,7 @@ PIPELINE = PipelineConfig(
     bucket_window=77, pad_multiple=8, seed=4, shuffle_window=9, doc_split="heading", text_column="body",
     builtin_docs=123,
     epochs=2, producers=3, rank=1, world_size=2, host="gpu-host", port=6000, trusted_network=True,
-    curve_dir=None, max_line_bytes=999,
+    curve_dir=None, runtime_dir="/run/x", metrics_host="0.0.0.0", max_line_bytes=999,
 )  # fmt: skip
 TRAIN = TrainConfig(
     model="small", steps=7, accum=2, lr=1e-4, min_lr_ratio=0.5, warmup=3, lr_decay_steps=50, weight_decay=0.0,

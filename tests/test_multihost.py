@@ -73,7 +73,8 @@ def start_job(bed: NetBed, tmp: Path, common: list[str], trainer_extra: list[str
     keys, copies = make_keys(bed, tmp)
     trainer = bed.start(
         "trainer", "train", *common, "--host", "0.0.0.0", "--curve-dir", str(keys), "--metrics-port", str(METRICS),
-        "--threads", "1", "--log-every", "5", *trainer_extra, name="trainer", env=lmpipe_env(),
+        "--metrics-host", "0.0.0.0", "--threads", "1", "--log-every", "5", *trainer_extra, name="trainer",
+        env=lmpipe_env(),
     )  # fmt: skip
     producers = {host: start_producer(bed, host, common, copies[host]) for host in PRODUCERS}
     return trainer, producers
@@ -82,7 +83,7 @@ def start_job(bed: NetBed, tmp: Path, common: list[str], trainer_extra: list[str
 def start_producer(bed: NetBed, host: str, common: list[str], keys: Path):
     return bed.start(
         host, "produce", *common, "--host", bed["trainer"].addr, "--curve-dir", str(keys), "--worker", "-1",
-        "--metrics-port", str(METRICS), name=host, env=lmpipe_env(),
+        "--metrics-port", str(METRICS), "--metrics-host", "0.0.0.0", name=host, env=lmpipe_env(),
     )  # fmt: skip
 
 
@@ -302,8 +303,9 @@ def test_a_host_replaced_while_cut_off_stops_when_it_returns(bed, tmp_path):
     w = worker_of(bed, producers["p2"])
     wait_until(lambda: steps_logged(log) >= 10, 60, "step 10")
     bed.cut("p2")
-    time.sleep(6)  # silent for longer than the trainer's 5-s liveness window: its worker id is free again
-    # the operator replaces the lost host, as the README says: any host, `--worker -1`
+    time.sleep(6)
+    # the operator replaces the lost host, as the README says: any host, `--worker -1`; it is told to retry
+    # until the trainer's heartbeats to p2 time out (30 s) and free p2's worker id
     spare = start_producer(bed, "spare", job(2000, epochs=0), tmp_path / "p2-keys")
     assert worker_of(bed, spare) == w
     bed.restore("p2")

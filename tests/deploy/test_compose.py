@@ -45,12 +45,17 @@ def test_compose_follows_the_scaling_rules():
     assert service_argv(producer)[:2] == ["lmpipe", "produce"]
     assert service_argv(trainer)[:2] == ["lmpipe", "train"]
     pargv = service_argv(producer)
-    assert pargv[pargv.index("--host") + 1] == "trainer"
     assert pargv[pargv.index("--worker") + 1] == "-1"
     assert "LMPIPE_WORKER" not in service_env(producer)
     targv = service_argv(trainer)
-    assert targv[targv.index("--host") + 1] == "0.0.0.0" and "--trusted-network" in targv
-    assert "ports" not in trainer, "the unencrypted data and control ports stay inside the compose network"
+    for argv in (pargv, targv):  # data and control through Unix sockets in a shared volume, no tcp port
+        assert "--host" not in argv and "--trusted-network" not in argv
+        assert argv[argv.index("--metrics-host") + 1] == "0.0.0.0", "Prometheus scrapes across containers"
+    assert "ports" not in trainer
+    run_dir = service_env(trainer)["LMPIPE_RUNTIME_DIR"]
+    assert service_env(producer)["LMPIPE_RUNTIME_DIR"] == run_dir
+    for svc in (producer, trainer):
+        assert f"lmpipe-run:{run_dir}" in svc["volumes"]
     (device,) = trainer["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert trainer.get("shm_size")
@@ -93,7 +98,8 @@ def test_compose_commands_are_valid_lmpipe_commands_that_agree(monkeypatch):
     prod, train = pipeline_from_args(prod_ns), pipeline_from_args(train_ns)
     assert prod.stream_fields() == train.stream_fields(), "the handshake would refuse the producers"
     assert (prod.data, prod.tokenizer) == (train.data, train.tokenizer)
-    assert prod.port == train.port and prod.host == "trainer" and train.trusted_network
+    assert prod.port == train.port and prod.runtime_dir == train.runtime_dir
+    assert not (prod.trusted_network or train.trusted_network or prod.curve_dir)
     assert prod_ns.worker == -1
     # the ports Prometheus scrapes and the health checks probe are the ones the processes serve
     assert f"trainer:{train_ns.metrics_port}" == render_prometheus.COMPOSE_TRAINER

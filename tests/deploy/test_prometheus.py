@@ -51,7 +51,7 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
     trainer_port, producer_ports, prom_port = base, [base + 1 + i for i in range(n)], base + n + 1
 
     # The compose commands, with only the addresses changed for loopback (argparse: the last flag wins).
-    local = ["--host", "127.0.0.1", "--port", str(data_port)]
+    local = ["--host", "127.0.0.1", "--port", str(data_port), "--runtime-dir", str(tmp_path / "run")]
     argv = service_argv(trainer_svc)
     assert argv[0] == "lmpipe"
     procs.start(*argv[1:], *local, "--metrics-port", str(trainer_port), name="trainer", env=env)
