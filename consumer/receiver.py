@@ -40,7 +40,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -240,12 +240,14 @@ class Receiver(threading.Thread):
     def release(self, slot: HostSlot) -> None:
         """Give a slot back once nothing reads it any more."""
         slot.meta = None
+        assert self._loop is not None and self._free is not None  # the thread is running
         self._loop.call_soon_threadsafe(self._free.put_nowait, slot)
 
     def force_reset(self, worker: int, seq: int | None = None, arrived: float | None = None) -> None:
         """A message of `worker` came out of order (seq `seq`, received at `arrived`): ask its producer to
         resend from its consumed cursor, within the limits above."""
         why = f"sent seq {seq}" if seq is not None else "is out of order"
+        assert self._loop is not None  # the thread is running
         self._loop.call_soon_threadsafe(self._request_resend, worker, why, arrived)
 
     def stop(self, reason: str = "") -> None:
@@ -298,7 +300,7 @@ class Receiver(threading.Thread):
         self._router = router
         monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.bound.set()
-        tasks = [
+        tasks: list[asyncio.Task[Any]] = [
             asyncio.create_task(self._recv_loop(pull), name="data"),
             asyncio.create_task(self._control_loop(router), name="control"),
             asyncio.create_task(self._monitor_loop(monitor), name="monitor"),
@@ -307,12 +309,12 @@ class Receiver(threading.Thread):
         done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in tasks:
             if t in done:  # a task that ends on its own is a bug: say so rather than run deaf
-                exc = t.exception()
-                log.error("the receive thread's %s task died", t.get_name(), exc_info=exc)
+                err = t.exception()
+                log.error("the receive thread's %s task died", t.get_name(), exc_info=err)
                 self.error = PipelineError(
-                    f"the trainer's {t.get_name()} task died ({type(exc).__name__}: {exc}); this is a bug, "
+                    f"the trainer's {t.get_name()} task died ({type(err).__name__}: {err}); this is a bug, "
                     "please report it"
-                    if exc is not None
+                    if err is not None
                     else f"the trainer's {t.get_name()} task ended; this is a bug, please report it"
                 )
                 self._shutdown("the trainer failed")
@@ -337,6 +339,7 @@ class Receiver(threading.Thread):
                 if w.identity is not None:
                     self._send(w.identity, messages.Stop(reason))
                     log.debug("told producer %d to stop", w.worker)
+        assert self._stopping is not None
         self._stopping.set()
 
     # -- data ---------------------------------------------------------------------------------------
@@ -424,6 +427,7 @@ class Receiver(threading.Thread):
                 self.metrics.stale.labels("duplicate").inc()
                 continue
             self.metrics.received.labels(str(worker)).inc()
+            assert self._free is not None
             slot = await self._free.get()
             slot.fill(batch, worker, hdr["seq"], hdr["session"], now)
             del msg, batch, frames  # release the ZeroMQ buffers before waiting again
@@ -466,6 +470,7 @@ class Receiver(threading.Thread):
             return  # sent before the producer rewound; the resent stream is on its way
         elif not w.answered_at and now - w.resend_sent < RESEND_TIMEOUT:
             if not w.resend_due:  # look again when the outstanding request times out
+                assert self._loop is not None
                 self._loop.call_later(w.resend_sent + RESEND_TIMEOUT - now, self._resend_timeout, worker)
             w.resend_due = why
             return
@@ -521,7 +526,10 @@ class Receiver(threading.Thread):
 
     def _send(self, identity: bytes, msg: Any) -> None:
         # NOBLOCK sends on an asyncio socket finish at once; a failure lands on the returned future.
-        fut = self._router.send_multipart([identity, messages.pack(msg)], zmq.NOBLOCK)
+        assert self._router is not None
+        fut = cast(
+            "asyncio.Future[Any]", self._router.send_multipart([identity, messages.pack(msg)], zmq.NOBLOCK)
+        )
         if fut.done() and fut.exception() is not None:
             log.debug(
                 "control send failed: %s", fut.exception()

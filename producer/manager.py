@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
-from lmpipe.shared.batch import Cursor, end_frames, token_dtype
+from lmpipe.shared.batch import Batch, Cursor, end_frames, token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.log import setup as setup_log
 from lmpipe.shared.messages import GIVE_UP_SECONDS, HELLO_EVERY
@@ -197,7 +197,7 @@ class Producer:
         poller.register(ctrl, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         watch = HandshakeWatch(self.endpoints)
-        gen = None
+        gen: Generator[Batch, None, None] | None = None
         pending: list | None = None  # frames of the next message to send
         seq = 0
         finished = False
@@ -216,6 +216,7 @@ class Producer:
                     waiting_logged = now
             if self.session and pending is None and not finished and not self._held:
                 t0 = time.perf_counter()
+                assert gen is not None  # a session comes with a welcome, which starts the stream
                 try:
                     batch = next(gen)
                     seq += 1
@@ -266,7 +267,8 @@ class Producer:
             log.warning("the launching process is gone; stopping")
         return 0
 
-    def _batches(self, cursor: Cursor):
+    def _batches(self, cursor: Cursor) -> Generator[Batch, None, None]:
+        assert self.stream is not None  # assigned with the worker id
         self._end_cursor = Cursor(max(self.cfg.epochs, cursor.epoch))
         for b in batches(self.stream, self.spec, cursor, self.cfg.epochs, dtype=self.dtype):
             self._end_cursor = b.cursor
@@ -276,6 +278,7 @@ class Producer:
         m = self.metrics
         m.tokens.labels(self.cfg.strategy).inc(batch.real_tokens)
         m.padding.labels(self.cfg.strategy).inc(batch.pad_tokens)
+        assert self.stream is not None
         m.documents.inc(self.stream.stats.documents - self._docs_counted)
         self._docs_counted = self.stream.stats.documents
         m.cursor_pos.set(batch.cursor.pos)
