@@ -96,11 +96,11 @@ class DeviceFeed:
         assert m is not None
         w = self.table[m.worker]
         if m.session != self.session:
-            self.metrics.stale.labels("old_session").inc()
+            self.metrics.drop_stale("old_session")
         elif m.seq <= w.last_seq:
-            self.metrics.stale.labels("duplicate").inc()
+            self.metrics.drop_stale("duplicate")
         elif m.seq > w.last_seq + 1:
-            self.metrics.stale.labels("gap").inc()
+            self.metrics.drop_stale("gap")
             # the receiver asks for a resend, one request at a time, and logs it
             self.receiver.force_reset(m.worker, m.seq, m.received_at)
         else:

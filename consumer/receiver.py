@@ -345,7 +345,7 @@ class Receiver(threading.Thread):
     # -- data ---------------------------------------------------------------------------------------
 
     def _reject(self, reason: str, detail: str) -> None:
-        self.metrics.rejected.labels(reason).inc()
+        self.metrics.reject(reason)
         n = self._reject_logged.get(reason, 0) + 1
         self._reject_logged[reason] = n
         if n <= 5 or n % 1000 == 0:
@@ -403,10 +403,10 @@ class Receiver(threading.Thread):
                 self._reject("bad_worker", f"worker {worker} but this run has {len(self.table)} producers")
                 continue
             if hdr["session"] != self.session:
-                self.metrics.stale.labels("old_session").inc()
+                self.metrics.drop_stale("old_session")
                 continue
             if hdr.get("lease") != self.table[worker].lease:  # not from this worker id's current holder
-                self.metrics.stale.labels("not_holder").inc()
+                self.metrics.drop_stale("not_holder")
                 continue
             self._arrived(self.table[worker], hdr["seq"], now)
             if msg.kind == "end":
@@ -424,7 +424,7 @@ class Receiver(threading.Thread):
                 self._rejected(exc, hdr)
                 continue
             if hdr["seq"] <= self.table[worker].last_seq:
-                self.metrics.stale.labels("duplicate").inc()
+                self.metrics.drop_stale("duplicate")
                 continue
             self.metrics.received.labels(str(worker)).inc()
             assert self._free is not None
@@ -693,7 +693,7 @@ class Receiver(threading.Thread):
         self._send(identity, messages.Refuse(reason, retry=True))
 
     def _refuse(self, identity: bytes, where: str, reason: str) -> None:
-        self.metrics.rejected.labels("handshake").inc()
+        self.metrics.reject("handshake")
         # once a minute per peer: a misconfigured producer exits, but a buggy or hostile one may not
         self._quiet(logging.ERROR, f"refuse {where}", "refused producer at %s: %s", where, _printable(reason))
         self._send(identity, messages.Refuse(reason, retry=False))

@@ -35,10 +35,9 @@ class SlotMeta:
 
 
 class HostSlot:
-    def __init__(self, index: int, rows: int, seq_len: int, token_dtype: np.dtype, pin: bool):
+    def __init__(self, rows: int, seq_len: int, token_dtype: np.dtype, pin: bool):
         tdt = torch.uint16 if token_dtype == np.dtype("<u2") else torch.int32
         n = rows * seq_len
-        self.index = index
         self.tokens = torch.empty(n, dtype=tdt, pin_memory=pin)
         self.seg = torch.empty(n, dtype=torch.uint16, pin_memory=pin)
         self.lengths = torch.empty(rows, dtype=torch.int32, pin_memory=pin)

@@ -117,7 +117,7 @@ class Trainer:
         n_slots = tcfg.slots or 2 * tcfg.accum + 2
         pin = self.device.type == "cuda"
         dt = token_dtype(self.tok.vocab_size)
-        self.slots = [HostSlot(i, pcfg.batch_size, pcfg.seq_len, dt, pin) for i in range(n_slots)]
+        self.slots = [HostSlot(pcfg.batch_size, pcfg.seq_len, dt, pin) for _ in range(n_slots)]
         self.fingerprint = fingerprint(pcfg, self.tok.hash, self.tok.vocab_size)
         self.checkpoints = (
             CheckpointManager(tcfg.checkpoint_dir, tcfg.keep_checkpoints) if tcfg.checkpoint_dir else None
@@ -428,8 +428,7 @@ class Trainer:
         summary.seconds = end - run_start if run_start else 0.0
         summary.first_loss = summary.losses[0] if summary.losses else float("nan")
         summary.last_loss = summary.losses[-1] if summary.losses else float("nan")
-        summary.rejected = int(sum(s.value for s in _samples(m.rejected)))
-        summary.stale = int(sum(s.value for s in _samples(m.stale)))
+        summary.rejected, summary.stale = m.rejected_count, m.stale_count
         summary.compiled_graphs = self._graphs - self._graphs_at_start
         if self._stop_reason:
             summary.stopped_by = self._stop_reason
@@ -479,10 +478,3 @@ class Trainer:
             if peak:
                 stats["mfu"] = stats["tokens_per_second"] * flops_per_token / peak
                 m.mfu.set(stats["mfu"])
-
-
-def _samples(counter):
-    for metric in counter.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                yield sample

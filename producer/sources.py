@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,14 +29,15 @@ import numpy as np
 from lmpipe.producer import builtin_corpus, formats
 from lmpipe.producer.formats import DataFile
 from lmpipe.producer.shards import ShardSet, is_shard_dir
+from lmpipe.shared.config import MAX_LINE_BYTES
 
-DEFAULT_MAX_LINE_BYTES = 1 << 20
+DRAIN_CHUNK = 1 << 20  # bytes read at a time while skipping an over-long line
+
 DOC_SPLITS = ("blank", "heading", "line")
 HEADING = re.compile(r"^ = [^=].* = $")
 BINARY_PROBE_BYTES = 8192  # how much of a file is looked at for NUL bytes (what git and grep do)
 
 # reason, "file:line", detail
-BadRecordHook = Callable[[str, str, str], None]
 
 
 @dataclass
@@ -61,7 +62,7 @@ def _lines(path: Path | DataFile, max_line_bytes: int) -> Iterator[tuple[int, by
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                 size = len(raw)
                 while raw and not raw.endswith(b"\n"):  # drain the rest of the line without keeping it
-                    raw = f.readline(1 << 20)
+                    raw = f.readline(DRAIN_CHUNK)
                     size += len(raw)
                 yield lineno, None, size
                 continue
@@ -187,7 +188,7 @@ class Corpus:
         builtin_docs: int = 20_000,
         builtin_seed: int = 0,
         text_column: str = "text",
-        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        max_line_bytes: int = MAX_LINE_BYTES,
         vocab_size: int | None = None,
     ):
         if doc_split not in DOC_SPLITS:

@@ -39,6 +39,9 @@ def host_problem(host: str) -> str | None:
     return "not an IP address or host name"
 
 
+MAX_LINE_BYTES = 1 << 20  # longer corpus lines are skipped (and counted)
+
+
 @dataclass
 class PipelineConfig:
     data: list[str] = setting(
@@ -125,7 +128,7 @@ class PipelineConfig:
         help="address /metrics listens on; 0.0.0.0 lets Prometheus on other hosts or containers scrape it",
     )
     max_line_bytes: int = setting(
-        1 << 20, check=at_least(1), help="longer corpus lines are skipped and counted"
+        MAX_LINE_BYTES, check=at_least(1), help="longer corpus lines are skipped and counted"
     )
 
     def __post_init__(self) -> None:

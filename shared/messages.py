@@ -61,14 +61,6 @@ class Refuse:
 
 
 @dataclass
-class Heartbeat:
-    worker: int
-    session: str
-    seq: int = 0
-    finished: bool = False
-
-
-@dataclass
 class Stop:
     reason: str = ""
 
@@ -77,7 +69,6 @@ TYPES: dict[str, type] = {
     "hello": Hello,
     "welcome": Welcome,
     "refuse": Refuse,
-    "heartbeat": Heartbeat,
     "stop": Stop,
 }
 _NAMES = {cls: name for name, cls in TYPES.items()}

@@ -95,6 +95,9 @@ class ProducerMetrics:
 class TrainerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
+        # Plain totals beside the labelled counters, for the end-of-run summary (never read back from the registry)
+        self.rejected_count = 0
+        self.stale_count = 0
         self.info = Info("lmpipe_trainer", "Trainer identity and configuration", registry=r)
         self.tokens = Counter("lmpipe_trainer_tokens", "Real tokens trained on", registry=r)
         self.padding = Counter("lmpipe_trainer_padding_tokens", "Pad tokens in trained batches", registry=r)
@@ -192,3 +195,13 @@ class TrainerMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+
+    def reject(self, reason: str) -> None:
+        """A malformed message or refused handshake, dropped."""
+        self.rejected.labels(reason).inc()
+        self.rejected_count += 1
+
+    def drop_stale(self, reason: str) -> None:
+        """A valid batch that is not the next one to train on (old session, duplicate, gap...), dropped."""
+        self.stale.labels(reason).inc()
+        self.stale_count += 1

@@ -121,7 +121,7 @@ def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
             ListStream([list(range(1, 200))]), BatchSpec(strategy="pack", seq_len=64, batch_size=4), epochs=1
         )
     )
-    slot = HostSlot(0, 4, 64, np.dtype("<u2"), pin=True)
+    slot = HostSlot(4, 64, np.dtype("<u2"), pin=True)
     slot.fill(b, 0, 1, "s", 0.0)
     assert slot.tokens.is_pinned()
     copy = torch.cuda.Stream()
