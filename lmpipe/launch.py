@@ -107,15 +107,7 @@ def open_corpus(cfg: PipelineConfig, vocab_size: int | None = None) -> Corpus:
     from lmpipe.producer.sources import Corpus
 
     try:
-        return Corpus(
-            cfg.data,
-            doc_split=cfg.doc_split,
-            text_column=cfg.text_column,
-            builtin_docs=cfg.builtin_docs,
-            builtin_seed=cfg.seed,
-            max_line_bytes=cfg.max_line_bytes,
-            vocab_size=vocab_size,
-        )
+        return Corpus.of(cfg, vocab_size)
     except OSError as exc:
         raise SettingsError(f"--data: {exc}") from None
 

@@ -76,15 +76,7 @@ class Producer:
         self.auto = opts.worker == -1  # any id will do; the trainer may move this producer to another
         self.metrics = ProducerMetrics()
         self.tok = load_tokenizer(cfg.tokenizer)
-        self.corpus = Corpus(
-            cfg.data,
-            doc_split=cfg.doc_split,
-            text_column=cfg.text_column,
-            builtin_docs=cfg.builtin_docs,
-            builtin_seed=cfg.seed,
-            max_line_bytes=cfg.max_line_bytes,
-            vocab_size=self.tok.vocab_size,
-        )
+        self.corpus = Corpus.of(cfg, self.tok.vocab_size)
         shards = self.corpus.shards
         if shards is not None and shards.meta["tokenizer_hash"] != self.tok.hash:
             raise ValueError(

@@ -29,7 +29,7 @@ import numpy as np
 from lmpipe.producer import builtin_corpus, formats
 from lmpipe.producer.formats import DataFile
 from lmpipe.producer.shards import ShardSet, is_shard_dir
-from lmpipe.shared.config import MAX_LINE_BYTES
+from lmpipe.shared.config import MAX_LINE_BYTES, PipelineConfig
 
 DRAIN_CHUNK = 1 << 20  # bytes read at a time while skipping an over-long line
 
@@ -208,6 +208,19 @@ class Corpus:
         self.max_line_bytes = max_line_bytes
         self.vocab_size = vocab_size
         self.text_column = text_column  # Parquet/Arrow column to read
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig, vocab_size: int | None = None) -> Corpus:
+        """The corpus a pipeline config names (producers, `lmpipe run`'s checks and `prepare` alike)."""
+        return cls(
+            cfg.data,
+            doc_split=cfg.doc_split,
+            text_column=cfg.text_column,
+            builtin_docs=cfg.builtin_docs,
+            builtin_seed=cfg.seed,
+            max_line_bytes=cfg.max_line_bytes,
+            vocab_size=vocab_size,
+        )
 
     @property
     def builtin(self) -> bool:
