@@ -94,18 +94,13 @@ class DeviceFeed:
         """Consume a slot if it is the next batch of its worker; drop it otherwise."""
         m = slot.meta
         assert m is not None
-        w = self.table[m.worker]
-        if m.session != self.session:
-            self.metrics.drop_stale("old_session")
-        elif m.seq <= w.last_seq:
-            self.metrics.drop_stale("duplicate")
-        elif m.seq > w.last_seq + 1:
-            self.metrics.drop_stale("gap")
-            # the receiver asks for a resend, one request at a time, and logs it
-            self.receiver.force_reset(m.worker, m.seq, m.received_at)
-        else:
+        why = self.table.stale(m.worker, m.session, m.seq, self.session)
+        if why is None:
             self.table.consumed(m.worker, m.seq, m.cursor)
             return True
+        self.metrics.drop_stale(why)
+        if why == "gap":  # the receiver asks for a resend, one request at a time, and logs it
+            self.receiver.force_reset(m.worker, m.seq, m.received_at)
         self.receiver.release(slot)
         return False
 

@@ -113,6 +113,15 @@ class WorkerTable:
             w.last_seq, w.cursor = seq, cursor
             w.finished = w.finished or finished
 
+    def stale(self, worker: int, session: str, seq: int, current_session: str) -> str | None:
+        """Why a message of `worker` is not the next one to train on: "old_session", "duplicate" (at or
+        before the last consumed seq) or "gap" (past the next one); None when it is the next. The receiver
+        asks early, to drop what can never be used; the device feed asks again when it consumes."""
+        if session != current_session:
+            return "old_session"
+        last = self.workers[worker].last_seq
+        return "duplicate" if seq <= last else "gap" if seq > last + 1 else None
+
     def all_finished(self) -> bool:
         return all(w.finished for w in self.workers)
 
@@ -402,8 +411,9 @@ class Receiver(threading.Thread):
             if worker >= len(self.table):
                 self._reject("bad_worker", f"worker {worker} but this run has {len(self.table)} producers")
                 continue
-            if hdr["session"] != self.session:
-                self.metrics.drop_stale("old_session")
+            why = self.table.stale(worker, hdr["session"], hdr["seq"], self.session)
+            if why == "old_session":
+                self.metrics.drop_stale(why)
                 continue
             if hdr.get("lease") != self.table[worker].lease:  # not from this worker id's current holder
                 self.metrics.drop_stale("not_holder")
@@ -423,8 +433,8 @@ class Receiver(threading.Thread):
             except WireError as exc:
                 self._rejected(exc, hdr)
                 continue
-            if hdr["seq"] <= self.table[worker].last_seq:
-                self.metrics.drop_stale("duplicate")
+            if why == "duplicate":  # a gap is the device feed's to judge: the missing batch may be queued
+                self.metrics.drop_stale(why)
                 continue
             self.metrics.received.labels(str(worker)).inc()
             assert self._free is not None
