@@ -99,6 +99,7 @@ class Producer:
 
     def _assign(self, worker: int) -> None:
         self.worker = worker
+        self._docs_counted = 0  # documents of this stream already counted in the metric
         self.stream = DocStream(
             self.corpus,
             self.tok,
@@ -302,6 +303,11 @@ class Producer:
             self.metrics.handshakes.labels("refuse").inc()
             if msg.retry:
                 log.info("trainer asks to retry: %s", msg.reason)
+                if self.opts.worker < 0 and self.worker >= 0:
+                    # Another replica holds the id the trainer gave this one (it asked a restarted trainer
+                    # first). Replicas are interchangeable: take any free id rather than wait for this one.
+                    log.info("giving up worker id %d; asking the trainer for a free one", self.worker)
+                    self.worker, self.session = -1, ""
                 return None
             raise Refused(msg.reason)
         if isinstance(msg, messages.Stop):
