@@ -106,7 +106,7 @@ class Producer:
 
     def _assign(self, worker: int) -> None:
         self.worker = worker
-        self._docs_counted = 0
+        self._docs_counted = 0  # documents of this stream already counted in the metric
         self.stream = DocStream(
             self.corpus,
             self.tok,
@@ -344,6 +344,12 @@ class Producer:
             self.metrics.handshakes.labels("refuse").inc()
             if not msg.retry:
                 raise Refused(msg.reason)
+            if self.auto and self.worker >= 0:
+                # Another replica holds the id the trainer gave this one (it asked a restarted trainer first).
+                # Replicas are interchangeable (the trainer keeps every cursor): take any free id instead.
+                log.info("giving up worker id %d; asking the trainer for a free one", self.worker)
+                self.worker, self.session = -1, ""
+                return None
             now = time.monotonic()
             if self._refused_since is None:
                 self._refused_since = now

@@ -129,6 +129,39 @@ def test_kill_a_producer_and_restart_it(procs, tmp_path, port, tok, strategy):
     assert p0.wait(timeout=10) == 0 and p1b.wait(timeout=10) == 0
 
 
+def test_a_replica_whose_id_was_taken_after_a_trainer_restart_takes_a_free_one(procs, tmp_path, port, tok):
+    """`--worker -1` replicas are interchangeable (compose's producers). A restarted trainer gives a replica
+    that asks first the id of one that has not rejoined yet; that one must take the id left free instead of
+    waiting for its own forever (the trainer would wait for the free id's worker forever too)."""
+    common = ["--port", str(port), "--strategy", "pack", "--epochs", "1", "--producers", "3", *SMALL]
+    log, ck = tmp_path / "docs.jsonl", tmp_path / "ck"
+    train_args = ["train", *common, "--steps", "0", "--checkpoint-dir", str(ck), "--checkpoint-every", "4",
+                  "--doc-log", str(log), "--resume", "auto"]  # fmt: skip
+    t1 = procs.start(*train_args, name="trainer1")
+    a = procs.start("produce", *common, name="producer_a")
+    b = procs.start("produce", *common, name="producer_b")  # the third replica starts late (below)
+    wait_until(lambda: CheckpointManager(ck).latest() is not None, 90, "a checkpoint")
+    os.kill(t1.pid, signal.SIGKILL)
+    t1.wait()
+    first_session = doc_log_entries(log)[0]["batches"][0]["session"]
+    os.kill(a.pid, signal.SIGSTOP)  # a cannot rejoin before the late replica has asked for an id
+    try:
+        t2 = procs.start(*train_args, name="trainer2")
+        c = procs.start("produce", *common, name="producer_c")
+        wait_until(lambda: "the trainer assigned worker id" in procs.log(c), 60, "the late replica's id")
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    assert t2.wait(timeout=120) == 0, procs.log(t2)[-3000:]
+    assert "(end of data)" in procs.log(t2)
+    # the late replica took the id of a, or of b if it asked before b rejoined: that one moved to id 2
+    (moved,) = [p for p in (a, b) if "giving up worker id" in procs.log(p)]
+    assert procs.log(moved).count("the trainer assigned worker id") == 2
+    entries = doc_log_entries(log)
+    assert_exactly_once(
+        trained_pieces(entries, first_session, resumed_step(procs.log(t2))), builtin_lengths(tok, 240)
+    )
+
+
 def _final_state(ck: Path) -> dict:
     latest = CheckpointManager(ck).latest()
     return torch.load(latest / "state.pt", weights_only=True)

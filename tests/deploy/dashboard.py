@@ -28,8 +28,8 @@ def dashboard_exprs() -> list[str]:
 GRAFANA_VARS = {"$__rate_interval": "10s"}
 
 
-def expand(expr: str) -> str:
-    for var, val in GRAFANA_VARS.items():
+def expand(expr: str, variables: dict[str, str] = GRAFANA_VARS) -> str:
+    for var, val in variables.items():
         expr = expr.replace(var, val)
     assert "$" not in expr, f"dashboard variable this test does not expand: {expr}"
     return expr

@@ -11,10 +11,14 @@ from tests.helpers import REPO
 DEPLOY = REPO / "deploy"
 COMPOSE = REPO / "docker-compose.yml"
 COMPOSE_CPU = REPO / "docker-compose.cpu.yml"
+COMPOSE_DEBIAN = REPO / "docker-compose.debian.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "lmpipe.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "lmpipe.yml"
 DOCKERFILES = {"producer": DEPLOY / "Dockerfile.producer", "trainer": DEPLOY / "Dockerfile.trainer"}
+# Where no image registry answers: the Debian base image script and Prometheus from Debian's package
+DEBIAN_BASE = DEPLOY / "debian" / "base.sh"
+DOCKERFILE_PROMETHEUS = DEPLOY / "debian" / "Dockerfile.prometheus"
 COMPOSE_SCHEMA = Path(__file__).resolve().parent.parent / "data" / "compose-spec.json"
 
 

