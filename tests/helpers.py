@@ -88,7 +88,8 @@ class Procs:
         self.procs.append(p)
         return p
 
-    def log(self, p: subprocess.Popen) -> str:
+    @staticmethod
+    def log(p: subprocess.Popen) -> str:
         return Path(p.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
 
     def wait_for(self, p: subprocess.Popen, text: str, timeout: float = 60) -> None:

@@ -27,12 +27,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import Procs
 
 PREFIX = "lmpnb-"
 SUBNET = "10.213.0"  # exists only inside the bed's namespaces
@@ -220,19 +221,9 @@ class NetBed:
         self.procs.append(p)
         return p
 
-    @staticmethod
-    def log(p: subprocess.Popen) -> str:
-        return Path(p.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
-
-    def wait_for(self, p: subprocess.Popen, text: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if text in self.log(p):
-                return
-            if p.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{text!r} not seen in {p.args} (rc={p.poll()}):\n{self.log(p)[-3000:]}")
+    # the same log reading and waiting as the local process launcher's
+    log = staticmethod(Procs.log)
+    wait_for = Procs.wait_for
 
     def run(self, host: str, *cmd: str) -> str:
         """A short command on `host` (e.g. `ss -tn`); returns its stdout."""
