@@ -88,6 +88,9 @@ class ProducerMetrics:
             "lmpipe_producer_cursor_position", "Document position of the last batch sent", registry=r
         )
         self.epoch = Gauge("lmpipe_producer_epoch", "Epoch of the last batch sent", registry=r)
+        self.shards_held = Gauge(
+            "lmpipe_producer_shards_held", "Shards of the corpus the trainer gave this producer", registry=r
+        )
         _init_labels(self.bad_records, BAD_RECORD_REASONS)
         _init_labels(self.handshakes, ("welcome", "refuse"))
 
@@ -145,6 +148,23 @@ class TrainerMetrics:
         self.producers = Gauge(
             "lmpipe_trainer_producers_connected", "Producers heard from in the last 5 s", registry=r
         )
+        self.producer_joins = Counter(
+            "lmpipe_trainer_producer_joins", "Producers that joined (each takes shards or stands by)", registry=r
+        )
+        self.producer_leaves = Counter(
+            "lmpipe_trainer_producer_leaves",
+            "Producers that left (connection closed, silent, or stopped); their shards go to the others",
+            registry=r,
+        )
+        self.shards_per_producer = Gauge(
+            "lmpipe_trainer_shards_per_producer",
+            "Open shards held by the least (stat=min) and most (stat=max) loaded producer",
+            ["stat"],
+            registry=r,
+        )
+        self.shards_unserved = Gauge(
+            "lmpipe_trainer_shards_unserved", "Open shards no producer holds (none connected)", registry=r
+        )
         self.stream_resets = Counter(
             "lmpipe_trainer_stream_resets",
             "Requests to a producer to resend from its consumed cursor (a batch missing or rejected)",
@@ -189,6 +209,7 @@ class TrainerMetrics:
         _init_labels(self.cache_hits, CACHES)
         _init_labels(self.cache_misses, CACHES)
         _init_labels(self.gpu_memory, GPU_MEMORY_KINDS)
+        _init_labels(self.shards_per_producer, ("min", "max"))
         self.checkpoint_seconds = Histogram(
             "lmpipe_trainer_checkpoint_seconds",
             "Time to write one checkpoint",
