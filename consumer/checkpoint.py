@@ -30,7 +30,9 @@ from lmpipe.shared.files import sha256_file
 
 log = logging.getLogger("lmpipe.trainer")
 
-FORMAT_VERSION = 2  # 2: state.pt's workers holds every data-parallel rank's cursors
+# 2: state.pt's workers holds every data-parallel rank's cursors; 3: one cursor per shard (--shards,
+# header "shards"), where 2 had one per producer (--producers, header stream.producers): the same split
+FORMAT_VERSION = 3
 _PREFIX = "step-"
 
 
@@ -141,6 +143,10 @@ def read_header(path: Path) -> dict[str, Any]:
             f"{f}: format_version {version!r} is newer than this lmpipe ({__version__}) understands "
             f"(up to {FORMAT_VERSION}); upgrade lmpipe to resume it"
         )
+    stream = hdr.get("stream")
+    if version < 3 and isinstance(stream, dict) and "producers" in stream:
+        # worker w of N producers read exactly what shard w of N shards reads: resumable with --shards N
+        hdr["shards"] = stream.pop("producers")
     return hdr
 
 

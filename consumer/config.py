@@ -89,6 +89,12 @@ class TrainConfig:
         help="Prometheus /metrics port of the trainer (0: any free port, -1: off); "
         "`lmpipe run` gives producer i port+1+i",
     )
+    shards: int = setting(
+        16,
+        check=between(1, 4096),
+        help="the corpus is split into this many shards (record id % shards), fixed for the run and its "
+        "checkpoints; the trainer spreads them over whichever producers are connected",
+    )
     doc_log: str | None = setting(
         None, metavar="FILE", help="append every trained (worker, seq, doc pieces) as JSON lines"
     )

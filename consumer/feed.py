@@ -72,10 +72,9 @@ class DeviceFeed:
                 if now - last_news > 10:
                     missing = self.table.missing(now)
                     log.info(
-                        "waiting for batches: %d/%d producers connected%s",
-                        self.table.connected(now),
-                        len(self.table),
-                        f"; waiting for worker id(s) {', '.join(map(str, missing))}" if missing else "",
+                        "waiting for batches: %d producer(s) connected%s",
+                        self.receiver.connected(now),
+                        f"; shard(s) {','.join(map(str, missing))} wait for a producer" if missing else "",
                     )
                     last_news = now
                     if self.wait_timeout and waited > self.wait_timeout:
@@ -110,7 +109,9 @@ class DeviceFeed:
             return
         if end.seq == w.last_seq + 1:
             self.table.consumed(end.worker, end.seq, end.cursor, finished=True)
-            log.info("producer %d finished its data", end.worker)
+            log.debug("shard %d finished its data", end.worker)
+            if self.table.all_finished():
+                log.info("all %d shards finished their data", len(self.table))
         elif end.seq > w.last_seq + 1:  # batches before it went missing: without a resend, a hang
             self.receiver.force_reset(end.worker, end.seq, end.received_at)
 

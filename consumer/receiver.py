@@ -4,9 +4,13 @@
   session or already consumed (counted as stale), copy the rest into a free host slot and hand it to the
   step loop through `ready`. With no free slot the loop stops reading, ZeroMQ's queues fill up and the
   producers block: backpressure all the way back to the tokenizers.
-- ROUTER (control): handshake. A producer's hello is checked against the trainer's fingerprint; the
-  answer is `welcome` (session, worker id, cursor of the last batch consumed from that worker, next
-  sequence number) or `refuse` with the reason. Hellos repeat every second and serve as heartbeats.
+- ROUTER (control): handshake and shard assignment. A producer's hello is checked against the trainer's
+  fingerprint; a new producer is answered with `assign` (the shards it holds now, possibly none) and one
+  `welcome` per shard (session, shard, cursor of the last batch consumed from that shard, next sequence
+  number, lease), or `refuse` with the reason. Every join and every leave re-divides the open shards
+  (consumer/assign.py): a shard that changes hands gets a new lease, so its old holder's batches still
+  in flight are dropped, and its new holder starts after the last batch the trainer accepted. Hellos
+  repeat every second, serve as heartbeats and name the shards held; a difference is answered again.
 
 Liveness rules (nothing retries the same failing thing forever):
 - A batch of this session that is missing (a gap) or rejected makes the trainer ask its producer to
@@ -16,18 +20,18 @@ Liveness rules (nothing retries the same failing thing forever):
   producer can make progress `error` holds a `PipelineError` that ends the run.
 - Every control message, however malformed, is answered or dropped and counted; if any task of this
   thread dies, `error` says so and the trainer stops instead of running deaf.
-- Worker ids: a producer started with `--worker -1` takes any free id and may be moved to another one
-  when a producer that asked for that id by number arrives, so every free id is served.
 
-Who may connect at all is settled before either loop sees a byte (shared/sockets.py). Within that, a worker
-id changes hands only when its holder's control connection has closed (consumer/connections.py) or has
-been silent for HOLDER_SILENCE seconds, and each new holder gets a fresh lease with its welcome: data
-without the current holder's lease is dropped (counted as stale `not_holder`) before anything else looks
-at it, so it is never trained, never ends a stream, and never counts as a gap or a rejected batch that
-would make the holder rewind.
+Who may connect at all is settled before either loop sees a byte (shared/sockets.py). Within that, a
+producer leaves when its control connection has closed (consumer/connections.py) or it has been silent for
+HOLDER_SILENCE seconds, and each new holder of a shard gets a fresh lease with its welcome: data without
+the current holder's lease is dropped (counted as stale `not_holder`) before anything else looks at it, so
+it is never trained, never ends a stream, and never counts as a gap or a rejected batch that would make
+the holder rewind. The old holder's batches already accepted are trained in order; the new holder's
+copies of them (the same batches: a shard's stream is deterministic) are dropped as duplicates.
 
-Consumption state lives in `WorkerTable`, shared with the step loop under a lock: the receive thread reads
-it to answer hellos and to drop duplicates early; the step loop writes it as batches are trained on.
+Consumption state lives in `WorkerTable` (one `WorkerState` per shard; "worker" is the wire's name for a
+shard), shared with the step loop under a lock: the receive thread reads it to answer hellos and to drop
+duplicates early; the step loop writes it as batches are trained on.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from lmpipe.consumer.assign import Producer, balance, shard_list
 from lmpipe.consumer.connections import ControlConnections
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.shared import messages
@@ -61,7 +66,10 @@ log = logging.getLogger("lmpipe.trainer")
 
 RESEND_TIMEOUT = 5.0  # a resend request not answered within this long may be repeated
 MAX_RESENDS = 3  # resend requests at one position, without progress, before the worker is stopped
-WANTED_SECONDS = 2 * ALIVE_SECONDS  # an id a producer asked for by number is not handed to --worker -1
+# The first assignment of a session waits for --producers producers, or this long after the first hello:
+# producers started together (`lmpipe run`, compose, a restarted trainer's producers rejoining) then start
+# on their own shards instead of taking them from the first one to arrive, which would waste its batches.
+SETTLE_SECONDS = 2.0
 ADVICE = (
     "Producers and trainer must run the same lmpipe version with the same settings; if they do, this is "
     "a bug: please report this message"
@@ -76,15 +84,16 @@ class PipelineError(ValueError):
 
 @dataclass
 class WorkerState:
-    worker: int
+    """One shard: what the trainer consumed of it, and who serves it now."""
+
+    worker: int  # the shard
     cursor: Cursor = field(default_factory=Cursor)  # after the last consumed batch
     last_seq: int = 0  # last consumed sequence number
     finished: bool = False
-    identity: bytes | None = None
-    last_seen: float = 0.0
-    where: str = ""
-    auto: bool = False  # its producer asked for any id (--worker -1), so it may be moved to another
-    failed: str = ""  # why this id was stopped for good (a deterministic failure)
+    identity: bytes | None = None  # its holder's routing id (None: no producer serves it now)
+    last_seen: float = 0.0  # its holder's last hello
+    where: str = ""  # its holder, for logs
+    failed: str = ""  # why this shard was stopped for good (a deterministic failure)
     # resend bookkeeping, receive thread only
     resend_at: int = -1  # last_seq when the last resend request went out
     resend_sent: float = 0.0
@@ -93,7 +102,6 @@ class WorkerState:
     resend_due: str = ""  # why another request is wanted once the outstanding one times out
     rejected: dict[int, str] = field(default_factory=dict)  # seq -> why the receiver rejected it
     lease: str = ""  # the current holder's token (messages.Welcome.lease); new for every new holder
-    fd: int = -1  # the holder's control connection (consumer/connections.py)
 
 
 class WorkerTable:
@@ -125,11 +133,8 @@ class WorkerTable:
     def all_finished(self) -> bool:
         return all(w.finished for w in self.workers)
 
-    def connected(self, now: float) -> int:
-        return sum(1 for w in self.workers if _alive(w, now))
-
     def missing(self, now: float) -> list[int]:
-        """Worker ids with no live producer that still have data to send."""
+        """Shards with no live producer that still have data to send."""
         return [w.worker for w in self.workers if not (_alive(w, now) or w.finished or w.failed)]
 
     def state_dict(self) -> list[dict[str, Any]]:
@@ -142,7 +147,7 @@ class WorkerTable:
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
         if len(state) != len(self.workers):
             raise ValueError(
-                f"checkpoint has {len(state)} producer cursors, this run has {len(self.workers)} producers"
+                f"checkpoint has {len(state)} shard cursors, this run has {len(self.workers)} shards"
             )
         with self.lock:
             for w, s in zip(self.workers, state):
@@ -161,12 +166,6 @@ def _printable(text: str, limit: int = 300) -> str:
 
 def _alive(w: WorkerState, now: float) -> bool:
     return w.identity is not None and now - w.last_seen < ALIVE_SECONDS
-
-
-def _holds(w: WorkerState, now: float) -> bool:
-    """The worker id still belongs to its holder: its connection is open and it spoke not too long ago.
-    Being silent for ALIVE_SECONDS (a stopped or busy process) is not enough to lose it."""
-    return w.identity is not None and now - w.last_seen < HOLDER_SILENCE
 
 
 @dataclass
@@ -229,7 +228,13 @@ class Receiver(threading.Thread):
         self._router: zmq.asyncio.Socket | None = None
         self._reject_logged: dict[str, int] = {}
         self._quiet = _Quiet()
-        self._wanted: dict[int, float] = {}  # worker id -> when a producer last asked for it by number
+        # Producers in join order; a producer is gone once its connection closed or it was silent for
+        # HOLDER_SILENCE (being silent for ALIVE_SECONDS, a stopped or busy process, is not enough).
+        self.producers: dict[bytes, Producer] = {}
+        self._joined = 0  # producers welcomed in this session: names p0, p1, ...
+        self._stopped: set[bytes] = set()  # producers refused for good; their hellos are refused again
+        self._first_hello: float | None = None  # of this session; shards are assigned once settled
+        self._settled = False
         for w in range(len(table)):
             metrics.stream_resets.labels(str(w))
 
@@ -258,6 +263,10 @@ class Receiver(threading.Thread):
         why = f"sent seq {seq}" if seq is not None else "is out of order"
         assert self._loop is not None  # the thread is running
         self._loop.call_soon_threadsafe(self._request_resend, worker, why, arrived)
+
+    def connected(self, now: float) -> int:
+        """Producers heard from in the last ALIVE_SECONDS (any thread: reads a snapshot)."""
+        return sum(1 for p in list(self.producers.values()) if now - p.last_seen < ALIVE_SECONDS)
 
     def stop(self, reason: str = "") -> None:
         """Tell every producer to stop (when `reason` is given), close the sockets, end the thread."""
@@ -344,10 +353,9 @@ class Receiver(threading.Thread):
 
     def _shutdown(self, reason: str) -> None:
         if reason and self._router is not None:
-            for w in self.table.workers:
-                if w.identity is not None:
-                    self._send(w.identity, messages.Stop(reason))
-                    log.debug("told producer %d to stop", w.worker)
+            for p in self.producers.values():
+                self._send(p.identity, messages.Stop(reason))
+                log.debug("told producer %s to stop", p.label())
         assert self._stopping is not None
         self._stopping.set()
 
@@ -409,7 +417,7 @@ class Receiver(threading.Thread):
             hdr = msg.header
             worker = hdr["worker"]
             if worker >= len(self.table):
-                self._reject("bad_worker", f"worker {worker} but this run has {len(self.table)} producers")
+                self._reject("bad_worker", f"shard {worker} but this run has {len(self.table)} shards")
                 continue
             why = self.table.stale(worker, hdr["session"], hdr["seq"], self.session)
             if why == "old_session":
@@ -494,7 +502,7 @@ class Receiver(threading.Thread):
         w.resend_sent, w.answered_at, w.resend_due = now, 0.0, ""
         self.metrics.stream_resets.labels(str(worker)).inc()
         log.warning(
-            "worker %d %s, expected %d: asking it to resend (%d/%d)",
+            "shard %d %s, expected %d: asking it to resend (%d/%d)",
             worker,
             why,
             last + 1,
@@ -510,24 +518,29 @@ class Receiver(threading.Thread):
             self._request_resend(worker, why)
 
     def _fail(self, worker: int, reason: str) -> None:
+        """Stop a shard for good. Its producer is refused (it exits 2 with the reason) and never let back
+        in this session; its other shards go to the other producers."""
         w = self.table[worker]
         if w.failed:
             return
         w.failed = reason
         self.metrics.workers_failed.set(sum(1 for x in self.table.workers if x.failed))
-        log.error("stopped worker %d: %s. %s", worker, reason, ADVICE)
-        if w.identity is not None:
+        log.error("stopped shard %d: %s. %s", worker, reason, ADVICE)
+        p = self.producers.get(w.identity) if w.identity is not None else None
+        if p is not None:
+            self._stopped.add(p.identity)
             self._send(
-                w.identity,
-                messages.Refuse(f"the trainer stopped worker {worker}: {reason}. {ADVICE}", retry=False),
+                p.identity,
+                messages.Refuse(f"the trainer stopped shard {worker}: {reason}. {ADVICE}", retry=False),
             )
+            self._leave(p, f"stopped with shard {worker}")
 
     def _no_progress(self) -> PipelineError | None:
         failed = [w for w in self.table.workers if w.failed]
         if failed and all(w.finished or w.failed for w in self.table.workers):
             return PipelineError(
                 "no producer can make progress: "
-                + "; ".join(f"worker {w.worker}: {w.failed}" for w in failed)
+                + "; ".join(f"shard {w.worker}: {w.failed}" for w in failed)
                 + f". {ADVICE}"
             )
         return None
@@ -551,12 +564,30 @@ class Receiver(threading.Thread):
             return
         with self.table.lock:
             welcome = messages.Welcome(
-                self.session, worker, w.cursor.to_dict(), w.last_seq + 1, force, lease=w.lease
+                self.session,
+                worker,
+                w.cursor.to_dict(),
+                w.last_seq + 1,
+                force,
+                lease=w.lease,
+                shards=len(self.table),
             )
         self._send(w.identity, welcome)
 
+    def _send_assign(self, p: Producer) -> None:
+        self._send(
+            p.identity,
+            messages.Assign(self.session, sorted(p.shards), len(self.table), len(self.producers)),
+        )
+
     def _tick(self) -> None:
-        self.metrics.producers.set(self.table.connected(time.monotonic()))
+        now = time.monotonic()
+        if not self._settled and self._first_hello is not None and now - self._first_hello >= SETTLE_SECONDS:
+            self._settle()
+        for p in list(self.producers.values()):
+            if now - p.last_seen > HOLDER_SILENCE:
+                self._leave(p, f"silent for {now - p.last_seen:.0f} s")
+        self.metrics.producers.set(self.connected(now))
 
     async def _control_loop(self, router: zmq.asyncio.Socket) -> None:
         conns = ControlConnections(router)
@@ -583,11 +614,10 @@ class Receiver(threading.Thread):
             conns.close()
 
     def _disconnected(self, fd: int) -> None:
-        """A control connection closed: the worker id it held is free for a new holder."""
-        for w in self.table.workers:
-            if w.identity is not None and w.fd == fd:
-                w.identity, w.fd = None, -1
-                log.info("producer %d (%s) disconnected", w.worker, w.where)
+        """A control connection closed: its producer is gone and its shards go to the others."""
+        for p in list(self.producers.values()):
+            if p.fd == fd:
+                self._leave(p, "connection closed")
 
     def _control(self, frames: list[bytes], fd: int = -1) -> None:
         if len(frames) != 2:
@@ -611,99 +641,145 @@ class Receiver(threading.Thread):
     def _hello(self, identity: bytes, hello: messages.Hello, fd: int = -1) -> None:
         now = time.monotonic()
         where = _printable(f"{hello.host}:{hello.pid}", 80)
-        n = len(self.table)
-        if not -1 <= hello.worker < n:
-            reason = f"worker id {hello.worker} is outside 0..{n - 1} (trainer runs {n} producers)"
-            return self._refuse(identity, where, reason)
-        if hello.worker >= 0 and hello.session == self.session and not hello.rejoin:
-            w = self.table[hello.worker]
-            if w.identity == identity:  # a heartbeat
-                w.last_seen, w.fd = now, fd
-                if w.failed:  # still here after being stopped (its refusal was lost): say it again
-                    self._refuse(identity, where, f"worker {w.worker} was stopped: {w.failed}")
-                return
+        if identity in self._stopped:
+            failed = [w for w in self.table.workers if w.failed]
+            why = failed[0].failed if failed else "stopped"
+            return self._refuse(identity, where, f"this producer was stopped: {why}")
+        p = self.producers.get(identity)
+        if p is not None:  # a heartbeat, or a known producer that lost and regained its connection
+            p.last_seen, p.fd = now, fd
+            for s in p.shards:
+                self.table[s].last_seen = now
+            return self._reconcile(p, hello)
         pinned = bool(self.fingerprint.get("data"))
         diff = mismatches(self.fingerprint, hello.fingerprint, skip=() if pinned else ("data",))
         if diff:
             return self._refuse(identity, where, "config mismatch: " + "; ".join(diff))
         if not pinned:
             self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
-        if hello.auto or hello.worker == -1:
-            wid = self._pick_id(identity, hello.worker, now)
-            if wid is None:
-                return self._busy(identity, where, f"all {n} worker ids are taken")
-        else:
-            wid = hello.worker
-            self._wanted[wid] = now
-            w = self.table[wid]
-            if w.failed:
-                return self._refuse(identity, where, f"worker {wid} was stopped: {w.failed}")
-            if w.identity != identity and _holds(w, now):  # only a holder known to be gone gives it up
-                free = self._pick_id(None, -1, now, exclude=wid) if w.auto else None
-                if free is None:
-                    return self._busy(identity, where, f"worker {wid} is already connected from {w.where}")
-                self._move(wid, free, where)
-        w = self.table[wid]
-        if w.identity == identity and hello.session == self.session and hello.worker == wid:
-            w.last_seen, w.fd = now, fd
-            if hello.rejoin:  # same session: the producer only lost its connection; let it carry on
-                self._send_welcome(wid)
+        p = Producer(identity, f"p{self._joined}", where, hello.worker, fd, now)
+        self._joined += 1
+        self.producers[identity] = p
+        self.metrics.producer_joins.inc()
+        if not self._settled:
+            self._first_hello = self._first_hello or now
+            if len(self.producers) >= self.cfg.producers or now - self._first_hello >= SETTLE_SECONDS:
+                self._settle()
             return
-        for other in self.table.workers:  # an auto producer that was moved may still name its old id
-            if other.identity == identity and other is not w:
-                other.identity = None
-        if w.identity != identity:
-            w.lease = secrets.token_hex(16)
-        w.identity, w.last_seen, w.where, w.auto = identity, now, where, hello.auto or hello.worker == -1
-        w.fd = fd
-        self._send_welcome(wid)
-        log.info("producer %d joined from %s (resumes at seq %d)", wid, where, w.last_seq + 1)
-
-    def _pick_id(self, identity: bytes | None, preferred: int, now: float, exclude: int = -1) -> int | None:
-        """A worker id for a producer that takes any: the one it holds, else the one it names if free,
-        else a free one, preferring ids nobody asked for by number, unfinished ones, the longest silent."""
-        held = [w.worker for w in self.table.workers if identity is not None and w.identity == identity]
-        if held and not self.table[held[0]].failed:
-            return held[0]
-        free = [
-            w
-            for w in self.table.workers
-            if w.worker != exclude and not w.failed and (w.identity == identity or not _holds(w, now))
-        ]
-        if not free:
-            return None
-        if 0 <= preferred < len(self.table) and self.table[preferred] in free:
-            return preferred
-
-        def rank(w: WorkerState) -> tuple:
-            wanted = now - self._wanted.get(w.worker, -math.inf) < WANTED_SECONDS
-            return (wanted, w.finished, w.last_seen, w.worker)
-
-        return min(free, key=rank).worker
-
-    def _move(self, src: int, dst: int, asker: str) -> None:
-        """Hand an auto-assigned producer's id to a producer that asked for it by number; the auto one
-        continues as `dst`. Both ids' streams are deterministic, so nothing is lost or repeated."""
-        a, b = self.table[src], self.table[dst]
-        b.identity, b.last_seen, b.where, b.auto, b.fd = a.identity, a.last_seen, a.where, True, a.fd
-        b.lease = secrets.token_hex(16)
-        a.identity, a.auto, a.fd = None, False, -1
+        moved = self._rebalance()
+        if not p.shards:
+            self._send_assign(p)  # its welcome: it stands by
         log.info(
-            "moved the producer at %s from worker id %d to %d: %s asked for id %d",
-            b.where,
-            src,
-            dst,
-            asker,
-            src,
+            "producer %s joined from %s: holds shards %s%s (%d producers, %d shards)",
+            p.name,
+            where,
+            shard_list(p.shards),
+            _taken(moved, p),
+            len(self.producers),
+            len(self.table),
         )
-        self._send_welcome(dst, force=True)
 
-    def _busy(self, identity: bytes, where: str, reason: str) -> None:
-        self._quiet(logging.INFO, f"busy {where}", "producer at %s waits: %s", where, reason)
-        self._send(identity, messages.Refuse(reason, retry=True))
+    def _settle(self) -> None:
+        """The session's first assignment, to every producer that has said hello so far."""
+        self._settled = True
+        self._rebalance()
+        for p in self.producers.values():
+            if not p.shards:
+                self._send_assign(p)
+            log.info(
+                "producer %s joined from %s: holds shards %s (%d producers, %d shards)",
+                p.name,
+                p.where,
+                shard_list(p.shards),
+                len(self.producers),
+                len(self.table),
+            )
+
+    def _reconcile(self, p: Producer, hello: messages.Hello) -> None:
+        """Answer what the producer's hello shows it lacks: a lost or late assign or welcome heals here.
+        Both are idempotent on the producer's side (a welcome it already follows, same lease, is ignored)."""
+        if not self._settled:
+            return
+        if hello.session != self.session or hello.rejoin:  # it has not seen this session's answer yet
+            self._send_assign(p)
+            for s in sorted(p.shards):
+                if not self.table[s].finished:
+                    self._send_welcome(s)
+            return
+        held = set(hello.holding)
+        if held - p.shards:
+            self._send_assign(p)
+        for s in sorted(p.shards - held):
+            if not (self.table[s].finished or self.table[s].failed):
+                self._send_welcome(s)
+
+    def _leave(self, p: Producer, why: str) -> None:
+        if self.producers.pop(p.identity, None) is None:
+            return
+        self.metrics.producer_leaves.inc()
+        if not self._settled:  # it held nothing yet
+            log.info("producer %s (%s) left (%s) before shards were assigned", p.name, p.where, why)
+            return
+        for s in p.shards:
+            w = self.table[s]
+            if w.identity == p.identity:
+                w.identity, w.where = None, ""
+        moved = self._rebalance()
+        to = ", ".join(f"{s}->{q.name}" for s, (q, _) in sorted(moved.items()))
+        log.info(
+            "producer %s (%s) left (%s): shards %s %s (%d producers, %d shards)",
+            p.name,
+            p.where,
+            why,
+            shard_list({s for s in p.shards if not (self.table[s].finished or self.table[s].failed)}),
+            f"moved {to}" if to else "wait for a producer" if not self.producers else "needed no move",
+            len(self.producers),
+            len(self.table),
+        )
+
+    def _rebalance(self) -> dict[int, tuple[Producer, str]]:
+        """Re-divide the open shards over the producers (consumer/assign.py); tell every producer whose
+        set changed, and welcome each shard at its new holder with a new lease. Returns, for the shards
+        that changed hands, shard -> (new holder, old holder's name or "")."""
+        open_shards = {w.worker for w in self.table.workers if not (w.finished or w.failed)}
+        new = balance({k: p.shards for k, p in self.producers.items()}, open_shards)
+        before = {s: p.name for p in self.producers.values() for s in p.shards}
+        moved: dict[int, tuple[Producer, str]] = {}
+        changed = []
+        for k, p in self.producers.items():
+            if new[k] != p.shards:
+                for s in new[k] - p.shards:
+                    moved[s] = (p, before.get(s, ""))
+                p.shards = new[k]
+                changed.append(p)
+        for s, (p, _) in moved.items():
+            w = self.table[s]
+            w.identity, w.last_seen, w.where = p.identity, p.last_seen, p.label()
+            w.lease = secrets.token_hex(16)  # the previous holder's batches in flight are now stale
+        for p in changed:
+            self._send_assign(p)
+        for s in sorted(moved):
+            self._send_welcome(s)
+        self._publish()
+        return moved
+
+    def _publish(self) -> None:
+        loads = [len(p.shards) for p in self.producers.values()]
+        self.metrics.producers.set(self.connected(time.monotonic()))
+        self.metrics.shards_per_producer.labels("min").set(min(loads, default=0))
+        self.metrics.shards_per_producer.labels("max").set(max(loads, default=0))
+        self.metrics.shards_unserved.set(
+            sum(1 for w in self.table.workers if w.identity is None and not (w.finished or w.failed))
+        )
 
     def _refuse(self, identity: bytes, where: str, reason: str) -> None:
         self.metrics.reject("handshake")
         # once a minute per peer: a misconfigured producer exits, but a buggy or hostile one may not
         self._quiet(logging.ERROR, f"refuse {where}", "refused producer at %s: %s", where, _printable(reason))
         self._send(identity, messages.Refuse(reason, retry=False))
+
+
+def _taken(moved: dict[int, tuple[Producer, str]], p: Producer) -> str:
+    """' (from p0, p1)' for a join line: whom its shards came from."""
+    src = sorted({old for new, old in moved.values() if new is p and old})
+    return f" (from {', '.join(src)})" if src else ""

@@ -105,14 +105,14 @@ class Trainer:
             self.step_model, self.optimizer, tcfg, self.autocast_dtype, self.scaler, no_sync=no_sync
         )
         self.metrics = TrainerMetrics()
-        for w in range(pcfg.producers):
+        for w in range(tcfg.shards):
             self.metrics.received.labels(str(w))
         self.mask_cache = MaskCache(
             on_hit=self.metrics.cache_hits.labels(MaskCache.name).inc,
             on_miss=self.metrics.cache_misses.labels(MaskCache.name).inc,
         )
         self.session = uuid.uuid4().hex[:12]
-        self.table = WorkerTable(pcfg.producers)
+        self.table = WorkerTable(tcfg.shards)
         self.step = 0
         n_slots = tcfg.slots or 2 * tcfg.accum + 2
         pin = self.device.type == "cuda"
@@ -172,6 +172,7 @@ class Trainer:
             "vocab_size": self.tok.vocab_size,
             # every rank's cursors are in the checkpoint: it must match the world size, not the rank
             "stream": replace(self.pcfg, rank=0).stream_fields(),
+            "shards": self.cfg.shards,  # the split; how many producers serve it may change
             "precision": self.precision,
         }
 
@@ -228,8 +229,8 @@ class Trainer:
             torch.cuda.set_rng_state(st["rng"]["cuda"], self.device)
         if ck.header.get("data"):
             self.fingerprint["data"] = ck.header["data"]  # producers must serve the same corpus
-        cursors = ", ".join(f"w{w.worker}@seq{w.last_seq}" for w in self.table.workers)
-        log.info("resumed from %s: step %d, producer cursors %s", ck.path, self.step, cursors)
+        cursors = ", ".join(f"s{w.worker}@seq{w.last_seq}" for w in self.table.workers)
+        log.info("resumed from %s: step %d, shard cursors %s", ck.path, self.step, cursors)
 
     def request_stop(self, reason: str = "signal") -> None:
         self._stop_reason = reason
@@ -277,13 +278,13 @@ class Trainer:
         self.feed.check_receiver()
         port = serve(self.metrics.registry, self.cfg.metrics_port, self.pcfg.metrics_host)
         log.info(
-            "training %s on %s (%s), %.2fM params; listening on %s; expecting %d producer(s)%s",
+            "training %s on %s (%s), %.2fM params; listening on %s; %d shards for any number of producers%s",
             self.cfg.model,
             self.device,
             self.precision,
             self.model.num_params() / 1e6,
             self.receiver.endpoints.describe(),
-            self.pcfg.producers,
+            self.cfg.shards,
             f"; metrics on :{port}" if port else "",
         )
 

@@ -42,8 +42,9 @@ class ProduceOptions:
     worker: int = setting(
         -1,
         check=at_least(-1),
-        help="worker id in 0..producers-1; -1: the trainer assigns a free one, "
-        "so `docker compose --scale producer=N` needs no per-replica settings",
+        help="this producer's number in logs (`lmpipe run` numbers its producers 0..producers-1); -1: "
+        "none. Either way the trainer decides which shards it serves, so `docker compose --scale "
+        "producer=N` needs no per-replica settings",
     )
     metrics_port: int | None = setting(
         9401,

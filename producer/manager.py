@@ -6,12 +6,15 @@ stop succeeding and the producer stops making batches (its memory stays flat; th
 backpressure). A monitor on the control socket watches the connection and its handshakes: a trainer that
 refuses this producer's key, or wants keys it lacks, makes it exit with the reason instead of waiting.
 
-The loop polls both sockets, so a `welcome` naming a new session (the trainer restarted from a
-checkpoint) or a `stop` is seen even while a batch waits to be sent. The hello is repeated every second
-and doubles as a heartbeat. When the control connection drops (the trainer died), the producer holds its
-batches until a trainer welcomes it again, instead of streaming its share into a session that is gone;
-the hello goes out as soon as the connection is back. A producer the trainer keeps refusing with "retry"
-(its worker id is held by a live producer, every id is taken) gives up after GIVE_UP_SECONDS and exits 2.
+The trainer decides which shards of the corpus this producer serves (`assign`, possibly none: it stands
+by) and where each starts (`welcome`, one per shard, with the lease its batches carry); producer/held.py
+keeps them and builds their batches round robin. The loop polls both sockets, so an `assign` or
+`welcome` (a shard moved to or away from this producer, the trainer restarted from a checkpoint) or a
+`stop` is seen even while a batch waits to be sent. The hello is repeated every second, names the shards
+held and doubles as a heartbeat. When the control connection drops (the trainer died), the producer holds
+its batches until a trainer welcomes it again, instead of streaming into a session that is gone; the
+hello goes out as soon as the connection is back. A producer the trainer keeps refusing with "retry"
+gives up after GIVE_UP_SECONDS and exits 2.
 """
 
 from __future__ import annotations
@@ -22,20 +25,20 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from lmpipe.producer.batching import BatchSpec, batches
+from lmpipe.producer.batching import BatchSpec
+from lmpipe.producer.held import HeldShard, Holdings
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
-from lmpipe.shared.batch import Batch, Cursor, end_frames, token_dtype
+from lmpipe.shared.batch import Batch, Cursor, token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
-from lmpipe.shared.log import setup as setup_log
 from lmpipe.shared.messages import GIVE_UP_SECONDS, HELLO_EVERY
 from lmpipe.shared.metrics import ProducerMetrics, serve
 from lmpipe.shared.security import check_connect
@@ -56,7 +59,7 @@ log = logging.getLogger("lmpipe.producer")
 
 @dataclass
 class ProducerOptions:
-    worker: int = 0
+    worker: int = -1  # this producer's number in logs (`lmpipe run` numbers its producers); -1: none
     metrics_port: int | None = None  # None: no metrics server; 0: any free port
     exit_with_parent: bool = False
 
@@ -72,8 +75,7 @@ class Producer:
                 f"--worker {opts.worker} is outside 0..{cfg.producers - 1} (--producers {cfg.producers})"
             )
         self.cfg, self.opts = cfg, opts
-        self.worker = opts.worker  # -1 until the trainer assigns one
-        self.auto = opts.worker == -1  # any id will do; the trainer may move this producer to another
+        self.worker = opts.worker
         self.metrics = ProducerMetrics()
         self.tok = load_tokenizer(cfg.tokenizer)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
@@ -83,49 +85,42 @@ class Producer:
                 f"{shards.path} was prepared with tokenizer {shards.meta['tokenizer_hash']}, "
                 f"this producer uses {self.tok.hash} ({self.tok.path}); pass the same --tokenizer or prepare again"
             )
-        self.stream: DocStream | None = None
         self.spec = BatchSpec.of(cfg)
         self.dtype = token_dtype(self.tok.vocab_size)
+        self.holdings = Holdings(self._stream, self.spec, cfg.epochs, self.dtype)
         for m in (self.metrics.tokens, self.metrics.padding):
             m.labels(cfg.strategy)
         self.fingerprint = fingerprint(cfg, self.tok.hash, self.tok.vocab_size, self.corpus.fingerprint())
         self.session = ""
-        self.lease = ""  # the trainer's token for this holder of the worker id, stamped on every batch
         check_connect(cfg.host, cfg.trusted_network, cfg.curve_dir)
         self.endpoints = endpoints(cfg)  # creates and checks the runtime directory (ValueError if unsafe)
         self._stop = False
-        self._docs_counted = 0
         self.interrupted = False
         self._held = False  # the control connection dropped: send nothing until welcomed again
         self._refused_since: float | None = None
         self._retry_logged = 0.0
-        self._end_cursor = Cursor()
         self._parent = os.getppid()
-        if self.worker >= 0:
-            self._assign(self.worker)
+        self.metrics.info.info(
+            {
+                "worker": str(self.worker),
+                "strategy": cfg.strategy,
+                "tokenizer": self.tok.hash,
+                "data": self.corpus.describe()[:200],
+            }
+        )
 
-    def _assign(self, worker: int) -> None:
-        self.worker = worker
-        self._docs_counted = 0  # documents of this stream already counted in the metric
-        self.stream = DocStream(
+    def _stream(self, shard: int, total: int) -> DocStream:
+        return DocStream(
             self.corpus,
             self.tok,
-            worker,
-            self.cfg.producers,
+            shard,
+            total,
             rank=self.cfg.rank,
             world_size=self.cfg.world_size,
             seed=self.cfg.seed,
             shuffle_window=self.cfg.shuffle_window,
             on_bad=self._bad_record,
             on_tokenize=self.metrics.tokenize.observe,
-        )
-        self.metrics.info.info(
-            {
-                "worker": str(worker),
-                "strategy": self.cfg.strategy,
-                "tokenizer": self.tok.hash,
-                "data": self.corpus.describe()[:200],
-            }
         )
 
     # -- bookkeeping -------------------------------------------------------------------------------
@@ -138,13 +133,12 @@ class Producer:
         return messages.pack(
             messages.Hello(
                 worker=self.worker,
-                num_workers=self.cfg.producers,
                 fingerprint=self.fingerprint,
                 pid=os.getpid(),
                 host=socket.gethostname(),
                 session=self.session,
-                auto=self.auto,
                 rejoin=self._held,
+                holding=self.holdings.held() if self.session else [],
             )
         )
 
@@ -163,7 +157,7 @@ class Producer:
         """Returns the process exit code: 0 after `stop` or a signal, 2 when refused."""
         port = serve(self.metrics.registry, self.opts.metrics_port, self.cfg.metrics_host)
         if port is not None:
-            log.info("worker %d metrics on :%d", self.worker, port)
+            log.info("metrics on :%d", port)
         ctx = zmq.Context()
         ep = self.endpoints
         ctrl = open_socket(ctx, PRODUCER_CONTROL, self.cfg, ep)
@@ -189,10 +183,7 @@ class Producer:
         poller.register(ctrl, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         watch = HandshakeWatch(self.endpoints)
-        gen: Generator[Batch, None, None] | None = None
-        pending: list | None = None  # frames of the next message to send
-        seq = 0
-        finished = False
+        self._pending: tuple[HeldShard, list, bool] | None = None  # the next message: shard, frames, is batch
         last_hello = 0.0
         waiting_logged = 0.0
         started = time.monotonic()
@@ -206,26 +197,27 @@ class Producer:
                 if waiting and now - waiting_logged > 10:
                     log.info("waiting for the trainer at %s (%.0f s)", self.endpoints.control, now - started)
                     waiting_logged = now
-            if self.session and pending is None and not finished and not self._held:
+            if self.session and self._pending is None and not self._held:
                 t0 = time.perf_counter()
-                assert gen is not None  # a session comes with a welcome, which starts the stream
-                try:
-                    batch = next(gen)
-                    seq += 1
-                    pending = batch.to_frames(self.session, self.worker, seq, self.lease)
-                    self._count(batch)
-                except StopIteration:
-                    seq += 1
-                    pending = end_frames(self.session, self.worker, seq, self._end_cursor, self.lease)
-                    finished = True
-                    log.info(
-                        "worker %d finished its %d epoch(s) after %d batches",
-                        self.worker,
-                        self.cfg.epochs,
-                        seq - 1,
+                nxt = self.holdings.next_message(self.session)
+                if nxt is not None:
+                    h, frames, batch = nxt
+                    self._pending = (h, frames, batch is not None)
+                    if batch is not None:
+                        self._count(h, batch)
+                    elif all(x.finished for x in self.holdings.shards.values()):
+                        log.info(
+                            "finished its %d epoch(s) on shard(s) %s",
+                            self.cfg.epochs,
+                            ",".join(map(str, self.holdings.held())),
+                        )
+                    log.debug(
+                        "shard %d message %d built in %.1f ms",
+                        h.shard,
+                        h.seq,
+                        1e3 * (time.perf_counter() - t0),
                     )
-                log.debug("batch %d built in %.1f ms", seq, 1e3 * (time.perf_counter() - t0))
-            flags = dict(poller.poll(timeout=50 if pending is None or self._held else 0))
+            flags = dict(poller.poll(timeout=50 if self._pending is None or self._held else 0))
             if monitor in flags:
                 event = parse_monitor_message(monitor.recv_multipart())
                 watch(event)  # raises HandshakeFailed once the trainer keeps refusing this producer
@@ -233,46 +225,38 @@ class Producer:
                     last_hello = 0.0  # (re)connected: say hello now, not at the next tick
                 continue
             if ctrl in flags:
-                reset = self._control(ctrl.recv())
-                if reset is not None:
-                    cursor, next_seq = reset
-                    if gen is not None:
-                        gen.close()
-                    gen = self._batches(cursor)
-                    seq, pending, finished = next_seq - 1, None, False
-                    continue
-            if pending is None or self._held:
+                self._control(ctrl.recv())
+                continue
+            if self._pending is None or self._held:
                 continue
             # Counted as it accrues, so a stall shows in /metrics while it lasts, not when it ends.
             t0 = time.perf_counter()
             writable = data.poll(timeout=50, flags=zmq.POLLOUT)
             self.metrics.send_blocked.inc(time.perf_counter() - t0)
             if writable:
+                _, frames, is_batch = self._pending
                 try:
-                    data.send_multipart(pending, flags=zmq.NOBLOCK, copy=False)
+                    data.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     continue  # the trainer went away between poll and send; keep the batch
-                pending = None
-                if not finished:
+                self._pending = None
+                if is_batch:
                     self.metrics.batches.inc()
         if self._parent_gone():
             log.warning("the launching process is gone; stopping")
         return 0
 
-    def _batches(self, cursor: Cursor) -> Generator[Batch, None, None]:
-        assert self.stream is not None  # assigned with the worker id
-        self._end_cursor = Cursor(max(self.cfg.epochs, cursor.epoch))
-        for b in batches(self.stream, self.spec, cursor, self.cfg.epochs, dtype=self.dtype):
-            self._end_cursor = b.cursor
-            yield b
+    def _drop_pending(self, shards: list[int] | None = None) -> None:
+        """Forget the message waiting to be sent if it belongs to one of `shards` (None: any)."""
+        if self._pending is not None and (shards is None or self._pending[0].shard in shards):
+            self._pending = None
 
-    def _count(self, batch) -> None:
+    def _count(self, h: HeldShard, batch: Batch) -> None:
         m = self.metrics
         m.tokens.labels(self.cfg.strategy).inc(batch.real_tokens)
         m.padding.labels(self.cfg.strategy).inc(batch.pad_tokens)
-        assert self.stream is not None
-        m.documents.inc(self.stream.stats.documents - self._docs_counted)
-        self._docs_counted = self.stream.stats.documents
+        m.documents.inc(h.stream.stats.documents - h.docs_counted)
+        h.docs_counted = h.stream.stats.documents
         m.cursor_pos.set(batch.cursor.pos)
         m.epoch.set(batch.cursor.epoch)
 
@@ -283,73 +267,34 @@ class Producer:
             log.info("lost the connection to the trainer; holding batches until it welcomes this producer")
         return event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
 
-    def _control(self, raw: bytes) -> tuple[Cursor, int] | None:
-        """Handle one control message; returns (cursor, next_seq) when the stream must restart."""
+    def _control(self, raw: bytes) -> None:
+        """Handle one control message from the trainer."""
         try:
             msg = messages.unpack(raw)
         except WireError as exc:
             log.warning("ignoring malformed control message: %s", exc)
             return None
-        if isinstance(msg, messages.Welcome):
+        if isinstance(msg, (messages.Assign, messages.Welcome)):
             self._refused_since = None
             held, self._held = self._held, False
-            moved = False
-            if msg.worker != self.worker:
-                if not self.auto:
-                    log.warning(
-                        "ignoring a welcome for worker %d (this is worker %d)", msg.worker, self.worker
-                    )
-                    return None
-                moved = self.worker >= 0
-                self._assign(msg.worker)
-                setup_log(f"producer {msg.worker}")
-                log.info(
-                    "the trainer %s worker id %d of %d",
-                    "moved this producer to" if moved else "assigned",
-                    msg.worker,
-                    self.cfg.producers,
-                )
-            elif msg.session == self.session and msg.lease == self.lease and not msg.force:
-                if held:
-                    log.info("the trainer welcomed this producer back; carrying on")
-                return None
-            if not self.session:
-                how = "joined"
-            elif moved:
-                how = "moved to another worker id; starting over in"
-            elif msg.session != self.session:
-                how = "trainer restarted; rejoined"
-            elif msg.lease != self.lease:
-                how = "welcomed anew (the trainer had closed this producer's connection); resending in"
-            else:
-                how = "the trainer asked for a resend in"
-            first = not self.session
-            self.session, self.lease = msg.session, msg.lease
-            self.metrics.handshakes.labels("welcome").inc()
-            self.metrics.connected.set(1)
-            cursor = Cursor.from_dict(msg.cursor)
-            log.info(
-                "%s session: starting at epoch %d doc %d offset %d skip %d, seq %d",
-                how,
-                cursor.epoch,
-                cursor.pos,
-                cursor.offset,
-                cursor.skip,
-                msg.next_seq,
-            )
-            if not first:
-                self.metrics.resets.inc()
-            return cursor, msg.next_seq
+            if msg.session != self.session:  # joined, or the trainer restarted: nothing carries over
+                how = "joined" if not self.session else "trainer restarted; rejoined"
+                log.info("%s session %s", how, msg.session)
+                self.session = msg.session
+                self.holdings.clear()
+                self._drop_pending()
+                self.metrics.handshakes.labels("welcome").inc()
+                self.metrics.connected.set(1)
+            elif held:
+                log.info("the trainer welcomed this producer back; carrying on")
+        if isinstance(msg, messages.Assign):
+            return self._assigned(msg)
+        if isinstance(msg, messages.Welcome):
+            return self._welcomed(msg)
         if isinstance(msg, messages.Refuse):
             self.metrics.handshakes.labels("refuse").inc()
             if not msg.retry:
                 raise Refused(msg.reason)
-            if self.auto and self.worker >= 0:
-                # Another replica holds the id the trainer gave this one (it asked a restarted trainer first).
-                # Replicas are interchangeable (the trainer keeps every cursor): take any free id instead.
-                log.info("giving up worker id %d; asking the trainer for a free one", self.worker)
-                self.worker, self.session = -1, ""
-                return None
             now = time.monotonic()
             if self._refused_since is None:
                 self._refused_since = now
@@ -365,6 +310,49 @@ class Producer:
             self.metrics.connected.set(0)
             self._stop = True
         return None
+
+    def _assigned(self, msg: messages.Assign) -> None:
+        gone = self.holdings.keep_only(msg.shards)
+        self._drop_pending(gone)
+        new = [s for s in msg.shards if s not in self.holdings.shards]
+        self.metrics.shards_held.set(len(msg.shards))
+        if gone or new or not msg.shards:
+            log.info(
+                "the trainer assigned shards %s of %d%s (%d producers)",
+                ",".join(map(str, msg.shards)) or "none (standing by)",
+                msg.total,
+                f"; gave up {','.join(map(str, gone))}" if gone else "",
+                msg.producers,
+            )
+
+    def _welcomed(self, msg: messages.Welcome) -> None:
+        h = self.holdings.shards.get(msg.worker)
+        if h is not None and h.lease == msg.lease and not msg.force and self.holdings.total == msg.shards:
+            return  # already serving it as told (a repeated welcome)
+        cursor = Cursor.from_dict(msg.cursor)
+        how = (
+            "resending"
+            if h is not None and h.lease == msg.lease
+            else "starting"
+            if h is None
+            else "restarting"
+        )
+        self._drop_pending([msg.worker])
+        self.holdings.start(msg.worker, msg.shards, msg.lease, cursor, msg.next_seq)
+        self.metrics.shards_held.set(len(self.holdings))
+        if h is not None:
+            self.metrics.resets.inc()
+        log.log(
+            logging.INFO if how == "resending" else logging.DEBUG,
+            "shard %d: %s at epoch %d doc %d offset %d skip %d, seq %d",
+            msg.worker,
+            "the trainer asked for a resend" if how == "resending" else how,
+            cursor.epoch,
+            cursor.pos,
+            cursor.offset,
+            cursor.skip,
+            msg.next_seq,
+        )
 
 
 def install_signal_handlers(p: Producer) -> None:

@@ -1,6 +1,7 @@
-"""A worker's deterministic document stream: which documents it owns, in what order, tokenized in batches.
+"""A shard's deterministic document stream: which documents it owns, in what order, tokenized in batches.
 
-Worker w of n owns records with id % n == w. Its good documents are numbered 0, 1, 2, ... in corpus order
+Shard w of n (a "worker" here: the trainer's --shards, served by whichever producer holds it) owns records
+with id % n == w. Its good documents are numbered 0, 1, 2, ... in corpus order
 and shuffled in fixed windows (a bounded shuffle buffer whose permutation depends only on seed, epoch,
 worker and window), so position `pos` names the same document every time: a cursor is just a position.
 Sources with random access (the built-in corpus, pre-tokenized shards) get a full seeded permutation.
@@ -85,13 +86,13 @@ class DocStream:
         self._share_checked = True
         if n > 1:
             return
-        hints = ["the corpus has fewer documents than producers"] if n == 0 and self.total_workers > 1 else []
+        hints = ["the corpus has fewer documents than shards"] if n == 0 and self.total_workers > 1 else []
         if not self.corpus.random_access and self.corpus.doc_split == "blank":
             hints.append(
                 "plain text without blank lines is one document: for one per line, use --doc-split line"
             )
         log.warning(
-            "worker %d of %d owns %s of %s%s",
+            "shard %d of %d owns %s of %s%s",
             self.worker_global,
             self.total_workers,
             "no documents" if n == 0 else "a single document (nothing to shuffle)",

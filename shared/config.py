@@ -81,7 +81,12 @@ class PipelineConfig:
     )
     builtin_docs: int = setting(20_000, check=at_least(1), help="size of the built-in corpus")
     epochs: int = setting(0, check=at_least(0), help="passes over the corpus; 0: until the trainer stops")
-    producers: int = setting(2, check=at_least(1), help="producer workers the corpus is split across")
+    producers: int = setting(
+        2,
+        check=at_least(1),
+        help="producer processes `lmpipe run` starts (the trainer splits the corpus into --shards, whatever "
+        "number of producers connect)",
+    )
     rank: int = setting(0, check=at_least(0), help="data-parallel rank this pipeline feeds, of --world-size")
     world_size: int = setting(
         1,
@@ -140,12 +145,13 @@ class PipelineConfig:
         return []
 
     def stream_fields(self) -> dict[str, Any]:
-        """Everything that decides which batches a worker makes, in what order: cursors are only
-        meaningful while these stay the same."""
+        """Everything that decides which batches a shard makes, in what order: cursors are only
+        meaningful while these stay the same. (The number of shards is the trainer's --shards; the
+        number of producers decides nothing.)"""
         d = asdict(self)
         for k in (
             "data", "tokenizer", "host", "port", "trusted_network", "curve_dir", "runtime_dir", "metrics_host",
-            "max_line_bytes",
+            "max_line_bytes", "producers",
         ):  # fmt: skip
             d.pop(k)
         return d

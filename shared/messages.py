@@ -1,10 +1,13 @@
 """Control-channel messages (producer DEALER <-> trainer ROUTER), one place for every type.
 
 Each message is a single msgpack map with a `type`. Producers say `hello` when they start and repeat it
-every HELLO_EVERY seconds as a heartbeat; the trainer answers `welcome` (session, worker id, cursor, next
-sequence number), `refuse` (with a reason, and whether retrying can help) or `stop`. A hello that names an
-old session is answered with a fresh `welcome`: that is how a restarted trainer sends producers back to
-its checkpointed cursors. `unpack` checks every field's type, nested maps included, so nothing the
+every HELLO_EVERY seconds as a heartbeat, naming the shards they hold; the trainer answers `assign` (the
+whole set of shards this producer holds now, possibly none: it stands by), one `welcome` per shard to
+start or restart (session, shard, cursor, next sequence number, lease), `refuse` (with a reason, and
+whether retrying can help) or `stop`. A hello that names an old session is answered like a new
+producer's: that is how a restarted trainer sends producers back to its checkpointed cursors. A hello
+whose shards differ from the trainer's assignment is answered with what differs, so a lost message
+heals at the next heartbeat; both answers are idempotent. `unpack` checks every field's type, nested maps included, so nothing the
 trainer does with a message can trip over a value it did not expect.
 """
 
@@ -31,20 +34,30 @@ GIVE_UP_SECONDS = HOLDER_SILENCE + ALIVE_SECONDS
 
 @dataclass
 class Hello:
-    worker: int
-    num_workers: int
+    worker: int  # the producer's own number (--worker; -1: none), for logs only
     fingerprint: dict[str, Any]
     pid: int = 0
     host: str = ""
     session: str = ""
-    auto: bool = False  # started with --worker -1: any id will do, and the trainer may move it
     rejoin: bool = False  # lost the control connection: asks for a welcome even in the same session
+    holding: list[int] = field(default_factory=list)  # shards held in `session`
+
+
+@dataclass
+class Assign:
+    """The shards this producer holds in `session`, all of them (empty: stand by). Shards it holds and
+    this list lacks are given up at once; each shard it lacks comes with its own `welcome`."""
+
+    session: str
+    shards: list[int]
+    total: int  # the run's number of shards (the split: record id % total)
+    producers: int = 0  # live producers, for the log
 
 
 @dataclass
 class Welcome:
     session: str
-    worker: int
+    worker: int  # the shard to (re)start
     cursor: dict[str, int] = field(default_factory=lambda: Cursor().to_dict())
     next_seq: int = 1
     force: bool = False  # restart the stream even if the session is unchanged
@@ -52,6 +65,7 @@ class Welcome:
     # without it (another peer's, or a previous holder's still in flight) is never trained on and cannot
     # make this producer rewind. Sent only on this producer's control connection.
     lease: str = ""
+    shards: int = 1  # the run's number of shards
 
 
 @dataclass
@@ -68,11 +82,20 @@ class Stop:
 TYPES: dict[str, type] = {
     "hello": Hello,
     "welcome": Welcome,
+    "assign": Assign,
     "refuse": Refuse,
     "stop": Stop,
 }
 _NAMES = {cls: name for name, cls in TYPES.items()}
-_PY = {"int": int, "str": str, "bool": bool, "dict[str, Any]": dict, "dict[str, int]": dict}
+_PY = {
+    "int": int,
+    "str": str,
+    "bool": bool,
+    "dict[str, Any]": dict,
+    "dict[str, int]": dict,
+    "list[int]": list,
+}
+MAX_SHARDS = 4096  # a shard list longer than this, or naming a shard beyond it, is malformed
 _SCALARS = (str, int, float, bool, type(None))  # what a fingerprint value may be
 
 
@@ -109,7 +132,18 @@ def unpack(raw: bytes | memoryview) -> Any:
             _check_map(f"{name}.{f.name}", cast(dict, val), _SCALARS)
         elif f.type == "dict[str, int]":
             _check_map(f"{name}.{f.name}", cast(dict, val), (int,))
+        elif f.type == "list[int]":
+            items = cast(list, val)
+            if len(items) > MAX_SHARDS or not all(
+                type(x) is int and 0 <= x < MAX_SHARDS for x in items
+            ):  # type(x) is int: no bools
+                raise WireError("bad_control", f"{name}.{f.name} is not a list of shard numbers")
         kwargs[f.name] = val
+    total = cast(int, kwargs.get("shards" if cls is Welcome else "total", 1))
+    if cls in (Welcome, Assign) and not 0 < total <= MAX_SHARDS:
+        raise WireError("bad_control", f"{name} names an impossible number of shards")
+    if cls is Welcome and not 0 <= cast(int, kwargs["worker"]) < total:
+        raise WireError("bad_control", f"welcome.worker {kwargs['worker']} is not one of its shards")
     if cls is Welcome and "cursor" in kwargs:
         cursor = cast(dict, kwargs["cursor"])
         if any(cursor.get(k, -1) < 0 for k in CURSOR_KEYS):

@@ -149,7 +149,9 @@ class TrainerMetrics:
             "lmpipe_trainer_producers_connected", "Producers heard from in the last 5 s", registry=r
         )
         self.producer_joins = Counter(
-            "lmpipe_trainer_producer_joins", "Producers that joined (each takes shards or stands by)", registry=r
+            "lmpipe_trainer_producer_joins",
+            "Producers that joined (each takes shards or stands by)",
+            registry=r,
         )
         self.producer_leaves = Counter(
             "lmpipe_trainer_producer_leaves",

@@ -124,8 +124,8 @@ def test_doc_split_line_makes_every_line_a_document_and_lone_shares_are_warned(t
         for w in range(2):
             list(DocStream(Corpus([str(one)]), tok, w, 2).docs(0))
     text = caplog.text
-    assert "worker 0 of 2 owns a single document" in text and "--doc-split line" in text
-    assert "worker 1 of 2 owns no documents" in text
+    assert "shard 0 of 2 owns a single document" in text and "--doc-split line" in text
+    assert "shard 1 of 2 owns no documents" in text
 
 
 def test_a_binary_file_is_refused_by_name(tmp_path):

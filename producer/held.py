@@ -1,0 +1,99 @@
+"""The shards one producer holds: per shard a document stream, its batch generator, sequence number and
+lease, and the round-robin order batches are built in.
+
+The trainer decides which shards a producer holds (consumer/assign.py) and where each starts (its cursor
+after the last batch it accepted). A shard's stream depends only on (corpus, seed, shard, number of
+shards, cursor), so a shard restarted here, or at another producer, makes the very same batches with the
+very same sequence numbers: the trainer keeps the first copy of each and drops the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+
+from lmpipe.producer.batching import BatchSpec, batches
+from lmpipe.producer.stream import DocStream
+from lmpipe.shared.batch import Batch, Cursor, end_frames
+
+
+@dataclass
+class HeldShard:
+    shard: int
+    stream: DocStream
+    lease: str
+    seq: int  # sequence number of the last message built
+    gen: Generator[Batch, None, None] | None = None
+    finished: bool = False  # its `end` is built: nothing more to send
+    end_cursor: Cursor = field(default_factory=Cursor)
+    docs_counted: int = 0  # documents of its stream already counted in the producer's metric
+
+
+class Holdings:
+    def __init__(self, make_stream: Callable[[int, int], DocStream], spec: BatchSpec, epochs: int, dtype):
+        self._make_stream = make_stream  # (shard, number of shards) -> its DocStream
+        self.spec, self.epochs, self.dtype = spec, epochs, dtype
+        self.shards: dict[int, HeldShard] = {}
+        self.total = 0  # the run's number of shards, as the trainer said
+        self._turn = 0  # round robin: the next shard to build a batch for is the first at or after this
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def held(self) -> list[int]:
+        return sorted(self.shards)
+
+    def start(self, shard: int, total: int, lease: str, cursor: Cursor, next_seq: int) -> HeldShard:
+        """(Re)start `shard` at `cursor`; its next message gets sequence number `next_seq`."""
+        if total != self.total:  # another trainer session with another split: nothing carries over
+            self.clear()
+            self.total = total
+        old = self.shards.get(shard)
+        stream = old.stream if old is not None else self._make_stream(shard, total)
+        if old is not None and old.gen is not None:
+            old.gen.close()
+        h = HeldShard(shard, stream, lease, next_seq - 1)
+        h.docs_counted = stream.stats.documents
+        h.gen = self._batches(h, cursor)
+        self.shards[shard] = h
+        return h
+
+    def keep_only(self, shards: list[int]) -> list[int]:
+        """Give up every shard not in `shards`; returns the ones given up."""
+        gone = [s for s in self.shards if s not in shards]
+        for s in gone:
+            h = self.shards.pop(s)
+            if h.gen is not None:
+                h.gen.close()
+        return gone
+
+    def clear(self) -> None:
+        self.keep_only([])
+
+    def next_message(self, session: str) -> tuple[HeldShard, list, Batch | None] | None:
+        """The next message to send, round robin over the shards with data left: (its shard, frames, the
+        batch or None for an `end`). None when every shard held has sent its end (or none is held)."""
+        order = sorted(self.shards)
+        if not order:
+            return None
+        start = next((i for i, s in enumerate(order) if s >= self._turn), 0)
+        for i in range(len(order)):
+            h = self.shards[order[(start + i) % len(order)]]
+            if h.finished:
+                continue
+            self._turn = h.shard + 1
+            assert h.gen is not None
+            h.seq += 1
+            try:
+                batch = next(h.gen)
+            except StopIteration:
+                h.finished = True
+                return h, end_frames(session, h.shard, h.seq, h.end_cursor, h.lease), None
+            return h, batch.to_frames(session, h.shard, h.seq, h.lease), batch
+        return None
+
+    def _batches(self, h: HeldShard, cursor: Cursor) -> Generator[Batch, None, None]:
+        h.end_cursor = Cursor(max(self.epochs, cursor.epoch))
+        for b in batches(h.stream, self.spec, cursor, self.epochs, dtype=self.dtype):
+            h.end_cursor = b.cursor
+            yield b
