@@ -1,10 +1,11 @@
 """The shards one producer holds: per shard a document stream, its batch generator, sequence number and
-lease, and the round-robin order batches are built in.
+lease, and the order their batches are built in.
 
 The trainer decides which shards a producer holds (consumer/assign.py) and where each starts (its cursor
 after the last batch it accepted). A shard's stream depends only on (corpus, seed, shard, number of
 shards, cursor), so a shard restarted here, or at another producer, makes the very same batches with the
-very same sequence numbers: the trainer keeps the first copy of each and drops the others.
+very same sequence numbers: the trainer keeps the first copy of each and drops the others. Batches are
+built for the least advanced shard first (see next_message).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ class Holdings:
         self.spec, self.epochs, self.dtype = spec, epochs, dtype
         self.shards: dict[int, HeldShard] = {}
         self.total = 0  # the run's number of shards, as the trainer said
-        self._turn = 0  # round robin: the next shard to build a batch for is the first at or after this
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -71,26 +71,23 @@ class Holdings:
         self.keep_only([])
 
     def next_message(self, session: str) -> tuple[HeldShard, list, Batch | None] | None:
-        """The next message to send, round robin over the shards with data left: (its shard, frames, the
-        batch or None for an `end`). None when every shard held has sent its end (or none is held)."""
-        order = sorted(self.shards)
-        if not order:
+        """The next message to send: (its shard, frames, the batch or None for an `end`), from the shard
+        with data left that has sent the fewest (lowest seq; ties: lowest shard). That is round robin
+        when the shards start together, keeps a moved-in shard from racing ahead of the others, and
+        depends only on the cursors: a producer restarted from a checkpoint's cursors sends its batches
+        in the order an uninterrupted one would have. None when nothing is left to send."""
+        live = [h for h in self.shards.values() if not h.finished]
+        if not live:
             return None
-        start = next((i for i, s in enumerate(order) if s >= self._turn), 0)
-        for i in range(len(order)):
-            h = self.shards[order[(start + i) % len(order)]]
-            if h.finished:
-                continue
-            self._turn = h.shard + 1
-            assert h.gen is not None
-            h.seq += 1
-            try:
-                batch = next(h.gen)
-            except StopIteration:
-                h.finished = True
-                return h, end_frames(session, h.shard, h.seq, h.end_cursor, h.lease), None
-            return h, batch.to_frames(session, h.shard, h.seq, h.lease), batch
-        return None
+        h = min(live, key=lambda x: (x.seq, x.shard))
+        assert h.gen is not None
+        h.seq += 1
+        try:
+            batch = next(h.gen)
+        except StopIteration:
+            h.finished = True
+            return h, end_frames(session, h.shard, h.seq, h.end_cursor, h.lease), None
+        return h, batch.to_frames(session, h.shard, h.seq, h.lease), batch
 
     def _batches(self, h: HeldShard, cursor: Cursor) -> Generator[Batch, None, None]:
         h.end_cursor = Cursor(max(self.epochs, cursor.epoch))

@@ -1,0 +1,172 @@
+"""Elastic producers (issue 12): producers join and leave a running job, the trainer re-divides the shards,
+and every document is trained exactly once per epoch, across joins, kills, a SIGTERM and a trainer restart.
+
+The split is the trainer's --shards (record id % shards), fixed for the run and recorded in its
+checkpoints; which producer serves which shard changes with every join and leave (consumer/assign.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from itertools import combinations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmpipe.consumer.assign import balance
+from lmpipe.consumer.checkpoint import CheckpointManager
+from tests.helpers import (
+    assert_exactly_once,
+    builtin_lengths,
+    doc_log_entries,
+    steps_logged,
+    trained_pieces,
+    wait_until,
+)
+
+# -- the assignment policy ---------------------------------------------------------------------------------
+
+
+@given(
+    st.integers(1, 20).flatmap(
+        lambda n: st.tuples(
+            st.just(n), st.lists(st.one_of(st.none(), st.integers(0, n - 1)), min_size=16, max_size=16)
+        )
+    ),
+    st.sets(st.integers(0, 15)),
+)
+def test_balance_gives_every_open_shard_one_holder_and_even_shares(owners, open_shards):
+    n, owner = owners  # owner[s]: the producer holding shard s, or None
+    holdings = {f"p{i}".encode(): {s for s in range(16) if owner[s] == i} for i in range(n)}
+    new = balance(holdings, open_shards)
+    assert list(new) == list(holdings), "every producer is in the answer, in join order"
+    assert sorted(s for v in new.values() for s in v) == sorted(open_shards), "each open shard once"
+    sizes = [len(v) for v in new.values()]
+    assert max(sizes) - min(sizes) <= 1, sizes
+    for k, v in new.items():  # as few moves as possible: each keeps what it held, up to its share
+        assert len(v & holdings[k]) == min(len(holdings[k] & open_shards), len(v)), (k, holdings[k], v)
+
+
+def test_a_join_takes_from_the_most_loaded_and_nothing_else_moves():
+    old = {b"a": {0, 1, 2, 3, 4}, b"b": {5, 6, 7}, b"c": set()}
+    new = balance(old, set(range(8)))
+    assert [len(v) for v in new.values()] == [3, 3, 2]
+    assert new[b"b"] == {5, 6, 7} and new[b"a"] <= old[b"a"], "only the most loaded gave shards up"
+    # a leave: its shards go to the others, the others keep theirs
+    after = balance({b"a": new[b"a"], b"b": new[b"b"]}, set(range(8)))
+    assert after[b"a"] >= new[b"a"] and after[b"b"] >= new[b"b"]
+    # more producers than shards: the extra ones stand by
+    many = balance({bytes([i]): set() for i in range(5)}, {0, 1, 2})
+    assert sorted(len(v) for v in many.values()) == [0, 0, 1, 1, 1]
+    assert all(not (x & y) for x, y in combinations(many.values(), 2))
+
+
+# -- real processes -----------------------------------------------------------------------------------------
+
+DOCS = 1500
+
+
+def job(port: int, strategy: str) -> list[str]:
+    return ["--port", str(port), "--strategy", strategy, "--epochs", "1", "--builtin-docs", str(DOCS),
+            "--seq-len", "64", "--batch-size", "4", "--bucket-window", "32", "--metrics-port", "-1"]  # fmt: skip
+
+
+def resumed_step(text: str) -> int:
+    return int(text.split("resumed from ")[1].split(": step ")[1].split(",")[0])
+
+
+def shards_of(log: str) -> list[int]:
+    """The shards a producer's log says it holds now (its last assignment)."""
+    got = re.findall(r"the trainer assigned shards ([\d,]+|none)", log)
+    return [] if not got or got[-1] == "none" else [int(s) for s in got[-1].split(",")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["pack", "bucket"])
+def test_producers_join_and_leave_mid_epoch_and_every_document_is_trained_once(
+    procs, tmp_path, port, tok, strategy
+):
+    """2 producers, 2 more join mid-epoch, one is killed (-9), one stopped (SIGTERM), the trainer is killed
+    and restarted from its checkpoint with the 2 producers left: each document's tokens exactly once."""
+    common = job(port, strategy)
+    log, ck = tmp_path / "docs.jsonl", tmp_path / "ck"
+    train_args = ["train", *common, "--producers", "2", "--shards", "8", "--steps", "0", "--threads", "1",
+                  "--checkpoint-dir", str(ck), "--checkpoint-every", "10", "--doc-log", str(log),
+                  "--resume", "auto", "--log-every", "10"]  # fmt: skip
+    t1 = procs.start(*train_args, name="trainer1")
+    p = [procs.start("produce", *common, name=f"p{i}") for i in range(2)]
+    wait_until(lambda: steps_logged(log) >= 10, 90, "step 10")
+    assert [len(shards_of(procs.log(x))) for x in p] == [4, 4]
+
+    def trainer_says(text: str, n: int = 1) -> None:
+        wait_until(lambda: procs.log(t1).count(text) >= n, 60, f"{text!r} x{n} in the trainer's log")
+
+    # two more join: each takes 2 shards from the two holding 4
+    p += [procs.start("produce", *common, name=f"p{i}") for i in (2, 3)]
+    trainer_says("joined from", 4)
+    wait_until(lambda: all(len(shards_of(procs.log(x))) == 2 for x in p), 30, "2 shards each")
+    assert sorted(s for x in p for s in shards_of(procs.log(x))) == list(range(8))
+    at = steps_logged(log)
+    wait_until(lambda: steps_logged(log) >= at + 10, 60, "10 steps with 4 producers")
+
+    # one is killed: its shards go to the other three
+    os.kill(p[0].pid, signal.SIGKILL)
+    p[0].wait()
+    trainer_says("left (connection closed)")
+    wait_until(lambda: sorted(s for x in p[1:] for s in shards_of(procs.log(x))) == list(range(8)), 30,
+               "the killed producer's shards spread")  # fmt: skip
+    at = steps_logged(log)
+    wait_until(lambda: steps_logged(log) >= at + 10, 60, "10 steps with 3 producers")
+
+    # one is stopped: it exits 0, and the last two hold every shard
+    p[2].send_signal(signal.SIGTERM)
+    assert p[2].wait(timeout=30) == 0, procs.log(p[2])
+    trainer_says("left (connection closed)", 2)
+    wait_until(lambda: sorted(s for x in (p[1], p[3]) for s in shards_of(procs.log(x))) == list(range(8)), 30,
+               "the stopped producer's shards spread")  # fmt: skip
+
+    # the trainer dies after a checkpoint; its successor resumes with 2 producers where there were 4
+    wait_until(lambda: CheckpointManager(ck).latest_step() is not None and CheckpointManager(ck).latest_step() > at,
+               60, "a checkpoint with 3 producers or fewer")  # fmt: skip
+    wait_until(lambda: steps_logged(log) >= CheckpointManager(ck).latest_step() + 3, 60, "steps after it")
+    assert "all 8 shards finished" not in procs.log(t1), "the epoch is still running"
+    os.kill(t1.pid, signal.SIGKILL)
+    t1.wait()
+    first_session = doc_log_entries(log)[0]["batches"][0]["session"]
+    t2 = procs.start(*train_args, name="trainer2")
+    assert t2.wait(timeout=180) == 0, procs.log(t2)[-3000:]
+    text = procs.log(t2)
+    assert "(end of data)" in text and "all 8 shards finished" in text
+    assert text.count("joined from") == 2
+    for x in (p[1], p[3]):
+        assert x.wait(timeout=30) == 0, procs.log(x)[-2000:]
+        assert "trainer restarted; rejoined" in procs.log(x)
+    entries = doc_log_entries(log)
+    assert_exactly_once(
+        trained_pieces(entries, first_session, resumed_step(text)), builtin_lengths(tok, DOCS)
+    )
+
+
+@pytest.mark.slow
+def test_a_resume_with_other_producers_is_exact_and_other_shards_are_refused(procs, tmp_path, port, tok):
+    common = [*job(port, "pack"), "--builtin-docs", "400", "--threads", "1"]
+    log, ck = tmp_path / "docs.jsonl", tmp_path / "ck"
+    first = procs.start("run", *common, "--producers", "1", "--steps", "12", "--checkpoint-dir", str(ck),
+                        "--doc-log", str(log), name="first")  # fmt: skip
+    assert first.wait(timeout=120) == 0, procs.log(first)
+    session = doc_log_entries(log)[0]["batches"][0]["session"]
+
+    other = procs.start("run", *common, "--producers", "1", "--shards", "4", "--steps", "0", "--checkpoint-dir",
+                        str(ck), "--resume", "auto", name="other_shards")  # fmt: skip
+    assert other.wait(timeout=60) == 2, procs.log(other)
+    assert "shards: checkpoint has 16, this run has 4" in procs.log(other)
+
+    second = procs.start("run", *common, "--producers", "3", "--steps", "0", "--checkpoint-dir", str(ck),
+                         "--resume", "auto", "--doc-log", str(log), name="second")  # fmt: skip
+    assert second.wait(timeout=120) == 0, procs.log(second)
+    text = procs.log(second)
+    assert resumed_step(text) == 12 and text.count("joined from") == 3
+    assert_exactly_once(trained_pieces(doc_log_entries(log), session, 12), builtin_lengths(tok, 400))
