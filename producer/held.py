@@ -36,6 +36,9 @@ class Holdings:
         self.spec, self.epochs, self.dtype = spec, epochs, dtype
         self.shards: dict[int, HeldShard] = {}
         self.total = 0  # the run's number of shards, as the trainer said
+        # The shards of the last assign: no batch is built while one of them still awaits its welcome, so
+        # the order of batches does not depend on how the welcomes trickle in.
+        self.assigned: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -45,13 +48,15 @@ class Holdings:
 
     def start(self, shard: int, total: int, lease: str, cursor: Cursor, next_seq: int) -> HeldShard:
         """(Re)start `shard` at `cursor`; its next message gets sequence number `next_seq`."""
-        if total != self.total:  # another trainer session with another split: nothing carries over
+        if total != self.total:  # another split (a new trainer session): no stream carries over
+            assigned = self.assigned
             self.clear()
-            self.total = total
+            self.assigned, self.total = assigned, total
         old = self.shards.get(shard)
         stream = old.stream if old is not None else self._make_stream(shard, total)
         if old is not None and old.gen is not None:
             old.gen.close()
+        self.assigned.add(shard)
         h = HeldShard(shard, stream, lease, next_seq - 1)
         h.docs_counted = stream.stats.documents
         h.gen = self._batches(h, cursor)
@@ -59,7 +64,9 @@ class Holdings:
         return h
 
     def keep_only(self, shards: list[int]) -> list[int]:
-        """Give up every shard not in `shards`; returns the ones given up."""
+        """Hold exactly `shards` (those not held yet come with their welcomes): give up every other one;
+        returns the ones given up."""
+        self.assigned = set(shards)
         gone = [s for s in self.shards if s not in shards]
         for s in gone:
             h = self.shards.pop(s)
@@ -77,7 +84,7 @@ class Holdings:
         depends only on the cursors: a producer restarted from a checkpoint's cursors sends its batches
         in the order an uninterrupted one would have. None when nothing is left to send."""
         live = [h for h in self.shards.values() if not h.finished]
-        if not live:
+        if not live or not self.assigned <= self.shards.keys():
             return None
         h = min(live, key=lambda x: (x.seq, x.shard))
         assert h.gen is not None
