@@ -144,14 +144,26 @@ def test_end_message_round_trip():
 
 def test_control_messages_round_trip_and_reject_garbage():
     hello = messages.Hello(
-        worker=1, num_workers=2, fingerprint={"tokenizer": "abc", "seq_len": 128}, pid=7, host="h"
+        worker=1, fingerprint={"tokenizer": "abc", "seq_len": 128}, pid=7, host="h", holding=[0, 5]
     )
     assert messages.unpack(messages.pack(hello)) == hello
-    w = messages.Welcome("sess", 1, Cursor(0, 5, 3, 0).to_dict(), 12)
+    w = messages.Welcome("sess", 1, Cursor(0, 5, 3, 0).to_dict(), 12, shards=16)
     assert messages.unpack(messages.pack(w)) == w
+    a = messages.Assign("sess", [1, 4], 16, 3)
+    assert messages.unpack(messages.pack(a)) == a
     for raw, match in [
         (msgpack.packb({"type": "shell", "cmd": "rm"}), "unknown control message"),
-        (msgpack.packb({"type": "hello", "worker": "0", "num_workers": 1, "fingerprint": {}}), "type str"),
+        (msgpack.packb({"type": "hello", "worker": "0", "fingerprint": {}}), "type str"),
+        (
+            msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "holding": [1, True]}),
+            "shard numbers",
+        ),
+        (msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "holding": [-1]}), "shard numbers"),
+        (msgpack.packb({"type": "assign", "session": "s", "shards": [], "total": 0}), "impossible number"),
+        (
+            msgpack.packb({"type": "welcome", "session": "s", "worker": 3, "shards": 2}),
+            "not one of its shards",
+        ),
         (msgpack.packb({"type": "welcome", "worker": 0}), "lacks field 'session'"),
         (b"\xc1\xc1", "not valid msgpack"),
     ]:
