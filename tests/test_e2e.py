@@ -46,7 +46,7 @@ def test_run_trains_every_document_exactly_once(procs, tmp_path, port, tok, stra
         assert out["first_loss"] - out["last_loss"] > 1.5, "the model learns"
     text = procs.log(p)
     assert "summary:" in text and "tok/s" in text and "data wait" in text
-    assert "producer 0 finished its data" in text and "producer 1 finished its data" in text
+    assert "all 16 shards finished their data" in text
 
 
 def test_producer_started_first_waits_for_the_trainer(procs, tmp_path, port):

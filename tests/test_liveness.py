@@ -218,7 +218,7 @@ def test_short_documents_train_to_the_end_of_an_epoch_exactly_once(
         "run", "--data", str(corpus), "--doc-split", split, "--strategy", strategy, "--epochs", "1",
         "--steps", "0", "--seq-len", "32", "--batch-size", "8", "--bucket-window", "64", "--port", str(port),
         "--metrics-port", "-1", "--log-every", "50", "--doc-log", str(log), "--summary-json", str(summary),
-        "--threads", "1", name="run",
+        "--threads", "1", "--shards", "2", name="run",  # 150 documents a shard: full packed batches
     )  # fmt: skip
     assert p.wait(timeout=120) == 0, procs.log(p)
     out = json.loads(summary.read_text())
