@@ -54,9 +54,15 @@ def test_compose_follows_the_scaling_rules():
     producer, trainer = services["producer"], services["trainer"]
     # scalable: no fixed name, no host port, no per-replica worker id
     assert "container_name" not in producer and "ports" not in producer
-    # one replica per worker id by default: `docker compose up` starts LMPIPE_PRODUCERS of them
-    for env in ({}, {"LMPIPE_PRODUCERS": "3"}):
-        assert interpolate(producer["scale"], env) == service_env(producer, env)["LMPIPE_PRODUCERS"]
+    # elastic: the trainer splits the corpus into its own --shards, so the number of replicas is
+    # `--scale producer=N` alone (LMPIPE_PRODUCERS only sets how many start), with nothing to keep in step
+    assert (
+        interpolate(producer["scale"], {}) == "2"
+        and interpolate(producer["scale"], {"LMPIPE_PRODUCERS": "3"}) == "3"
+    )
+    for svc in (producer, trainer):
+        assert "LMPIPE_PRODUCERS" not in service_env(svc), "no split to keep in step with the replicas"
+    assert "${LMPIPE_SHARDS:-" in str(trainer["environment"]["LMPIPE_SHARDS"])
     assert service_argv(producer)[:2] == ["lmpipe", "produce"]
     assert service_argv(trainer)[:2] == ["lmpipe", "train"]
     pargv = service_argv(producer)
@@ -83,7 +89,7 @@ def test_compose_follows_the_scaling_rules():
         assert "lmpipe-data:/data" in svc["volumes"]
     # the corpus and the strategy come from the environment, with defaults
     for svc in (producer, trainer):
-        for var in ("LMPIPE_DATA", "LMPIPE_STRATEGY", "LMPIPE_PRODUCERS"):
+        for var in ("LMPIPE_DATA", "LMPIPE_STRATEGY"):
             assert f"${{{var}:-" in str(svc["environment"][var]), var
     # Grafana is published for the user, Prometheus reads the shipped config
     assert any(str(p).endswith(":3000:3000") for p in services["grafana"]["ports"])

@@ -167,7 +167,8 @@ def test_tokens_sent_equal_tokens_trained(finite_run):
     assert sum(p.get("lmpipe_producer_documents_total") for p in producers) == 400, "one epoch of 400 docs"
     sent = [p.get("lmpipe_producer_batches_sent_total") for p in producers]
     received = t.by_label("lmpipe_trainer_batches_received_total", "worker")
-    assert sorted(sent) == sorted(received.values()), "every batch sent was received"
+    assert sum(sent) == sum(received.values()), "every batch sent was received"
+    assert all(sent), "every producer served shards"
     assert sum(sent) == t.get("lmpipe_trainer_steps_total"), "one batch per step (--accum 1)"
     assert "end of data" in finite_run.log
 

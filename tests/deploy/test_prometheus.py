@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from lmpipe.shared.tokenizer import load_tokenizer
-from tests.deploy.compose import load_compose, service_argv, service_env
+from tests.deploy.compose import interpolate, load_compose, service_argv, service_env
 from tests.deploy.dashboard import dashboard_exprs, expand
 from tests.deploy.shipped import COMPOSE, render_prometheus
 from tests.helpers import free_port_pair, free_ports, lmpipe_env
@@ -45,7 +45,7 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
     services = load_compose(COMPOSE)["services"]
     trainer_svc, producer_svc = services["trainer"], services["producer"]
     env = {**lmpipe_env(), **service_env(trainer_svc)}
-    n = int(service_env(producer_svc)["LMPIPE_PRODUCERS"])
+    n = int(interpolate(producer_svc["scale"], {}))
     data_port = free_port_pair()
     base = free_ports(n + 2, avoid={data_port, data_port + 1})
     trainer_port, producer_ports, prom_port = base, [base + 1 + i for i in range(n)], base + n + 1
@@ -127,7 +127,7 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
         assert value(find("sum(rate(lmpipe_trainer_tokens_total")) > 0, "the trainer trains"
         assert value(find("sum(rate(lmpipe_producer_tokens_total")) > 0, "the producers produce"
         assert 0 <= value(find("lmpipe_trainer_data_wait_seconds_sum")) <= 1
-        assert value(find("max(lmpipe_trainer_producers_connected)")) == n, "every replica got a worker id"
+        assert value(find("max(lmpipe_trainer_producers_connected)")) == n, "every replica joined"
         assert value(find("lmpipe_producer_padding_tokens_total"), strategy="pack") > 0.99
         assert value(find("clamp_min"), cache="causal_mask") > 0.5, (
             "packed rows on CPU hit the causal-mask cache"
