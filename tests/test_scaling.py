@@ -1,5 +1,5 @@
-"""Several producers into one trainer (1, 3, 6): every document once per epoch, every worker contributes
-(none starves), and every worker shows in the metrics of the trainer and of its own process."""
+"""Several producers into one trainer (1, 3, 6): every document once per epoch, every shard is served and
+every producer contributes (none starves), as the metrics of the trainer and of each producer show."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tests.helpers import assert_exactly_once, builtin_lengths, free_port_pair, 
 pytestmark = pytest.mark.slow
 
 DOCS = 600
+SHARDS = 12  # divisible by 1, 3 and 6: even shares
 
 
 @pytest.mark.parametrize("producers", [1, 3, 6])
@@ -24,7 +25,7 @@ def test_every_producer_contributes_and_every_document_is_trained_once(procs, tm
     p = procs.start(
         "run", "--producers", str(producers), "--epochs", "1", "--steps", "0", "--builtin-docs", str(DOCS),
         "--seq-len", "64", "--batch-size", "4", "--port", str(port), "--metrics-port", str(metrics),
-        "--metrics-linger", "20", "--doc-log", str(log), "--log-every", "5", "--threads", "1",
+        "--metrics-linger", "20", "--doc-log", str(log), "--log-every", "5", "--threads", "1", "--shards", str(SHARDS),
         name="run",
     )  # fmt: skip
     procs.wait_for(p, "summary:", timeout=240)
@@ -38,9 +39,12 @@ def test_every_producer_contributes_and_every_document_is_trained_once(procs, tm
     trained = Counter(
         b["worker"] for line in log.read_text().splitlines() for b in json.loads(line)["batches"]
     )
-    assert sorted(trained) == list(range(producers)), trained
-    mean = sum(trained.values()) / producers
-    assert min(trained.values()) >= 0.5 * mean, f"a worker starved: {trained}"
+    assert sorted(trained) == list(range(SHARDS)), f"every shard was served: {trained}"
     received = trainer.by_label("lmpipe_trainer_batches_received_total", "worker")
-    assert {w: received[str(w)] for w in range(producers)} == {w: float(trained[w]) for w in range(producers)}
-    assert all(sent >= trained[w] for w, sent in enumerate(producer_sent)), (producer_sent, trained)
+    assert {s: received[str(s)] for s in range(SHARDS)} == {s: float(trained[s]) for s in range(SHARDS)}
+    # each producer holds SHARDS / producers shards of about the same size: none starves
+    mean = sum(producer_sent) / producers
+    assert min(producer_sent) >= 0.5 * mean, f"a producer starved: {producer_sent}"
+    assert sum(producer_sent) >= sum(trained.values()), (producer_sent, trained)
+    assert trainer.get("lmpipe_trainer_producer_joins_total") == producers
+    assert trainer.get("lmpipe_trainer_shards_per_producer", stat="max") == SHARDS // producers
