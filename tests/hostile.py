@@ -135,7 +135,6 @@ class Hostile:
         hello = messages.pack(
             messages.Hello(
                 worker=worker,
-                num_workers=self.t["producers"],
                 fingerprint=fingerprint,
                 pid=os.getpid(),
                 host="attacker",
