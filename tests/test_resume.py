@@ -112,7 +112,9 @@ def test_kill_a_producer_and_restart_it(procs, tmp_path, port, tok, strategy):
         "1200",
     ]
     log = tmp_path / "docs.jsonl"
-    train = procs.start("train", *common, "--steps", "0", "--doc-log", str(log), name="trainer")
+    train = procs.start(
+        "train", *common, "--steps", "0", "--doc-log", str(log), "--threads", "1", name="trainer"
+    )
     p0 = procs.start("produce", *common, "--worker", "0", name="producer0")
     p1 = procs.start("produce", *common, "--worker", "1", name="producer1")
     wait_until(lambda: steps_logged(log) >= 8, 90, "step 8")
