@@ -166,9 +166,11 @@ class Producer:
             log.info("worker %d metrics on :%d", self.worker, port)
         ctx = zmq.Context()
         ep = self.endpoints
-        ctrl = open_socket(ctx, PRODUCER_CONTROL, self.cfg, ep)
-        data = open_socket(ctx, PRODUCER_DATA, self.cfg, ep)
+        ctrl = open_socket(ctx, PRODUCER_CONTROL, self.cfg, ep, connect=False)
+        # the monitor exists before the connection does, so not even the first handshake goes unseen
         monitor = ctrl.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
+        ctrl.connect(ep.control)
+        data = open_socket(ctx, PRODUCER_DATA, self.cfg, ep)
         try:
             return self._loop(ctrl, data, monitor)
         except Refused as exc:
@@ -180,7 +182,7 @@ class Producer:
         finally:
             ctrl.disable_monitor()
             monitor.close(0)
-            ctrl.close(0)
+            ctrl.close(linger=1000)  # a `bye` just queued still goes out
             data.close(0)
             ctx.term()
 
@@ -233,7 +235,7 @@ class Producer:
                     last_hello = 0.0  # (re)connected: say hello now, not at the next tick
                 continue
             if ctrl in flags:
-                reset = self._control(ctrl.recv())
+                reset = self._control(ctrl.recv(), ctrl)
                 if reset is not None:
                     cursor, next_seq = reset
                     if gen is not None:
@@ -283,7 +285,7 @@ class Producer:
             log.info("lost the connection to the trainer; holding batches until it welcomes this producer")
         return event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
 
-    def _control(self, raw: bytes) -> tuple[Cursor, int] | None:
+    def _control(self, raw: bytes, ctrl: zmq.Socket) -> tuple[Cursor, int] | None:
         """Handle one control message; returns (cursor, next_seq) when the stream must restart."""
         try:
             msg = messages.unpack(raw)
@@ -361,6 +363,8 @@ class Producer:
                 self._retry_logged = now
             return None
         if isinstance(msg, messages.Stop):
+            with contextlib.suppress(zmq.Again):  # the trainer waits for this before it closes its sockets
+                ctrl.send(messages.pack(messages.Bye()), zmq.NOBLOCK)
             log.info("trainer says stop: %s", msg.reason or "run finished")
             self.metrics.connected.set(0)
             self._stop = True

@@ -2,7 +2,8 @@
 
 Each message is a single msgpack map with a `type`. Producers say `hello` when they start and repeat it
 every HELLO_EVERY seconds as a heartbeat; the trainer answers `welcome` (session, worker id, cursor, next
-sequence number), `refuse` (with a reason, and whether retrying can help) or `stop`. A hello that names an
+sequence number), `refuse` (with a reason, and whether retrying can help) or `stop`, which a producer
+acknowledges with `bye`. A hello that names an
 old session is answered with a fresh `welcome`: that is how a restarted trainer sends producers back to
 its checkpointed cursors. `unpack` checks every field's type, nested maps included, so nothing the
 trainer does with a message can trip over a value it did not expect.
@@ -27,6 +28,9 @@ HOLDER_SILENCE = 40.0
 # A producer refused with retry=True (its id is held, all ids are taken) retries this long, then exits:
 # long enough for a dead predecessor's id to be freed (HOLDER_SILENCE), short enough not to hang.
 GIVE_UP_SECONDS = HOLDER_SILENCE + ALIVE_SECONDS
+# How long a stopping trainer waits for every live producer's `bye`; a hello that arrives meanwhile is
+# answered with `stop` again. Longer than TCP's retransmission back-off after a short partition.
+STOP_GRACE = 20.0
 
 
 @dataclass
@@ -65,11 +69,18 @@ class Stop:
     reason: str = ""
 
 
+@dataclass
+class Bye:
+    """A producer's acknowledgement of `stop`: the trainer waits for it (up to STOP_GRACE) before it closes
+    its sockets, so the end of a run reaches a producer behind a slow or congested link."""
+
+
 TYPES: dict[str, type] = {
     "hello": Hello,
     "welcome": Welcome,
     "refuse": Refuse,
     "stop": Stop,
+    "bye": Bye,
 }
 _NAMES = {cls: name for name, cls in TYPES.items()}
 _PY = {"int": int, "str": str, "bool": bool, "dict[str, Any]": dict, "dict[str, int]": dict}
