@@ -32,6 +32,7 @@ from lmpipe.shared.batch import Batch, batch_from_message, batch_limits
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.metrics import TrainerMetrics
 from lmpipe.shared.wire import WireError, decode, encode
+from tests.corpora import write_finetune_corpus
 from tests.helpers import (
     ListStream,
     assert_exactly_once,
@@ -358,25 +359,6 @@ def _mask_of(b: Batch) -> np.ndarray:
 # -- real runs -----------------------------------------------------------------------------------------
 
 
-def write_finetune_corpus(path, n: int = 240, seed: int = 0) -> None:
-    """prompt/completion records, with ids + loss_mask and plain text records among them, and two bad ones."""
-    rng = random.Random(seed)
-    words = [f"word{i}" for i in range(12)] + ["the", "cat", "sat", "on", "a", "mat"]
-    lines = []
-    for i in range(n):
-        say = " ".join(rng.choice(words) for _ in range(rng.randint(2, 40)))
-        if i % 5 == 3:
-            ids = [rng.randint(1, 1000) for _ in range(rng.randint(1, 80))]
-            lines.append({"ids": ids, "loss_mask": [int(rng.random() < 0.5) for _ in ids]})
-        elif i % 7 == 6:
-            lines.append({"text": say})
-        else:
-            lines.append({"prompt": f"Q{i}: {say}\nA:", "completion": " " + " ".join(rng.sample(words, 4))})
-    lines[17] = {"ids": [1, 2], "loss_mask": [1]}
-    lines[101] = {"prompt": "no completion"}
-    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-
-
 def expected_docs(path, tok) -> dict[int, tuple[int, np.ndarray]]:
     """doc id -> (length, mask) of every good record, read by the pipeline's own stream."""
     stream = DocStream(Corpus([str(path)], vocab_size=tok.vocab_size), tok, shuffle_window=0)
@@ -432,19 +414,23 @@ def test_prepared_shards_keep_the_mask_through_training(procs, tmp_path, port, t
     from lmpipe.cli import main
 
     data = tmp_path / "ft.jsonl"
-    write_finetune_corpus(data, n=160, seed=1)
+    write_finetune_corpus(data, n=160, seed=1, plain_head=300)  # the first shard is all plain text
     out = tmp_path / "shards"
     assert main(["prepare", "--data", str(data), "--out", str(out), "--shard-tokens", "2000"]) == 0
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["format_version"] == 2 and len(meta["shards"]) > 1
+    with_mask = [k for k, sh in enumerate(meta["shards"]) if "mask" in sh["files"]]
+    assert meta["format_version"] == 2 and with_mask and with_mask[0] > 0, "plain shards first, then masked"
     docs = expected_docs(data, tok)
     shards = ShardSet(out)
     for i in range(len(shards)):  # the shards hold each document's mask, end-of-text left out as for ids
         n, mask = docs[int(shards.rids[i])]
-        np.testing.assert_array_equal(shards.mask(i), mask[:-1])
+        got = shards.mask(i)
+        np.testing.assert_array_equal(np.ones(n - 1, np.uint8) if got is None else got, mask[:-1])
         assert len(shards.ids(i)) == n - 1
-    (out / meta["shards"][0]["files"]["mask"]["name"]).write_bytes(b"")  # a missing mask is named
-    with pytest.raises(ValueError, match=r"mask-00000\.bin: 0 bytes"):
+    assert shards.mask(0) is None
+    name = meta["shards"][with_mask[0]]["files"]["mask"]["name"]
+    (out / name).write_bytes(b"")  # a mask cut short is named
+    with pytest.raises(ValueError, match=rf"{name}: 0 bytes, meta.json says \d+"):
         ShardSet(out)
     assert main(["prepare", "--data", str(data), "--out", str(out), "--force", "--shard-tokens", "2000"]) == 0
 
