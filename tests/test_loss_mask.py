@@ -229,24 +229,25 @@ def test_a_bad_loss_mask_is_rejected(change, reason):
 
 
 @contextlib.contextmanager
-def trainer_feed(rows: int, seq_len: int, strategy: str):
-    """The trainer's receive side, started, and its device feed (CPU): `inputs(batch)` decodes a batch's
-    frames under the receiver's own limits into one of its host slots and makes the model inputs of it."""
+def trainer_feed(rows: int, seq_len: int, strategy: str, device: str = "cpu"):
+    """The trainer's receive side, started, and its device feed: `inputs(batch)` decodes a batch's frames
+    under the receiver's own limits into one of its host slots and makes the model inputs of it."""
     cfg = PipelineConfig(
         batch_size=rows, seq_len=seq_len, strategy=strategy, producers=1, port=free_port_pair()
     )
-    slots = [HostSlot(rows, seq_len, np.dtype("<u2"), pin=False) for _ in range(2)]
+    slots = [HostSlot(rows, seq_len, np.dtype("<u2"), pin=device == "cuda") for _ in range(2)]
     table, metrics = WorkerTable(1), TrainerMetrics(CollectorRegistry())
     receiver = Receiver(cfg, {}, slots, table, metrics, "s", 600)
     receiver.start()
     receiver.bound.wait()
     assert receiver.error is None, receiver.error
-    feed = DeviceFeed(receiver, table, "s", metrics, torch.device("cpu"), copy_stream=False, rows=None,
-                      attention="dense", mask_cache=MaskCache())  # fmt: skip
+    feed = DeviceFeed(receiver, table, "s", metrics, torch.device(device), copy_stream=device == "cuda",
+                      rows=None, attention="dense", mask_cache=MaskCache())  # fmt: skip
+    free = list(slots)
 
     def inputs(b: Batch):
         msg = decode(as_bytes(b.to_frames("s", 0, 1)), receiver.limits)
-        slot = slots[0]
+        slot = free.pop()  # the receiver takes each slot back once its copy is done
         slot.fill(batch_from_message(msg, 600, seq_len, rows), 0, 1, "s", 0.0)
         return feed.to_device(slot)
 
@@ -297,6 +298,21 @@ def test_masked_tokens_get_exactly_zero_gradient():
     assert torch.equal(loss, loss2)
     for a, c in zip(grads, grads2):
         assert torch.equal(a, c)
+
+
+@pytest.mark.cuda
+def test_the_cuda_feed_carries_the_mask():
+    """Pinned slot, copy stream and events: the same targets on the GPU as on the CPU."""
+    docs = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20]]
+    masks = [[0, 0, 0, 1, 1, 1, 0], None, [1, 0, 1, 0, 1, 0]]
+    for strategy in ("pack", "pad-batch"):
+        (b,) = list(batches(MaskedStream(docs, masks), BatchSpec(strategy=strategy, seq_len=8, batch_size=3),
+                            epochs=1))  # fmt: skip
+        with trainer_feed(3, 8, strategy) as cpu, trainer_feed(3, 8, strategy, "cuda") as gpu:
+            want, got = cpu(b), gpu(b)
+            torch.cuda.synchronize()
+        assert got.targets.is_cuda and torch.equal(got.targets.cpu(), want.targets)
+        assert int((want.targets != IGNORE).sum()) == b.num_targets()
 
 
 @pytest.mark.parametrize("strategy", ["pad-batch", "bucket", "pack"])
