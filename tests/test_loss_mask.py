@@ -469,3 +469,29 @@ def test_plain_shards_stay_version_1_without_mask_files(tmp_path, tok):
     meta = json.loads((tmp_path / "s" / "meta.json").read_text())
     assert meta["format_version"] == 1 and "mask" not in meta["shards"][0]["files"]
     assert ShardSet(tmp_path / "s").mask(0) is None
+
+
+def test_a_tokenizer_trained_on_a_finetuning_corpus_learns_its_prompts_too(tmp_path):
+    from lmpipe.cli import main
+    from lmpipe.shared.tokenizer import load_tokenizer
+
+    data = tmp_path / "ft.jsonl"
+    lines = [{"prompt": f"quizzicality {i} quizzicality", "completion": f" yes {i}"} for i in range(300)]
+    data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "t.json"),
+                "--vocab-size",
+                "400",
+            ]
+        )
+        == 0
+    )
+    tok = load_tokenizer(tmp_path / "t.json")
+    assert len(tok.tokenizer.encode("quizzicality", add_special_tokens=False).ids) == 1
