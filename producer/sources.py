@@ -50,9 +50,8 @@ class Record:
     ids: list[int] | np.ndarray | None = None  # a JSON record's list, or a shard's array
     # 0/1 per token of `ids` (1: trained as a target, i.e. predicted from the tokens before it); None: all
     loss_mask: list[int] | np.ndarray | None = None
-    prompt: str | None = (
-        None  # prompt/completion records: `text` is the completion, the prompt is not trained
-    )
+    # prompt/completion records: `text` is the completion; the prompt is context, never trained
+    prompt: str | None = None
     where: str = ""  # file:line of the record's first line
     bad: tuple[str, str] | None = None  # (reason, detail) when the whole record is rejected
     warnings: list[tuple[str, str, str]] | None = None  # (reason, where, detail) for skipped lines inside
