@@ -359,6 +359,7 @@ class Trainer:
             summary.pad_tokens += pad
             summary.data_wait_seconds += waited
             m.tokens.inc(real)
+            m.loss_tokens.inc(n_targets)
             m.padding.inc(pad)
             m.steps.inc()
             m.data_wait.observe(waited)

@@ -103,6 +103,9 @@ class TrainerMetrics:
         self.info = Info("lmpipe_trainer", "Trainer identity and configuration", registry=r)
         self.tokens = Counter("lmpipe_trainer_tokens", "Real tokens trained on", registry=r)
         self.padding = Counter("lmpipe_trainer_padding_tokens", "Pad tokens in trained batches", registry=r)
+        self.loss_tokens = Counter(  # below tokens by document ends, and by loss-masked tokens (fine-tuning)
+            "lmpipe_trainer_loss_tokens", "Targets the loss was taken on", registry=r
+        )
         self.steps = Counter(
             "lmpipe_trainer_steps", "Optimizer steps taken (including skipped ones)", registry=r
         )

@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import random
+import signal
+import urllib.request
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.feed import DeviceFeed
@@ -39,7 +43,9 @@ from tests.helpers import (
     doc_log_entries,
     doc_pieces,
     free_port_pair,
+    free_ports,
     tiny_model,
+    wait_until,
 )
 
 
@@ -384,6 +390,16 @@ def expected_docs(path, tok) -> dict[int, tuple[int, np.ndarray]]:
     }
 
 
+def metric(port: int, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
+
+
 def check_run(log, summary, docs) -> None:
     """Every document trained exactly once, and the loss taken on exactly the trained targets inside the
     pieces the trainer logged: the producer's count, the trainer's and the corpus's agree."""
@@ -409,13 +425,24 @@ def test_a_finetuning_run_trains_each_document_once_on_its_unmasked_targets(
     data = tmp_path / "ft.jsonl"
     write_finetune_corpus(data)
     log, summary = tmp_path / "docs.jsonl", tmp_path / "summary.json"
+    mport = free_ports(3, avoid={port, port + 1})  # the trainer's /metrics, then producer 0's and 1's
     p = procs.start(
         "run", "--data", str(data), "--epochs", "1", "--steps", "0", "--seq-len", "64", "--batch-size", "4",
         "--strategy", strategy, "--producers", "2", "--shuffle-window", "50", "--port", str(port),
-        "--metrics-port", "-1", "--log-every", "20", "--doc-log", str(log), "--summary-json", str(summary),
-        "--threads", "1", name="run",
+        "--metrics-port", str(mport), "--metrics-linger", "120", "--log-every", "20", "--doc-log", str(log),
+        "--summary-json", str(summary), "--threads", "1", name="run",
     )  # fmt: skip
-    assert p.wait(timeout=240) == 0, procs.log(p)
+    procs.wait_for(p, "summary:", timeout=240)
+    wait_until(summary.exists, 30, "the summary file")
+    assert metric(mport, "lmpipe_trainer_loss_tokens_total") == json.loads(summary.read_text())["targets"]
+    for reason in ("bad_mask", "bad_prompt"):
+        assert (
+            sum(metric(mport + 1 + i, "lmpipe_producer_bad_records_total", reason=reason) for i in (0, 1))
+            == 1
+        )
+    # the work is done (the summary is written): end the linger, which a signal does not cut short yet
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
     text = procs.log(p)
     assert f"{data}:18: loss_mask must be a list of 2 values" in text
     assert f'{data}:102: "prompt" and "completion" must both be strings' in text
