@@ -640,8 +640,6 @@ class Receiver(threading.Thread):
             return
         if isinstance(msg, messages.Hello):
             self._hello(identity, msg, fd)
-        elif isinstance(msg, messages.Bye):  # a producer stopped by a trainer before this one: harmless
-            pass
         else:
             self._reject(
                 "bad_control", f"a producer sent {type(msg).__name__.lower()}, only hello is expected"
