@@ -128,10 +128,16 @@ class DeviceFeed:
 
     def to_device(self, slot: HostSlot) -> ModelInputs:
         tokens, lengths, seg = slot.views(self.rows)
+        loss_mask = slot.loss_mask_view(self.rows)
         out: tuple[torch.Tensor | None, ...]
         if self.device.type != "cuda":
             t0 = time.perf_counter()
-            out = (tokens.to(torch.int64), lengths.clone(), None if seg is None else seg.to(torch.int32))
+            out = (
+                tokens.to(torch.int64),
+                lengths.clone(),
+                None if seg is None else seg.to(torch.int32),
+                None if loss_mask is None else loss_mask.clone(),
+            )
             self.metrics.h2d.observe(time.perf_counter() - t0)
             self.receiver.release(slot)  # converted copies: the slot is free again
         else:
@@ -141,7 +147,7 @@ class DeviceFeed:
                 start.record(stream)
                 out = tuple(
                     None if t is None else t.to(self.device, non_blocking=True)
-                    for t in (tokens, lengths, seg)
+                    for t in (tokens, lengths, seg, loss_mask)
                 )
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(stream)
@@ -157,9 +163,11 @@ class DeviceFeed:
                         t.record_stream(compute)
             # The pinned slot is reused only after its DMA finished: polled through the event, no sync.
             self._in_flight.append((done, slot))
-        tokens_d, lengths_d, seg_d = out
+        tokens_d, lengths_d, seg_d, mask_d = out
         assert tokens_d is not None and lengths_d is not None
-        return build_inputs(tokens_d, lengths_d, seg_d, attention=self.attention, mask_cache=self.mask_cache)
+        return build_inputs(
+            tokens_d, lengths_d, seg_d, attention=self.attention, mask_cache=self.mask_cache, loss_mask=mask_d
+        )
 
     def observe_h2d(self) -> None:
         """Record the copy times of completed copies (at the logging interval: events are not synced)."""

@@ -1,7 +1,9 @@
 """From a batch's arrays on the device to what the model takes: ids, positions, targets, attention mask.
 
 Targets are the next token in the same row *and the same document*; pads and the token after a
-document's end are IGNORE, so the loss never trains on padding or across documents.
+document's end are IGNORE, so the loss never trains on padding or across documents. Where the batch has a
+loss mask, a target is also IGNORE when the mask of the token it predicts is 0 (a prompt): those positions
+add nothing to the summed loss and get exactly zero gradient.
 """
 
 from __future__ import annotations
@@ -58,12 +60,20 @@ def positions(seg: torch.Tensor) -> torch.Tensor:
     return idx - starts.cummax(dim=1).values
 
 
-def targets_for(tokens: torch.Tensor, lengths: torch.Tensor, seg: torch.Tensor | None) -> torch.Tensor:
+def targets_for(
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    seg: torch.Tensor | None,
+    loss_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """targets[:, t] = tokens[:, t + 1] where that is a trained target, else IGNORE."""
     B, L = tokens.shape
     targets = torch.full_like(tokens, IGNORE)
     valid = torch.arange(L - 1, device=tokens.device)[None, :] < (lengths[:, None] - 1)
     if seg is not None:
         valid &= seg[:, 1:] == seg[:, :-1]
+    if loss_mask is not None:
+        valid &= loss_mask[:, 1:] != 0
     targets[:, :-1] = torch.where(valid, tokens[:, 1:], IGNORE)
     return targets
 
@@ -84,11 +94,12 @@ def build_inputs(
     *,
     attention: str = "auto",
     mask_cache: MaskCache | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> ModelInputs:
-    """tokens/lengths/seg already on the model's device. `attention`: auto | flex | dense."""
+    """tokens/lengths/seg (and loss_mask) already on the model's device. `attention`: auto | flex | dense."""
     B, L = tokens.shape
     idx = tokens.long()
-    targets = targets_for(idx, lengths, seg)
+    targets = targets_for(idx, lengths, seg, loss_mask)
     if seg is None:
         pos = torch.arange(L, device=idx.device).expand(B, L)
         return ModelInputs(idx, pos, targets, AttnSpec("causal"))

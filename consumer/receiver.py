@@ -37,6 +37,7 @@ duplicates early; the step loop writes it as batches are trained on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import queue
@@ -56,7 +57,7 @@ from lmpipe.consumer.slots import HostSlot
 from lmpipe.shared import messages
 from lmpipe.shared.batch import Cursor, batch_from_message, batch_limits
 from lmpipe.shared.config import PipelineConfig, mismatches
-from lmpipe.shared.messages import ALIVE_SECONDS, HOLDER_SILENCE
+from lmpipe.shared.messages import ALIVE_SECONDS, HOLDER_SILENCE, STOP_GRACE
 from lmpipe.shared.metrics import TrainerMetrics
 from lmpipe.shared.security import start_zap
 from lmpipe.shared.sockets import TRAINER_CONTROL, TRAINER_DATA, endpoints, open_socket
@@ -235,6 +236,9 @@ class Receiver(threading.Thread):
         self._stopped: set[bytes] = set()  # producers refused for good; their hellos are refused again
         self._first_hello: float | None = None  # of this session; shards are assigned once settled
         self._settled = False
+        self._stop_reason = ""
+        self._awaiting_bye: dict[bytes, str] = {}  # identity -> "p1 (host:pid)" told to stop, not yet gone
+        self._all_said_bye: asyncio.Event | None = None
         for w in range(len(table)):
             metrics.stream_resets.labels(str(w))
 
@@ -276,7 +280,7 @@ class Receiver(threading.Thread):
             self._loop.call_soon_threadsafe(self._shutdown, reason)
         except RuntimeError:  # the loop closed in between (the thread failed)
             return
-        self.join(timeout=5)
+        self.join(timeout=STOP_GRACE + 5)  # it waits up to STOP_GRACE for the producers' `bye`
 
     # -- the thread ---------------------------------------------------------------------------------
 
@@ -295,6 +299,7 @@ class Receiver(threading.Thread):
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        self._all_said_bye = asyncio.Event()
         self._free = asyncio.Queue()
         for s in self.slots:
             self._free.put_nowait(s)
@@ -336,9 +341,18 @@ class Receiver(threading.Thread):
                     else f"the trainer's {t.get_name()} task ended; this is a bug, please report it"
                 )
                 self._shutdown("the trainer failed")
-        # Closing right after the stop messages were queued lost them in tests (the data socket's
-        # teardown raced the control socket's flush); a short drain makes their delivery reliable.
-        await asyncio.sleep(0.2)
+        # Every live producer acknowledges `stop` with `bye` (the control loop keeps running meanwhile and
+        # repeats `stop` to each hello): behind a congested link the first one can take seconds to arrive.
+        with contextlib.suppress(TimeoutError):
+            assert self._all_said_bye is not None
+            await asyncio.wait_for(self._all_said_bye.wait(), timeout=STOP_GRACE)
+        if self._awaiting_bye:
+            log.warning(
+                "%d producer(s) did not acknowledge the stop within %.0f s: %s",
+                len(self._awaiting_bye),
+                STOP_GRACE,
+                ", ".join(sorted(self._awaiting_bye.values())),
+            )
         for t in [*tasks, stopping]:
             t.cancel()
         await asyncio.gather(*tasks, stopping, return_exceptions=True)
@@ -352,11 +366,20 @@ class Receiver(threading.Thread):
         ep.release()
 
     def _shutdown(self, reason: str) -> None:
+        assert self._stopping is not None
+        if self._stopping.is_set():
+            return
+        self._stop_reason = reason
         if reason and self._router is not None:
             for p in self.producers.values():
                 self._send(p.identity, messages.Stop(reason))
+                # Every open connection, not only producers heard from lately: behind a congested link
+                # a live producer's hellos arrive late. A dead one's connection closes (heartbeats).
+                self._awaiting_bye[p.identity] = p.label()
                 log.debug("told producer %s to stop", p.label())
-        assert self._stopping is not None
+        assert self._all_said_bye is not None
+        if not self._awaiting_bye:
+            self._all_said_bye.set()
         self._stopping.set()
 
     # -- data ---------------------------------------------------------------------------------------
@@ -613,10 +636,16 @@ class Receiver(threading.Thread):
         finally:
             conns.close()
 
+    def _said_bye(self, identity: bytes) -> None:
+        if self._awaiting_bye.pop(identity, None) and not self._awaiting_bye:
+            assert self._all_said_bye is not None
+            self._all_said_bye.set()
+
     def _disconnected(self, fd: int) -> None:
         """A control connection closed: its producer is gone and its shards go to the others."""
         for p in list(self.producers.values()):
             if p.fd == fd:
+                self._said_bye(p.identity)  # gone is as good as a `bye` to a stopping trainer
                 self._leave(p, "connection closed")
 
     def _control(self, frames: list[bytes], fd: int = -1) -> None:
@@ -630,6 +659,12 @@ class Receiver(threading.Thread):
             self._reject(exc.reason, exc.detail)
             # a producer of another version learns why instead of retrying forever
             self._send(identity, messages.Refuse(f"malformed control message: {exc.detail}", retry=False))
+            return
+        if self._stopping is not None and self._stopping.is_set():
+            if isinstance(msg, messages.Bye):
+                self._said_bye(identity)
+            elif isinstance(msg, messages.Hello) and self._stop_reason:  # the first stop is still on its way
+                self._send(identity, messages.Stop(self._stop_reason))
             return
         if isinstance(msg, messages.Hello):
             self._hello(identity, msg, fd)
@@ -717,6 +752,8 @@ class Receiver(threading.Thread):
         if self.producers.pop(p.identity, None) is None:
             return
         self.metrics.producer_leaves.inc()
+        if self._stopping is not None and self._stopping.is_set():
+            return  # the run is over: nothing to hand on
         if not self._settled:  # it held nothing yet
             log.info("producer %s (%s) left (%s) before shards were assigned", p.name, p.where, why)
             return

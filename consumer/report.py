@@ -18,8 +18,9 @@ def peak_flops(device_name: str) -> float:
 @dataclass
 class Summary:
     steps: int = 0
-    tokens: int = 0
+    tokens: int = 0  # real (non-pad) tokens in trained batches: what throughput is measured in
     pad_tokens: int = 0
+    targets: int = 0  # targets the loss was taken on: tokens minus document ends and loss-masked tokens
     seconds: float = 0.0
     data_wait_seconds: float = 0.0
     first_loss: float = float("nan")
@@ -68,7 +69,8 @@ class Summary:
         return (
             f"summary: {self.steps} steps in {self.seconds:.1f} s ({self.stopped_by}) | "
             f"loss {self.first_loss:.3f} -> {self.last_loss:.3f} | "
-            f"{self.tokens:,} tokens trained, {self.steady_tokens_per_second:,.0f} tok/s steady"
+            f"{self.tokens:,} tokens trained ({self.targets:,} in the loss), "
+            f"{self.steady_tokens_per_second:,.0f} tok/s steady"
             + (f", MFU {100 * self.steady_mfu:.1f}%" if self.steady_mfu else "")
             + f" ({self.tokens_per_second:,.0f} overall, first step after {self.time_to_first_step:.1f} s) | "
             f"padding efficiency {100 * self.padding_efficiency:.1f}% | "

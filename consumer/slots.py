@@ -27,7 +27,7 @@ class SlotMeta:
     width: int
     real_tokens: int
     pad_tokens: int
-    n_targets: int
+    n_targets: int  # targets the loss is taken on (in the same document, loss mask 1)
     doc_id: np.ndarray
     doc_start: np.ndarray
     doc_len: np.ndarray
@@ -44,7 +44,10 @@ class HostSlot:
         self._np_tokens = self.tokens.numpy()
         self._np_seg = self.seg.numpy()
         self._np_lengths = self.lengths.numpy()
+        self.loss_mask = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+        self._np_loss_mask = self.loss_mask.numpy()
         self.has_seg = False
+        self.has_loss_mask = False
         self.meta: SlotMeta | None = None
 
     def fill(self, batch: Batch, worker: int, seq: int, session: str, received_at: float) -> None:
@@ -55,6 +58,9 @@ class HostSlot:
         self.has_seg = batch.seg is not None
         if batch.seg is not None:
             self._np_seg[: B * L] = batch.seg.reshape(-1)
+        self.has_loss_mask = batch.loss_mask is not None
+        if batch.loss_mask is not None:
+            self._np_loss_mask[: B * L] = batch.loss_mask.reshape(-1)
         self.meta = SlotMeta(
             worker=worker,
             seq=seq,
@@ -88,3 +94,14 @@ class HostSlot:
         tokens = self.tokens[:n].view(B, m.width)
         seg = self.seg[:n].view(B, m.width) if self.has_seg else None
         return tokens, self.lengths[:B], seg
+
+    def loss_mask_view(self, rows: int | None = None) -> torch.Tensor | None:
+        """loss_mask [B, L] over this slot's buffer (rows as in views(), padding rows 0), or None when
+        the batch has none (every target is trained)."""
+        m = self.meta
+        assert m is not None
+        if not self.has_loss_mask:
+            return None
+        B = max(rows or m.rows, m.rows)
+        self._np_loss_mask[m.rows * m.width : B * m.width] = 0
+        return self.loss_mask[: B * m.width].view(B, m.width)

@@ -246,7 +246,15 @@ class Trainer:
         rows = []
         for m in metas:
             pieces = [[int(a), int(b), int(c)] for a, b, c in zip(m.doc_id, m.doc_start, m.doc_len)]
-            rows.append({"worker": m.worker, "seq": m.seq, "session": m.session, "docs": pieces})
+            rows.append(
+                {
+                    "worker": m.worker,
+                    "seq": m.seq,
+                    "session": m.session,
+                    "docs": pieces,
+                    "targets": m.n_targets,
+                }
+            )
         self._doc_log.write(json.dumps({"step": self.step, "batches": rows}) + "\n")
         self._doc_log.flush()
 
@@ -348,9 +356,11 @@ class Trainer:
             interval_tokens += real
             interval_wait += waited
             summary.tokens += real
+            summary.targets += n_targets
             summary.pad_tokens += pad
             summary.data_wait_seconds += waited
             m.tokens.inc(real)
+            m.loss_tokens.inc(n_targets)
             m.padding.inc(pad)
             m.steps.inc()
             m.data_wait.observe(waited)
@@ -418,8 +428,11 @@ class Trainer:
             summary.steady_seconds = end - steady_start[0]
             summary.steady_tokens = summary.tokens - steady_start[1]
         if self.dist.enabled:  # the summary speaks for the whole job
-            summary.tokens, summary.pad_tokens, summary.steady_tokens = (
-                int(v) for v in self.dist.sum([summary.tokens, summary.pad_tokens, summary.steady_tokens])
+            summary.tokens, summary.pad_tokens, summary.steady_tokens, summary.targets = (
+                int(v)
+                for v in self.dist.sum(
+                    [summary.tokens, summary.pad_tokens, summary.steady_tokens, summary.targets]
+                )
             )
         peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else 0.0
         if peak:  # per GPU

@@ -151,7 +151,7 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
         raise SettingsError("train needs --out FILE (or --builtin)")
     corpus = open_corpus(replace(cfg, builtin_docs=5000))  # the built-in tokenizer's corpus
     first_document(corpus, text=True)
-    texts = (r.text for r in corpus.records() if r.text and r.bad is None)
+    texts = ((r.prompt or "") + r.text for r in corpus.records() if r.text and r.bad is None)  # prompts too
     print(f"training a {opts.vocab_size}-token byte-level BPE on {corpus.describe()}", file=sys.stderr)
     tok = train_tokenizer(texts, opts.vocab_size)
     tok.save(str(out))

@@ -12,6 +12,10 @@ after it, so a producer restarted at that cursor makes exactly the batches that 
              epoch into the next: no pad except in the last row of a finite run.
 
 A piece is a document, or a seq_len-long slice of one that is longer (for the padding strategies).
+
+Documents with a loss mask (Doc.mask) put `loss_mask` in the batches that hold them: the mask is cut and
+laid out exactly as the tokens are, unmasked documents in the same batch get 1s and pad gets 0s. A batch
+with no masked document carries no mask at all.
 """
 
 from __future__ import annotations
@@ -79,11 +83,16 @@ def _padded_batch(
 ) -> Batch:
     tokens = np.full((len(pieces), width), pad_id, dtype=dtype)
     lengths = np.empty(len(pieces), dtype=np.int32)
+    masked = any(p.doc.mask is not None for p in pieces)
+    mask = np.zeros((len(pieces), width), dtype=np.uint8) if masked else None
     for r, p in enumerate(pieces):
-        tokens[r, : len(p.ids)] = p.ids
-        lengths[r] = len(p.ids)
+        n = len(p.ids)
+        tokens[r, :n] = p.ids
+        lengths[r] = n
+        if mask is not None:
+            mask[r, :n] = 1 if p.doc.mask is None else p.doc.mask[p.start : p.start + n]
     doc_id, doc_start, doc_len = _segments(pieces)
-    return Batch(tokens, lengths, doc_id, doc_start, doc_len, spec.strategy, cursor)
+    return Batch(tokens, lengths, doc_id, doc_start, doc_len, spec.strategy, cursor, loss_mask=mask)
 
 
 def _width(pieces: list[Piece], spec: BatchSpec) -> int:
@@ -159,6 +168,7 @@ def _pack(
         )
 
     tokens, seg, lengths = fresh()
+    mask: np.ndarray | None = None  # made when the batch's first masked document arrives
     segs: list[tuple[int, int, int]] = []
     row = fill = nseg = 0
     offset = start.offset
@@ -171,6 +181,10 @@ def _pack(
             take = min(T - fill, n - off)
             tokens[row, fill : fill + take] = ids[off : off + take]
             seg[row, fill : fill + take] = nseg
+            if doc.mask is not None:
+                if mask is None:  # everything laid out so far is unmasked: 1s
+                    mask = np.ones((B, T), dtype=np.uint8)
+                mask[row, fill : fill + take] = doc.mask[off : off + take]
             segs.append((doc.doc_id, off, take))
             fill += take
             off += take
@@ -180,18 +194,23 @@ def _pack(
                 row, fill, nseg = row + 1, 0, 0
                 if row == B:
                     cursor = Cursor(epoch, doc.pos, off) if off < n else last
-                    yield _packed(tokens, seg, lengths, segs, spec, cursor)
+                    yield _packed(tokens, seg, lengths, segs, spec, cursor, mask)
                     tokens, seg, lengths = fresh()
-                    segs, row = [], 0
+                    segs, row, mask = [], 0, None
     if fill:
         seg[row, fill:] = nseg  # pad tokens form their own segment: nothing attends to them
         lengths[row] = fill
+        if mask is not None:
+            mask[row, fill:] = 0
         row += 1
     if row:
-        yield _packed(tokens[:row].copy(), seg[:row].copy(), lengths[:row].copy(), segs, spec, last)
+        yield _packed(
+            tokens[:row].copy(), seg[:row].copy(), lengths[:row].copy(), segs, spec, last,
+            None if mask is None else mask[:row].copy(),
+        )  # fmt: skip
 
 
-def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor) -> Batch:
+def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor, mask=None) -> Batch:
     arr = np.array(segs, dtype=np.int64).reshape(-1, 3)
     return Batch(
         tokens,
@@ -202,6 +221,7 @@ def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor) -> Batc
         spec.strategy,
         cursor,
         seg=seg,
+        loss_mask=mask,
     )
 
 

@@ -160,9 +160,11 @@ class Producer:
             log.info("metrics on :%d", port)
         ctx = zmq.Context()
         ep = self.endpoints
-        ctrl = open_socket(ctx, PRODUCER_CONTROL, self.cfg, ep)
-        data = open_socket(ctx, PRODUCER_DATA, self.cfg, ep)
+        ctrl = open_socket(ctx, PRODUCER_CONTROL, self.cfg, ep, connect=False)
+        # the monitor exists before the connection does, so not even the first handshake goes unseen
         monitor = ctrl.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
+        ctrl.connect(ep.control)
+        data = open_socket(ctx, PRODUCER_DATA, self.cfg, ep)
         try:
             return self._loop(ctrl, data, monitor)
         except Refused as exc:
@@ -174,7 +176,7 @@ class Producer:
         finally:
             ctrl.disable_monitor()
             monitor.close(0)
-            ctrl.close(0)
+            ctrl.close(linger=1000)  # a `bye` just queued still goes out
             data.close(0)
             ctx.term()
 
@@ -225,7 +227,7 @@ class Producer:
                     last_hello = 0.0  # (re)connected: say hello now, not at the next tick
                 continue
             if ctrl in flags:
-                self._control(ctrl.recv())
+                self._control(ctrl.recv(), ctrl)
                 continue
             if self._pending is None or self._held:
                 continue
@@ -267,7 +269,7 @@ class Producer:
             log.info("lost the connection to the trainer; holding batches until it welcomes this producer")
         return event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
 
-    def _control(self, raw: bytes) -> None:
+    def _control(self, raw: bytes, ctrl: zmq.Socket) -> None:
         """Handle one control message from the trainer."""
         try:
             msg = messages.unpack(raw)
@@ -306,6 +308,8 @@ class Producer:
                 self._retry_logged = now
             return None
         if isinstance(msg, messages.Stop):
+            with contextlib.suppress(zmq.Again):  # the trainer waits for this before it closes its sockets
+                ctrl.send(messages.pack(messages.Bye()), zmq.NOBLOCK)
             log.info("trainer says stop: %s", msg.reason or "run finished")
             self.metrics.connected.set(0)
             self._stop = True

@@ -5,6 +5,10 @@ A shard directory holds `meta.json` and, per shard k,
                 the stream appends it, as it does for text)
   index-k.bin   int64 offsets, documents + 1 of them: document i is tokens[index[i]:index[i+1]]
   rids-k.bin    int64 record id of each document in the source corpus (ids of text and shards agree)
+  mask-k.bin    only in shards holding a document with a loss mask (prompt/completion or ids + loss_mask
+                records): uint8 0/1 per token, laid out as tokens-k.bin; a shard without it trains every
+                token. Such a set is format version 2, so an older reader refuses it instead of training on
+                the prompts.
 meta.json records the format version, dtype, vocabulary size, tokenizer hash, counts, and a sha256 per file.
 Opening a shard set checks all of it (sizes, offsets, checksums, ids inside the vocabulary) before a
 document is served; a mismatch names the file and what is wrong.
@@ -32,7 +36,7 @@ from lmpipe.producer.remote import Remote, is_url
 from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.files import sha256_file
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards may hold mask-k.bin; a set without masks is still written as version 1
 META = "meta.json"
 
 
@@ -53,6 +57,7 @@ def is_shard_dir(path: str | Path) -> bool:
 
 class _ShardWriter:
     def __init__(self, out: Path, k: int, dtype: np.dtype):
+        self.out, self.k = out, k
         self.names = {n: f"{n}-{k:05d}.bin" for n in ("tokens", "index", "rids")}
         self.files = {n: open(out / name, "wb") for n, name in self.names.items()}  # noqa: SIM115 - closed in close()
         self.dtype = dtype
@@ -60,7 +65,15 @@ class _ShardWriter:
         self.docs = 0
         self.files["index"].write(np.zeros(1, dtype="<i8").tobytes())
 
-    def add(self, rid: int, ids: np.ndarray) -> None:
+    def add(self, rid: int, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        if mask is not None and "mask" not in self.files:  # the first masked document: earlier ones train all
+            self.names["mask"] = f"mask-{self.k:05d}.bin"
+            self.files["mask"] = open(self.out / self.names["mask"], "wb")  # noqa: SIM115 - closed in close()
+            for a in range(0, self.tokens, 1 << 20):
+                self.files["mask"].write(np.ones(min(1 << 20, self.tokens - a), dtype=np.uint8).tobytes())
+        if "mask" in self.files:
+            m = np.ones(len(ids), dtype=np.uint8) if mask is None else mask.astype(np.uint8)
+            self.files["mask"].write(m.tobytes())
         self.files["tokens"].write(ids.astype(self.dtype).tobytes())
         self.tokens += len(ids)
         self.docs += 1
@@ -95,8 +108,8 @@ def prepare(stream, out: str | Path, *, shard_tokens: int = 1 << 26, source: str
     t0 = last = time.monotonic()
     tty = progress and sys.stderr.isatty()
     for doc in stream.docs(0):
-        ids = doc.ids[:-1]  # drop the end-of-text token; the reader adds it back
-        writer.add(doc.doc_id, ids)
+        ids = doc.ids[:-1]  # drop the end-of-text token; the reader adds it back (and its mask)
+        writer.add(doc.doc_id, ids, None if doc.mask is None else doc.mask[:-1])
         docs += 1
         tokens += len(ids)
         if writer.tokens >= shard_tokens:
@@ -110,8 +123,9 @@ def prepare(stream, out: str | Path, *, shard_tokens: int = 1 << 26, source: str
             sys.stderr.flush()
             last = now
     shards.append(writer.close(tmp))
+    masked = any("mask" in sh["files"] for sh in shards)
     meta = {
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if masked else 1,
         "dtype": dtype.name,
         "vocab_size": tok.vocab_size,
         "tokenizer_hash": tok.hash,
@@ -151,14 +165,11 @@ class ShardSet:
         m = self.meta
         dtype = _check_meta(m, meta_file)
         self.tokens: list[np.ndarray] = []  # memmaps, or an empty array for an empty shard
+        self.masks: list[np.ndarray | None] = []  # per shard: uint8 memmap, or None (every token trained)
         offsets, rids = [], []
         for k, sh in enumerate(m["shards"]):
-            files = {n: self.path / sh["files"][n]["name"] for n in ("tokens", "index", "rids")}
-            sizes = {
-                "tokens": sh["tokens"] * dtype.itemsize,
-                "index": (sh["documents"] + 1) * 8,
-                "rids": sh["documents"] * 8,
-            }
+            files = {n: self.path / sh["files"][n]["name"] for n in _names(sh)}
+            sizes = _sizes(sh, dtype)
             for n, f in files.items():
                 if not f.is_file():
                     raise ShardError(f"{f}: missing")
@@ -177,6 +188,16 @@ class ShardSet:
             if toks.size and int(toks.max()) >= m["vocab_size"]:
                 raise ShardError(f"{files['tokens']}: token id outside the vocabulary of {m['vocab_size']}")
             self.tokens.append(toks)
+            mask = None
+            if "mask" in files:
+                mask = (
+                    np.memmap(files["mask"], dtype=np.uint8, mode="r")
+                    if sh["tokens"]
+                    else np.zeros(0, np.uint8)
+                )
+                if mask.size and int(mask.max()) > 1:
+                    raise ShardError(f"{files['mask']}: loss mask values must be 0 or 1")
+            self.masks.append(mask)
             offsets.append(np.stack([np.full(sh["documents"], k), index[:-1], index[1:]], axis=1))
             rids.append(np.fromfile(files["rids"], dtype="<i8"))
         # one row per document: (shard, start, end); plus its record id
@@ -192,6 +213,16 @@ class ShardSet:
         k, a, b = self.docs[i]
         return self.tokens[k][a:b]
 
+    def mask(self, i: int) -> np.ndarray | None:
+        """Document i's loss mask (0/1 per token of ids(i)), or None when its shard trains every token."""
+        if self.remote is not None:
+            pending = self.fetch_later(i)
+            pending.result()
+            return pending.mask
+        k, a, b = self.docs[i]
+        mask = self.masks[k]
+        return None if mask is None else mask[a:b]
+
     def fetch_later(self, i: int) -> _Pending:
         """Document i's ids, fetched (remote shards) with every other pending one when first asked for."""
         assert self.remote is not None
@@ -200,6 +231,19 @@ class ShardSet:
     def fingerprint(self) -> str:
         m = self.meta
         return f"shards:{m['tokenizer_hash']}:{m['documents']}:{m['tokens']}:{m['created']}"
+
+
+def _names(sh: dict[str, Any]) -> tuple[str, ...]:
+    return ("tokens", "index", "rids", "mask") if "mask" in sh["files"] else ("tokens", "index", "rids")
+
+
+def _sizes(sh: dict[str, Any], dtype: np.dtype) -> dict[str, int]:
+    return {
+        "tokens": sh["tokens"] * dtype.itemsize,
+        "index": (sh["documents"] + 1) * 8,
+        "rids": sh["documents"] * 8,
+        "mask": sh["tokens"],
+    }
 
 
 def _check_meta(m: dict[str, Any], meta_file: Path | str) -> np.dtype:
@@ -215,6 +259,7 @@ class _Pending:
     def __init__(self, owner: _RemoteShards):
         self.owner = owner
         self.ids: np.ndarray | None = None
+        self.mask: np.ndarray | None = None  # set with ids when the document's shard has a loss mask
 
     def result(self) -> np.ndarray:
         if self.ids is None:
@@ -245,15 +290,13 @@ class _RemoteShards:
         self.vocab_size = int(m["vocab_size"])
         sizes = {u.rsplit("/", 1)[-1]: size for u, size, _ in remote.ls(base)}
         self.token_urls: list[str] = []
+        self.mask_urls: list[str | None] = []
         offsets, rids = [], []
         for k, sh in enumerate(m["shards"]):
-            expected = {
-                "tokens": sh["tokens"] * self.dtype.itemsize,
-                "index": (sh["documents"] + 1) * 8,
-                "rids": sh["documents"] * 8,
-            }
+            expected = _sizes(sh, self.dtype)
             arrays = {}
-            for n in ("tokens", "index", "rids"):
+            self.mask_urls.append(None)
+            for n in _names(sh):
                 name = sh["files"][n]["name"]
                 url = f"{base}/{name}"
                 if name not in sizes:
@@ -264,6 +307,9 @@ class _RemoteShards:
                     )
                 if n == "tokens":
                     self.token_urls.append(url)
+                    continue
+                if n == "mask":  # read with the tokens, and checked as they arrive
+                    self.mask_urls[k] = url
                     continue
                 data = remote.read_all(url) if expected[n] else b""
                 if verify_checksums and hashlib.sha256(data).hexdigest() != sh["files"][n]["sha256"]:
@@ -320,3 +366,17 @@ class _RemoteShards:
                         f"{url}: document {i} has a token id outside the vocabulary of {self.vocab_size}"
                     )
                 p.ids = ids
+            mask_url = self.mask_urls[k]
+            if mask_url is not None:  # the same reads over the uint8 mask file
+                mblocks = [(s // isz, e // isz) for s, e, _ in blocks]
+                mgot: dict[int, bytes] = {}
+                for (start, _end), (_, _, js), data in zip(
+                    mblocks, blocks, self.r.read_many(mask_url, mblocks)
+                ):
+                    for j in js:
+                        mgot[j] = data[spans[j][0] // isz - start : spans[j][1] // isz - start]
+                for j, (i, p) in enumerate(items):
+                    mask = np.frombuffer(mgot.get(j, b""), dtype=np.uint8)
+                    if len(mask) != (spans[j][1] - spans[j][0]) // isz or (mask.size and int(mask.max()) > 1):
+                        raise ShardError(f"{mask_url}: document {i}'s loss mask is short or not 0/1")
+                    p.mask = mask

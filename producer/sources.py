@@ -11,7 +11,10 @@ from one top-level ` = Heading = ` line to the next (`--doc-split heading`, Wiki
 every non-blank line (`--doc-split line`: one sentence per line, Penn Treebank style).
 A text or JSONL file with a NUL byte near its start is binary, not a corpus: it is refused by name, before any
 process waits on batches that would be junk.
-JSONL: one object per line with a `text` string, or pre-tokenized `ids` (a list of token ids).
+JSONL: one object per line with a `text` string, or pre-tokenized `ids` (a list of token ids), or, to
+train on only some tokens (fine-tuning), a `prompt` and a `completion` string (the loss is taken on the
+completion and the end-of-text token after it) or `ids` with a `loss_mask` of 0/1 per id (1: the model is
+trained to predict that token). A record with a mask is a document like any other; see Record.loss_mask.
 Compressed text/JSONL, Parquet, Arrow and Hugging Face `save_to_disk` folders: see formats.py; any of
 them, and shards, can be a URL (s3://bucket/prefix, any fsspec URL): see remote.py.
 """
@@ -45,6 +48,10 @@ class Record:
     rid: int  # record id: index across the corpus
     text: str | None = None
     ids: list[int] | np.ndarray | None = None  # a JSON record's list, or a shard's array
+    # 0/1 per token of `ids` (1: trained as a target, i.e. predicted from the tokens before it); None: all
+    loss_mask: list[int] | np.ndarray | None = None
+    # prompt/completion records: `text` is the completion; the prompt is context, never trained
+    prompt: str | None = None
     where: str = ""  # file:line of the record's first line
     bad: tuple[str, str] | None = None  # (reason, detail) when the whole record is rejected
     warnings: list[tuple[str, str, str]] | None = None  # (reason, where, detail) for skipped lines inside
@@ -145,6 +152,10 @@ def _jsonl_records(
         else:
             if not isinstance(obj, dict):
                 rec.bad = ("bad_json", "line is not a JSON object")
+            elif "prompt" in obj or "completion" in obj:
+                _prompt_completion(rec, obj)
+            elif "loss_mask" in obj:
+                _masked_ids(rec, obj, vocab_size)
             elif isinstance(obj.get("text"), str):
                 rec.text = obj["text"]
                 if not rec.text.strip():
@@ -159,8 +170,41 @@ def _jsonl_records(
                 else:
                     rec.ids = ids
             else:
-                rec.bad = ("missing_text", 'object has no "text" string or "ids" list')
+                rec.bad = (
+                    "missing_text",
+                    'object has no "text" string, "ids" list, or "prompt" and "completion" strings',
+                )
         yield rec
+
+
+def _prompt_completion(rec: Record, obj: dict) -> None:
+    prompt, completion = obj.get("prompt"), obj.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        got = ", ".join(f"{k} is {type(obj.get(k)).__name__ if k in obj else 'missing'}"
+                        for k in ("prompt", "completion"))  # fmt: skip
+        rec.bad = ("bad_prompt", f'"prompt" and "completion" must both be strings ({got})')
+    elif not completion.strip():
+        rec.bad = ("empty", "empty completion: nothing to train on")
+    else:
+        rec.prompt, rec.text = prompt, completion
+
+
+def _masked_ids(rec: Record, obj: dict, vocab_size: int | None) -> None:
+    ids, mask = obj.get("ids"), obj.get("loss_mask")
+    limit = vocab_size or (1 << 31)
+    if not isinstance(ids, list):
+        rec.bad = ("bad_mask", '"loss_mask" needs an "ids" list of the same length')
+    elif not ids:
+        rec.bad = ("empty", "empty ids")
+    elif not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in ids):
+        rec.bad = ("bad_ids", f"ids must be integers in [0, {limit})")
+    elif not isinstance(mask, list) or len(mask) != len(ids):
+        what = f"{len(mask)} values" if isinstance(mask, list) else f"a {type(mask).__name__}"
+        rec.bad = ("bad_mask", f"loss_mask must be a list of {len(ids)} values (one per id), not {what}")
+    elif not all(type(m) is int and m in (0, 1) for m in mask):  # True/False are not 1/0 here either
+        rec.bad = ("bad_mask", "loss_mask values must be 0 or 1")
+    else:
+        rec.ids, rec.loss_mask = ids, mask
 
 
 class _FetchedRecord(Record):
@@ -169,11 +213,17 @@ class _FetchedRecord(Record):
 
     def __init__(self, rid: int, pending, where: str):
         self.rid, self.text, self.where, self.bad, self.warnings = rid, None, where, None, None
+        self.prompt = None
         self._pending = pending
 
     @property
     def ids(self) -> np.ndarray:  # type: ignore[override]
         return self._pending.result()
+
+    @property
+    def loss_mask(self) -> np.ndarray | None:  # type: ignore[override]
+        self._pending.result()
+        return self._pending.mask
 
 
 class Corpus:
@@ -264,7 +314,7 @@ class Corpus:
             where = f"{self.shards.path}#{index}"
             if self.shards.remote is not None:
                 return _FetchedRecord(rid, self.shards.fetch_later(index), where)
-            return Record(rid=rid, ids=self.shards.ids(index), where=where)
+            return Record(rid=rid, ids=self.shards.ids(index), loss_mask=self.shards.mask(index), where=where)
         return Record(
             rid=int(index),
             text=builtin_corpus.document(self.builtin_seed, int(index)),

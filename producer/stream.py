@@ -31,6 +31,9 @@ class Doc:
     pos: int  # position in this worker's order for the epoch
     doc_id: int  # record id in the corpus
     ids: np.ndarray  # token ids with the end-of-text token appended
+    # uint8 0/1 per token of `ids` (1: trained as a target); None: every token is. The end-of-text token
+    # is trained when the document's last token is (a completion's end: the model learns to stop).
+    mask: np.ndarray | None = None
 
 
 @dataclass
@@ -152,7 +155,9 @@ class DocStream:
             chunk = list(islice(it, self.encode_batch))
             if not chunk:
                 return
+            # (chunk index, text); a prompt/completion record encodes both, the prompt under key -1 - i
             texts = [(i, rec.text) for i, (_, rec) in enumerate(chunk) if rec.ids is None]
+            texts += [(-1 - i, rec.prompt) for i, (_, rec) in enumerate(chunk) if rec.prompt is not None]
             encoded: dict[int, list[int]] = {}
             if texts:
                 t0 = time.perf_counter()
@@ -163,8 +168,18 @@ class DocStream:
                 encoded = {i: e.ids for (i, _), e in zip(texts, encs)}
             for i, (pos, rec) in enumerate(chunk):
                 ids = encoded[i] if rec.ids is None else rec.ids
+                mask = None
+                if rec.prompt is not None:  # trained: the completion and the end-of-text after it
+                    prompt = encoded[-1 - i]
+                    mask = np.zeros(len(prompt) + len(ids) + 1, dtype=np.uint8)
+                    mask[len(prompt) :] = 1
+                    ids = prompt + ids
+                elif rec.loss_mask is not None:
+                    mask = np.empty(len(ids) + 1, dtype=np.uint8)
+                    mask[:-1] = rec.loss_mask
+                    mask[-1] = mask[-2] if len(ids) else 1
                 arr = np.empty(len(ids) + 1, dtype=np.int64)
                 arr[:-1] = ids
                 arr[-1] = eos
                 self.stats.documents += 1
-                yield Doc(pos=pos, doc_id=rec.rid, ids=arr)
+                yield Doc(pos=pos, doc_id=rec.rid, ids=arr, mask=mask)

@@ -5,6 +5,11 @@ A batch is `tokens` [B, L] with right padding (`lengths` [B] real tokens per row
 never cross documents. Three small arrays account for every document piece in the batch (`doc_id`,
 `doc_start`, `doc_len`, row-major), which is what lets a test, or a user, prove that nothing was lost or
 repeated. The header carries (session, worker, seq) and the cursor after this batch.
+
+A batch of a corpus with loss masks (prompt/completion or ids + loss_mask records) also carries
+`loss_mask` [B, L] uint8: 1 where the token is trained as a target (predicted from the tokens before it),
+0 where it is context only. Batches without masked documents carry no such array, so plain text pays
+nothing for the feature.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def batch_bytes(cfg) -> int:
-    """Upper bound of one batch's array bytes for a PipelineConfig (tokens, seg, lengths, doc pieces)."""
+    """Upper bound of one batch's array bytes for a PipelineConfig (tokens, seg, loss_mask, lengths, doc
+    pieces)."""
     cells = cfg.batch_size * cfg.seq_len
-    return cells * (4 + 2) + cfg.batch_size * 4 + cells * 16
+    return cells * (4 + 2 + 1) + cfg.batch_size * 4 + cells * 16
 
 
 def batch_limits(batch_size: int, seq_len: int) -> Limits:
@@ -55,6 +61,7 @@ def batch_limits(batch_size: int, seq_len: int) -> Limits:
     shapes = {
         "tokens": (batch_size, seq_len),
         "seg": (batch_size, seq_len),
+        "loss_mask": (batch_size, seq_len),
         "lengths": (batch_size,),
         "doc_id": (cells,),
         "doc_start": (cells,),
@@ -78,6 +85,7 @@ class Batch:
     strategy: str
     cursor: Cursor
     seg: np.ndarray | None = None  # [B, L] uint16, pack only
+    loss_mask: np.ndarray | None = None  # [B, L] uint8 0/1, only where some document has a mask
 
     @property
     def rows(self) -> int:
@@ -96,18 +104,24 @@ class Batch:
         return self.rows * self.width - self.real_tokens
 
     def num_targets(self) -> int:
-        """Positions that have a next token in the same document: what the loss is averaged over."""
-        if self.seg is None:
+        """Positions whose next token is in the same document and trained (loss mask 1): what the loss is
+        averaged over."""
+        if self.seg is None and self.loss_mask is None:
             return int(np.maximum(self.lengths.astype(np.int64) - 1, 0).sum())
         cols = np.arange(self.width - 1)
-        same = self.seg[:, 1:] == self.seg[:, :-1]
-        inside = cols[None, :] < (self.lengths[:, None] - 1)
-        return int((same & inside).sum())
+        valid = cols[None, :] < (self.lengths[:, None] - 1)
+        if self.seg is not None:
+            valid &= self.seg[:, 1:] == self.seg[:, :-1]
+        if self.loss_mask is not None:
+            valid &= self.loss_mask[:, 1:] != 0
+        return int(valid.sum())
 
     def arrays(self) -> dict[str, np.ndarray]:
         out = {"tokens": self.tokens, "lengths": self.lengths}
         if self.seg is not None:
             out["seg"] = self.seg
+        if self.loss_mask is not None:
+            out["loss_mask"] = self.loss_mask
         out.update(doc_id=self.doc_id, doc_start=self.doc_start, doc_len=self.doc_len)
         return out
 
@@ -174,6 +188,11 @@ def batch_from_message(msg: Message, vocab_size: int, seq_len: int, max_rows: in
             width > 1 and bool((np.diff(seg.astype(np.int32), axis=1) < 0).any())
         ):
             raise WireError("bad_batch", "seg must match tokens and never decrease along a row")
+    loss_mask = None
+    if "loss_mask" in msg.arrays:
+        loss_mask = _want(msg, "loss_mask", 2, ("uint8",))
+        if loss_mask.shape != tokens.shape or (loss_mask.size and int(loss_mask.max()) > 1):
+            raise WireError("bad_batch", "loss_mask must match tokens and hold only 0 and 1")
     doc_id = _want(msg, "doc_id", 1, ("int64",))
     doc_start = _want(msg, "doc_start", 1, ("int32",))
     doc_len = _want(msg, "doc_len", 1, ("int32",))
@@ -198,6 +217,7 @@ def batch_from_message(msg: Message, vocab_size: int, seq_len: int, max_rows: in
         tokens=tokens,
         lengths=lengths,
         seg=seg,
+        loss_mask=loss_mask,
         doc_id=doc_id,
         doc_start=doc_start,
         doc_len=doc_len,

@@ -4,10 +4,11 @@ Each message is a single msgpack map with a `type`. Producers say `hello` when t
 every HELLO_EVERY seconds as a heartbeat, naming the shards they hold; the trainer answers `assign` (the
 whole set of shards this producer holds now, possibly none: it stands by), one `welcome` per shard to
 start or restart (session, shard, cursor, next sequence number, lease), `refuse` (with a reason, and
-whether retrying can help) or `stop`. A hello that names an old session is answered like a new
-producer's: that is how a restarted trainer sends producers back to its checkpointed cursors. A hello
-whose shards differ from the trainer's assignment is answered with what differs, so a lost message
-heals at the next heartbeat; both answers are idempotent. `unpack` checks every field's type, nested maps included, so nothing the
+whether retrying can help) or `stop`, which a producer acknowledges with `bye`. A hello that names an old
+session is answered like a new producer's: that is how a restarted trainer sends producers back to its
+checkpointed cursors. A hello whose shards differ from the trainer's assignment is answered with what
+differs, so a lost message heals at the next heartbeat; both answers are idempotent. `unpack` checks
+every field's type, nested maps included, so nothing the
 trainer does with a message can trip over a value it did not expect.
 """
 
@@ -30,6 +31,9 @@ HOLDER_SILENCE = 40.0
 # A producer refused with retry=True (its id is held, all ids are taken) retries this long, then exits:
 # long enough for a dead predecessor's id to be freed (HOLDER_SILENCE), short enough not to hang.
 GIVE_UP_SECONDS = HOLDER_SILENCE + ALIVE_SECONDS
+# How long a stopping trainer waits for every live producer's `bye`; a hello that arrives meanwhile is
+# answered with `stop` again. Longer than TCP's retransmission back-off after a short partition.
+STOP_GRACE = 20.0
 
 
 @dataclass
@@ -79,12 +83,19 @@ class Stop:
     reason: str = ""
 
 
+@dataclass
+class Bye:
+    """A producer's acknowledgement of `stop`: the trainer waits for it (up to STOP_GRACE) before it closes
+    its sockets, so the end of a run reaches a producer behind a slow or congested link."""
+
+
 TYPES: dict[str, type] = {
     "hello": Hello,
     "welcome": Welcome,
     "assign": Assign,
     "refuse": Refuse,
     "stop": Stop,
+    "bye": Bye,
 }
 _NAMES = {cls: name for name, cls in TYPES.items()}
 _PY = {

@@ -16,7 +16,9 @@ log = logging.getLogger(__name__)
 # step/data-wait latencies span ~1 ms (GPU step) to seconds (CPU step, starved trainer)
 # Label values created up front, so every series exists (at 0) from the first scrape: dashboards and
 # alerts then see "no problems" instead of "no data".
-BAD_RECORD_REASONS = ("invalid_utf8", "line_too_long", "empty", "bad_json", "missing_text", "bad_ids")
+BAD_RECORD_REASONS = (
+    "invalid_utf8", "line_too_long", "empty", "bad_json", "missing_text", "bad_ids", "bad_prompt", "bad_mask",
+)  # fmt: skip
 REJECT_REASONS = (
     "bad_header", "bad_version", "bad_kind", "bad_dtype", "bad_shape", "truncated", "bad_length",
     "bad_frames", "oversized", "bad_batch", "bad_worker", "bad_control", "handshake",
@@ -104,6 +106,9 @@ class TrainerMetrics:
         self.info = Info("lmpipe_trainer", "Trainer identity and configuration", registry=r)
         self.tokens = Counter("lmpipe_trainer_tokens", "Real tokens trained on", registry=r)
         self.padding = Counter("lmpipe_trainer_padding_tokens", "Pad tokens in trained batches", registry=r)
+        self.loss_tokens = Counter(  # below tokens by document ends, and by loss-masked tokens (fine-tuning)
+            "lmpipe_trainer_loss_tokens", "Targets the loss was taken on", registry=r
+        )
         self.steps = Counter(
             "lmpipe_trainer_steps", "Optimizer steps taken (including skipped ones)", registry=r
         )

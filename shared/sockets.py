@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
 from collections.abc import Mapping
@@ -54,6 +55,7 @@ HEARTBEAT_IVL_MS = 2000
 HEARTBEAT_TIMEOUT_MS = 30_000  # a peer silent this long after a PING is disconnected (the ROUTER notices)
 HANDSHAKE_MS = 10_000  # a connection that has not authenticated by then is closed
 MAX_HANDSHAKE_FAILURES = 9  # broken handshakes in a row (~1 s of reconnects) before a producer gives up
+log = logging.getLogger("lmpipe.sockets")
 UNIX_PATH_MAX = (
     107  # sun_path is 108 bytes with its NUL on Linux (104 on macOS; long paths fail there at bind)
 )
@@ -211,10 +213,18 @@ def endpoints(cfg: PipelineConfig) -> Endpoints:
 
 
 def open_socket(
-    ctx: zmq.Context, role: Role, cfg: PipelineConfig, ep: Endpoints, *, max_message: int = -1
+    ctx: zmq.Context,
+    role: Role,
+    cfg: PipelineConfig,
+    ep: Endpoints,
+    *,
+    max_message: int = -1,
+    connect: bool = True,
 ) -> Any:
     """A socket for `role` with every option set, bound (trainer) or connected (producer) to `ep`.
-    `max_message` bounds the trainer's data messages (bigger ones cut the connection)."""
+    `max_message` bounds the trainer's data messages (bigger ones cut the connection). With
+    connect=False a producer socket is left unconnected, so a monitor can be attached first: a handshake
+    that fails before its monitor exists is never reported, and libzmq does not retry a refused one."""
     s = ctx.socket(role.type)
     try:
         s.setsockopt(zmq.LINGER, 0)
@@ -248,7 +258,7 @@ def open_socket(
                 s.bind(addr)
             except zmq.ZMQError as exc:
                 raise OSError(f"cannot listen on {addr}: {exc}") from None
-        else:
+        elif connect:
             s.connect(addr)
     except BaseException:
         s.close(0)
@@ -282,6 +292,7 @@ class HandshakeWatch:
     def __call__(self, event: Mapping[str, Any]) -> bool:
         """Returns True when a handshake succeeded; raises HandshakeFailed when it is time to give up."""
         kind, value = event["event"], int(event["value"])
+        log.debug("control connection: %s (%d)", getattr(kind, "name", kind), value)
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.failures, self.telling = 0, None
             return True

@@ -16,7 +16,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 1
+# 2: batches may carry `loss_mask` (uint8 [B, L], 1 where a token is trained as a target); a version-1
+# trainer would train on masked tokens, so it must refuse them rather than ignore the array.
+WIRE_VERSION = 2
 
 # name -> little-endian numpy dtype. Anything else is refused before it is read.
 DTYPES: dict[str, np.dtype] = {

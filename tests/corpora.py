@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -108,3 +109,27 @@ def token_lengths(tok, docs: dict[int, str]) -> dict[int, int]:
     rids = sorted(docs)
     encs = tok.tokenizer.encode_batch([docs[r] for r in rids], add_special_tokens=False)
     return {r: len(e.ids) + 1 for r, e in zip(rids, encs)}
+
+
+def write_finetune_corpus(path: Path, n: int = 240, seed: int = 0, plain_head: int = 0) -> None:
+    """A fine-tuning JSONL file: prompt/completion records, with ids + loss_mask (ids < 1000) and plain text
+    records among them, and two bad ones (lines 18 and 102 when n > 101); `plain_head` plain text records
+    first."""
+    rng = random.Random(seed)
+    words = [f"word{i}" for i in range(12)] + ["the", "cat", "sat", "on", "a", "mat"]
+    lines: list[dict] = [
+        {"text": f"plain document {i} " + " ".join(rng.sample(words, 5))} for i in range(plain_head)
+    ]
+    for i in range(n):
+        say = " ".join(rng.choice(words) for _ in range(rng.randint(2, 40)))
+        if i % 5 == 3:
+            ids = [rng.randint(1, 1000) for _ in range(rng.randint(1, 80))]
+            lines.append({"ids": ids, "loss_mask": [int(rng.random() < 0.5) for _ in ids]})
+        elif i % 7 == 6:
+            lines.append({"text": say})
+        else:
+            lines.append({"prompt": f"Q{i}: {say}\nA:", "completion": " " + " ".join(rng.sample(words, 4))})
+    if n > 101:
+        lines[plain_head + 17] = {"ids": [1, 2], "loss_mask": [1]}
+        lines[plain_head + 101] = {"prompt": "no completion"}
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")

@@ -102,6 +102,15 @@ class Procs:
             time.sleep(0.1)
         raise AssertionError(f"{text!r} not seen in {p.args} (rc={p.poll()}):\n{self.log(p)[-3000:]}")
 
+    def wait(self, p: subprocess.Popen, timeout: float = 60) -> int:
+        """The exit code; a process still running after `timeout` fails the test with its log's tail."""
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{p.args} still running after {timeout} s:\n{self.log(p)[-3000:]}"
+            ) from None
+
     def cleanup(self) -> None:
         for p in self.procs:
             if p.poll() is None:

@@ -33,7 +33,7 @@ from lmpipe.shared import messages
 from lmpipe.shared.config import PipelineConfig, mismatches
 from lmpipe.shared.metrics import TrainerMetrics
 from lmpipe.shared.sockets import endpoints
-from lmpipe.shared.wire import STRATEGIES, WireError
+from lmpipe.shared.wire import STRATEGIES, WIRE_VERSION, WireError
 from tests.helpers import (
     REPO,
     assert_exactly_once,
@@ -277,7 +277,7 @@ def test_a_batch_rejected_every_time_stops_its_producer_then_the_run(procs, tmp_
         name="trainer",
     )
     p0 = procs.start("produce", *common, "--worker", "0", name="producer0")
-    newer = "import sys, lmpipe.shared.wire as w; w.WIRE_VERSION = 2; from lmpipe.cli import main; sys.exit(main())"
+    newer = "import sys, lmpipe.shared.wire as w; w.WIRE_VERSION += 1; from lmpipe.cli import main; sys.exit(main())"
     p1 = start_python(procs, newer, "produce", *common, "--worker", "1", name="producer1")
     assert p1.wait(timeout=60) == 2, procs.log(p1)
     assert "its batch seq 1 is rejected every time it is sent" in procs.log(p1)
@@ -393,7 +393,7 @@ def test_a_fuzzed_control_channel_leaves_the_handshake_alive(procs, tmp_path, po
         # a disconnect beyond it
         push = ctx.socket(zmq.PUSH)
         push.connect(endpoints(PipelineConfig(port=port)).data)
-        hdr = {"v": 1, "kind": "end", "session": "x", "worker": 0, "seq": 1,
+        hdr = {"v": WIRE_VERSION, "kind": "end", "session": "x", "worker": 0, "seq": 1,
                "cursor": {"epoch": 0, "pos": 0, "offset": 0, "skip": 0}, "arrays": [["doc_id", "int64", [8]]]}  # fmt: skip
         push.send_multipart([msgpack.packb(hdr), b"\0" * 100_000])
         wait_until(lambda: metric(mport, "lmpipe_trainer_batches_rejected_total", reason="bad_length") == 1, 30,

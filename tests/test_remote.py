@@ -23,7 +23,7 @@ from bench.common import free_port_pair
 from lmpipe.producer import remote
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
-from tests.corpora import FORMATS, builtin_docs, token_lengths, write
+from tests.corpora import FORMATS, builtin_docs, token_lengths, write, write_finetune_corpus
 from tests.helpers import REPO, assert_exactly_once, lmpipe_env, read_doc_log
 
 BUCKET = "corpora"
@@ -105,6 +105,11 @@ def s3(tmp_path_factory):
     tok_stream = DocStream(Corpus([str(src)]), _tok(), shuffle_window=0)
     prepare(tok_stream, local / "shards", progress=False)
     shutil.copytree(local / "shards", b / "shards")
+    # shards with loss masks (plain shards first, then masked ones), for the masks read by ranged reads
+    write_finetune_corpus(local / "ft.jsonl", n=160, seed=2, plain_head=300)
+    prepare(DocStream(Corpus([str(local / "ft.jsonl")]), _tok(), shuffle_window=0), local / "masked",
+            shard_tokens=2000, progress=False)  # fmt: skip
+    shutil.copytree(local / "masked", b / "masked")
     # large objects for the memory test: 48 MiB of text, as zstd JSONL and as Parquet with 1 MiB row groups
     big = _big_docs(48 << 20)
     write(b / "big" / "text", big, "jsonl.zst")
@@ -202,6 +207,22 @@ def test_remote_shards_serve_the_documents_of_local_ones(s3):
                 (d.pos, d.doc_id, d.ids.tolist()) for d in DocStream(lc, tok, w, 2, seed=5).docs(epoch, start)
             ]
             assert a == b and len(a) == 150 - start
+
+
+def test_remote_shards_serve_the_loss_masks_of_local_ones(s3):
+    tok = _tok()
+    rc, lc = Corpus([f"s3://{BUCKET}/masked"]), Corpus([str(s3.local / "masked")])
+    assert rc.shards is not None and lc.shards is not None
+    assert any("mask" in sh["files"] for sh in rc.shards.meta["shards"])
+
+    def docs(corpus, w):
+        return [(d.doc_id, d.ids.tolist(), None if d.mask is None else d.mask.tolist())
+                for d in DocStream(corpus, tok, w, 2, seed=5).docs(0)]  # fmt: skip
+
+    for w in range(2):
+        a = docs(rc, w)
+        assert a == docs(lc, w)
+        assert any(m is None for _, _, m in a) and any(m is not None and 0 in m for _, _, m in a)
 
 
 def test_remote_reads_hold_bounded_memory(s3):

@@ -1,0 +1,524 @@
+"""Loss masks: prompt/completion and ids + loss_mask records, the mask through batching, the wire and the
+host slots, targets that skip masked tokens (exactly zero gradient), exact accumulation, and real runs
+(plain and from prepared shards) that train every document once and take the loss on exactly the unmasked
+targets."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import random
+import signal
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.feed import DeviceFeed
+from lmpipe.consumer.inputs import MaskCache
+from lmpipe.consumer.model import IGNORE
+from lmpipe.consumer.receiver import Receiver, WorkerTable
+from lmpipe.consumer.slots import HostSlot
+from lmpipe.consumer.step import StepRunner
+from lmpipe.producer.batching import BatchSpec, batches
+from lmpipe.producer.shards import ShardSet
+from lmpipe.producer.sources import Corpus
+from lmpipe.producer.stream import Doc, DocStream
+from lmpipe.shared.batch import Batch, batch_from_message, batch_limits
+from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.metrics import TrainerMetrics
+from lmpipe.shared.wire import WireError, decode, encode
+from tests.corpora import write_finetune_corpus
+from tests.helpers import (
+    ListStream,
+    assert_exactly_once,
+    doc_log_entries,
+    doc_pieces,
+    free_port_pair,
+    free_ports,
+    tiny_model,
+    wait_until,
+)
+
+
+class MaskedStream(ListStream):
+    """In-memory documents, each with a 0/1 mask per token or None (every token trained)."""
+
+    def __init__(self, docs: list[list[int]], masks: list[list[int] | None]):
+        super().__init__(docs)
+        self.masks_ = [None if m is None else np.array(m, dtype=np.uint8) for m in masks]
+
+    def docs(self, epoch: int, start_pos: int = 0):
+        for d in super().docs(epoch, start_pos):
+            yield Doc(pos=d.pos, doc_id=d.doc_id, ids=d.ids, mask=self.masks_[d.pos])
+
+
+def as_bytes(frames) -> list[bytes]:
+    return [bytes(f) for f in frames]
+
+
+def over_the_wire(b: Batch, seq_len: int, rows: int) -> Batch:
+    """The batch as the trainer's receiver sees it: encoded, decoded under the run's limits, checked."""
+    msg = decode(as_bytes(b.to_frames("s", 0, 1)), batch_limits(rows, seq_len))
+    return batch_from_message(msg, vocab_size=600, seq_len=seq_len, max_rows=rows)
+
+
+# -- records -------------------------------------------------------------------------------------------
+
+
+def test_prompt_completion_and_masked_ids_records_become_masked_documents(tmp_path, tok):
+    path = tmp_path / "ft.jsonl"
+    good = [
+        {"prompt": "Question: what is two and two?\nAnswer:", "completion": " four"},
+        {"ids": [11, 12, 13, 14, 15], "loss_mask": [0, 0, 1, 1, 0]},
+        {"text": "a plain document trains every token"},
+        {"prompt": "", "completion": "no prompt at all"},
+    ]
+    bad = [
+        ({"prompt": "only a prompt"}, "bad_prompt", "completion is missing"),
+        ({"prompt": ["x"], "completion": "y"}, "bad_prompt", "prompt is list"),
+        ({"prompt": "p", "completion": "   "}, "empty", "empty completion"),
+        ({"ids": [1, 2, 3], "loss_mask": [1, 1]}, "bad_mask", "list of 3 values (one per id), not 2"),
+        ({"ids": [1, 2], "loss_mask": [1, 2]}, "bad_mask", "0 or 1"),
+        ({"ids": [1, 2], "loss_mask": [True, False]}, "bad_mask", "0 or 1"),
+        ({"text": "t", "loss_mask": [1]}, "bad_mask", 'needs an "ids" list'),
+        ({"ids": [1, 10**9], "loss_mask": [1, 1]}, "bad_ids", "ids must be integers"),
+        ({"title": "neither"}, "missing_text", '"prompt" and "completion"'),
+    ]
+    lines = (
+        [json.dumps(r) for r in good[:2]]
+        + [json.dumps(r) for r, _, _ in bad]
+        + [json.dumps(r) for r in good[2:]]
+    )
+    path.write_text("\n".join(lines) + "\n")
+    reported = []
+    stream = DocStream(
+        Corpus([str(path)], vocab_size=tok.vocab_size), tok, shuffle_window=0,
+        on_bad=lambda reason, where, detail: reported.append((reason, where, detail)),
+    )  # fmt: skip
+    docs = list(stream.docs(0))
+    assert [(r, w) for r, w, _ in reported] == [(r, f"{path}:{3 + i}") for i, (_, r, _) in enumerate(bad)]
+    for (_, _, detail), (_, _, want) in zip(reported, bad):
+        assert want in detail
+    assert [d.doc_id for d in docs] == [0, 1, 11, 12]
+    eos = tok.eos_id
+
+    enc = tok.tokenizer.encode_batch([good[0]["prompt"], good[0]["completion"]], add_special_tokens=False)
+    prompt, completion = enc[0].ids, enc[1].ids
+    assert docs[0].ids.tolist() == prompt + completion + [eos]
+    # the prompt is context only; the completion and the end-of-text after it are trained
+    assert docs[0].mask.tolist() == [0] * len(prompt) + [1] * (len(completion) + 1)
+    assert docs[1].ids.tolist() == [11, 12, 13, 14, 15, eos]
+    assert docs[1].mask.tolist() == [0, 0, 1, 1, 0, 0], "end-of-text is trained as the last token is"
+    assert docs[2].mask is None
+    assert docs[3].mask.tolist() == [1] * len(docs[3].ids)
+
+
+# -- batching ------------------------------------------------------------------------------------------
+
+masked_docs = st.lists(
+    st.tuples(
+        st.lists(st.integers(1, 500), min_size=1, max_size=60),
+        st.one_of(st.none(), st.randoms(use_true_random=False)),
+    ),
+    min_size=1,
+    max_size=30,
+)
+specs = st.builds(
+    BatchSpec,
+    strategy=st.sampled_from(["pad", "pad-batch", "bucket", "pack"]),
+    seq_len=st.integers(2, 40),
+    batch_size=st.integers(1, 5),
+    bucket_k=st.integers(0, 10),
+    bucket_window=st.integers(1, 20),
+    pad_multiple=st.sampled_from([1, 8]),
+    seed=st.integers(0, 3),
+)
+
+
+def _split(raw) -> tuple[list[list[int]], list[list[int] | None]]:
+    docs = [d for d, _ in raw]
+    masks = [None if r is None else [r.randint(0, 1) for _ in d] for d, r in raw]
+    return docs, masks
+
+
+@settings(max_examples=150, deadline=None)
+@given(raw=masked_docs, spec=specs)
+def test_the_mask_travels_aligned_with_its_tokens(raw, spec):
+    """Every strategy cuts and lays out the mask exactly as the tokens, through the wire; pad is 0;
+    the batch's target count is the trained targets inside its document pieces."""
+    docs, masks = _split(raw)
+    any_masked = any(m is not None for m in masks)
+    out = list(batches(MaskedStream(docs, masks), spec, epochs=1))
+    seen = {}
+    for sent in out:
+        b = over_the_wire(sent, spec.seq_len, spec.batch_size)
+        holds_masked = any(masks[int(d) - 1000] is not None for d in b.doc_id)
+        if not holds_masked:  # plain batches stay as they were: no mask array at all
+            assert b.loss_mask is None and "loss_mask" not in sent.arrays()
+            continue
+        assert b.loss_mask is not None and b.loss_mask.dtype == np.uint8
+        expected_targets = 0
+        k = 0
+        for r in range(b.rows):
+            fill = 0
+            while fill < b.lengths[r]:
+                did, start, n = int(b.doc_id[k]), int(b.doc_start[k]), int(b.doc_len[k])
+                m = masks[did - 1000]
+                want = np.ones(n, np.uint8) if m is None else np.array(m[start : start + n], np.uint8)
+                np.testing.assert_array_equal(b.loss_mask[r, fill : fill + n], want)
+                np.testing.assert_array_equal(
+                    b.tokens[r, fill : fill + n], docs[did - 1000][start : start + n]
+                )
+                seen.setdefault(did, []).append(start)
+                expected_targets += int(want[1:].sum())
+                fill += n
+                k += 1
+                if b.seg is None:
+                    break
+            assert (b.loss_mask[r, b.lengths[r] :] == 0).all(), "pad is never trained"
+        assert b.num_targets() == expected_targets
+    if not any_masked:
+        assert all(b.loss_mask is None for b in out)
+
+
+def test_a_mask_on_an_unmasked_batch_changes_nothing():
+    """The same documents with all-ones masks: the same tokens and target counts as with none."""
+    docs = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    for strategy in ("pad-batch", "pack"):
+        spec = BatchSpec(strategy=strategy, seq_len=8, batch_size=2)
+        plain = list(batches(ListStream(docs), spec, epochs=1))
+        ones = list(batches(MaskedStream(docs, [[1] * len(d) for d in docs]), spec, epochs=1))
+        assert [b.num_targets() for b in plain] == [b.num_targets() for b in ones]
+        for a, b in zip(plain, ones):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            assert a.loss_mask is None and b.loss_mask is not None
+
+
+# -- the wire ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda a: a.update(loss_mask=a["loss_mask"].astype(np.int32)), "array 'loss_mask' is int32"),
+        (lambda a: a.update(loss_mask=a["loss_mask"][:, :-1].copy()), "loss_mask must match tokens"),
+        (lambda a: a.update(loss_mask=a["loss_mask"] * 2), "only 0 and 1"),
+    ],
+)
+def test_a_bad_loss_mask_is_rejected(change, reason):
+    (b,) = list(
+        batches(MaskedStream([[1, 2, 3, 4, 5], [6, 7, 8]], [[0, 1, 1, 1, 1], None]),
+                BatchSpec(strategy="pack", seq_len=8, batch_size=1), epochs=1)
+    )  # fmt: skip
+    arrays = b.arrays()
+    change(arrays)
+    hdr = {"kind": "batch", "session": "s", "worker": 0, "seq": 1, "cursor": b.cursor.to_dict(),
+           "strategy": "pack", "counts": {"tokens": b.real_tokens, "pad": b.pad_tokens, "docs": 2}}  # fmt: skip
+    msg = decode(as_bytes(encode(hdr, arrays)), batch_limits(1, 8))
+    with pytest.raises(WireError, match=reason):
+        batch_from_message(msg, vocab_size=100, seq_len=8, max_rows=1)
+    big = dict(b.arrays(), loss_mask=np.zeros((1, 9), np.uint8))
+    with pytest.raises(WireError, match="'loss_mask' has shape"):  # over the slot: refused before it is read
+        decode(as_bytes(encode(hdr, big)), batch_limits(1, 8))
+
+
+# -- the trainer: targets, gradients, accumulation ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def trainer_feed(rows: int, seq_len: int, strategy: str, device: str = "cpu"):
+    """The trainer's receive side, started, and its device feed: `inputs(batch)` decodes a batch's frames
+    under the receiver's own limits into one of its host slots and makes the model inputs of it."""
+    cfg = PipelineConfig(
+        batch_size=rows, seq_len=seq_len, strategy=strategy, producers=1, port=free_port_pair()
+    )
+    slots = [HostSlot(rows, seq_len, np.dtype("<u2"), pin=device == "cuda") for _ in range(2)]
+    table, metrics = WorkerTable(1), TrainerMetrics(CollectorRegistry())
+    receiver = Receiver(cfg, {}, slots, table, metrics, "s", 600)
+    receiver.start()
+    receiver.bound.wait()
+    assert receiver.error is None, receiver.error
+    feed = DeviceFeed(receiver, table, "s", metrics, torch.device(device), copy_stream=device == "cuda",
+                      rows=None, attention="dense", mask_cache=MaskCache())  # fmt: skip
+    free = list(slots)
+
+    def inputs(b: Batch):
+        msg = decode(as_bytes(b.to_frames("s", 0, 1)), receiver.limits)
+        slot = free.pop()  # the receiver takes each slot back once its copy is done
+        slot.fill(batch_from_message(msg, 600, seq_len, rows), 0, 1, "s", 0.0)
+        return feed.to_device(slot)
+
+    try:
+        yield inputs
+    finally:
+        receiver.stop()
+
+
+def test_masked_tokens_get_exactly_zero_gradient():
+    """Token 96 is only ever a masked target: the logits that predict it get exactly zero gradient,
+    as does every masked position, while the trained ones do not; and changing the masked tail of a
+    document changes neither the loss nor any gradient."""
+    prompt, completion = [96, 96, 5, 6, 96, 7], [20, 21, 22, 23]
+    docs = [prompt + completion + [96, 96], [30, 31, 32, 33, 34, 35]]
+    masks = [[0] * len(prompt) + [1] * len(completion) + [0, 0], None]
+    (b,) = list(
+        batches(MaskedStream(docs, masks), BatchSpec(strategy="pack", seq_len=12, batch_size=2), epochs=1)
+    )
+    with trainer_feed(2, 12, "pack") as inputs:
+        inp = inputs(b)
+    trained = inp.targets != IGNORE
+    assert not (inp.targets == 96).any(), "a masked token is never a target"
+    assert int(trained.sum()) == b.num_targets() == len(completion) + 5  # row 1: doc 1, 6 tokens
+
+    def run(inp):
+        model = tiny_model(seed=1).train()
+        logits = {}
+
+        def keep(module, args, out):  # the logits, kept for their gradient
+            out.retain_grad()
+            logits["t"] = out
+
+        model.lm_head.register_forward_hook(keep)
+        _, loss = model(inp.idx, inp.pos, inp.attn, inp.targets)
+        loss.backward()
+        return loss, logits["t"].grad, [p.grad.clone() for p in model.parameters()]
+
+    loss, g, grads = run(inp)
+    assert (g[~trained] == 0).all(), "masked and cross-document positions: exactly zero gradient"
+    assert (g[trained].abs().sum(-1) > 0).all(), "every trained position has a gradient"
+
+    tail = [i for i, m in enumerate(b.loss_mask[0]) if m == 0 and i >= len(prompt)]
+    other = copy.deepcopy(inp)
+    assert tail == [10, 11] and (inp.targets[0, 9:] == IGNORE).all()
+    other.idx[0, tail] = 3  # the masked tail: only positions whose targets are masked see it
+    loss2, g2, grads2 = run(other)
+    assert torch.equal(loss, loss2)
+    for a, c in zip(grads, grads2):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.cuda
+def test_the_cuda_feed_carries_the_mask():
+    """Pinned slot, copy stream and events: the same targets on the GPU as on the CPU."""
+    docs = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20]]
+    masks = [[0, 0, 0, 1, 1, 1, 0], None, [1, 0, 1, 0, 1, 0]]
+    for strategy in ("pack", "pad-batch"):
+        (b,) = list(batches(MaskedStream(docs, masks), BatchSpec(strategy=strategy, seq_len=8, batch_size=3),
+                            epochs=1))  # fmt: skip
+        with trainer_feed(3, 8, strategy) as cpu, trainer_feed(3, 8, strategy, "cuda") as gpu:
+            want, got = cpu(b), gpu(b)
+            torch.cuda.synchronize()
+        assert got.targets.is_cuda and torch.equal(got.targets.cpu(), want.targets)
+        assert int((want.targets != IGNORE).sum()) == b.num_targets()
+
+
+@pytest.mark.parametrize("strategy", ["pad-batch", "bucket", "pack"])
+def test_accumulation_with_masks_equals_one_big_batch(strategy):
+    """Two micro-batches of B rows, normalised by the step's trained targets, give the update of one
+    batch of 2B rows: the loss is a sum over trained targets, not a mean of per-batch means."""
+    rng = random.Random(4)
+    docs = [[rng.randint(1, 96) for _ in range(rng.randint(3, 30))] for _ in range(20)]
+    masks = [None if i % 3 == 0 else [int(rng.random() < 0.4) for _ in d] for i, d in enumerate(docs)]
+    B, T = 2, 32
+    micro = list(batches(MaskedStream(docs, masks), BatchSpec(strategy=strategy, seq_len=T, batch_size=B,
+                                                              bucket_k=31), epochs=1))[:2]  # fmt: skip
+    assert len(micro) == 2 and all(m.rows == B for m in micro)
+    assert len({m.num_targets() for m in micro}) == 2, "unequal target counts: a mean of means would differ"
+    big = Batch(
+        tokens=np.concatenate([_widen(m.tokens, T) for m in micro]),
+        lengths=np.concatenate([m.lengths for m in micro]),
+        doc_id=np.concatenate([m.doc_id for m in micro]),
+        doc_start=np.concatenate([m.doc_start for m in micro]),
+        doc_len=np.concatenate([m.doc_len for m in micro]),
+        strategy=strategy,
+        cursor=micro[-1].cursor,
+        seg=None if micro[0].seg is None else np.concatenate([m.seg for m in micro]),
+        loss_mask=np.concatenate([_widen(_mask_of(m), T) for m in micro]),
+    )
+    n_targets = sum(m.num_targets() for m in micro)
+    assert big.num_targets() == n_targets
+    base = tiny_model(seed=3)
+    results = []
+    with trainer_feed(B, T, strategy) as small, trainer_feed(2 * B, T, strategy) as large:
+        accumulated, one = [small(m) for m in micro], [large(big)]
+    for inputs in (accumulated, one):
+        model = copy.deepcopy(base).train()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
+        loss, norm = StepRunner(model, opt, TrainConfig(grad_clip=1.0, fused_adamw=False), None).step(
+            inputs, n_targets, lr=1.0
+        )
+        results.append((loss, norm, [p.detach().clone() for p in model.parameters()]))
+    (la, na, pa), (lb, nb, pb) = results
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(na, nb, rtol=1e-5, atol=1e-6)
+    for a, c in zip(pa, pb):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def _widen(a: np.ndarray, width: int) -> np.ndarray:
+    out = np.zeros((a.shape[0], width), dtype=a.dtype)
+    out[:, : a.shape[1]] = a
+    return out
+
+
+def _mask_of(b: Batch) -> np.ndarray:
+    return (
+        b.loss_mask
+        if b.loss_mask is not None
+        else (np.arange(b.width)[None] < b.lengths[:, None]).astype(np.uint8)
+    )
+
+
+# -- real runs -----------------------------------------------------------------------------------------
+
+
+def expected_docs(path, tok) -> dict[int, tuple[int, np.ndarray]]:
+    """doc id -> (length, mask) of every good record, read by the pipeline's own stream."""
+    stream = DocStream(Corpus([str(path)], vocab_size=tok.vocab_size), tok, shuffle_window=0)
+    return {
+        d.doc_id: (len(d.ids), np.ones(len(d.ids), np.uint8) if d.mask is None else d.mask)
+        for d in stream.docs(0)
+    }
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
+
+
+def check_run(log, summary, docs) -> None:
+    """Every document trained exactly once, and the loss taken on exactly the trained targets inside the
+    pieces the trainer logged: the producer's count, the trainer's and the corpus's agree."""
+    out = json.loads(summary.read_text())
+    assert out["stopped_by"] == "end of data" and out["rejected"] == 0 and out["stale"] == 0
+    entries = doc_log_entries(log)
+    assert_exactly_once(doc_pieces(entries), {d: n for d, (n, _) in docs.items()})
+    expected = sum(
+        int(docs[did][1][start + 1 : start + n].sum())
+        for e in entries
+        for b in e["batches"]
+        for did, start, n in b["docs"]
+    )
+    assert sum(b["targets"] for e in entries for b in e["batches"]) == out["targets"] == expected
+    assert 0 < out["targets"] < out["tokens"] and np.isfinite(out["last_loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["pack", "bucket"])
+def test_a_finetuning_run_trains_each_document_once_on_its_unmasked_targets(
+    procs, tmp_path, port, tok, strategy
+):
+    data = tmp_path / "ft.jsonl"
+    write_finetune_corpus(data)
+    log, summary = tmp_path / "docs.jsonl", tmp_path / "summary.json"
+    mport = free_ports(3, avoid={port, port + 1})  # the trainer's /metrics, then producer 0's and 1's
+    p = procs.start(
+        "run", "--data", str(data), "--epochs", "1", "--steps", "0", "--seq-len", "64", "--batch-size", "4",
+        "--strategy", strategy, "--producers", "2", "--shuffle-window", "50", "--port", str(port),
+        "--metrics-port", str(mport), "--metrics-linger", "120", "--log-every", "20", "--doc-log", str(log),
+        "--summary-json", str(summary), "--threads", "1", name="run",
+    )  # fmt: skip
+    procs.wait_for(p, "summary:", timeout=240)
+    wait_until(summary.exists, 30, "the summary file")
+    assert metric(mport, "lmpipe_trainer_loss_tokens_total") == json.loads(summary.read_text())["targets"]
+    for reason in ("bad_mask", "bad_prompt"):
+        assert (
+            sum(metric(mport + 1 + i, "lmpipe_producer_bad_records_total", reason=reason) for i in (0, 1))
+            == 1
+        )
+    # the work is done (the summary is written): end the linger, which a signal does not cut short yet
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    text = procs.log(p)
+    assert f"{data}:18: loss_mask must be a list of 2 values" in text
+    assert f'{data}:102: "prompt" and "completion" must both be strings' in text
+    assert "Traceback" not in text
+    docs = expected_docs(data, tok)
+    assert len(docs) == 238
+    check_run(log, summary, docs)
+
+
+@pytest.mark.slow
+def test_prepared_shards_keep_the_mask_through_training(procs, tmp_path, port, tok):
+    from lmpipe.cli import main
+
+    data = tmp_path / "ft.jsonl"
+    write_finetune_corpus(data, n=160, seed=1, plain_head=300)  # the first shard is all plain text
+    out = tmp_path / "shards"
+    assert main(["prepare", "--data", str(data), "--out", str(out), "--shard-tokens", "2000"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    with_mask = [k for k, sh in enumerate(meta["shards"]) if "mask" in sh["files"]]
+    assert meta["format_version"] == 2 and with_mask and with_mask[0] > 0, "plain shards first, then masked"
+    docs = expected_docs(data, tok)
+    shards = ShardSet(out)
+    for i in range(len(shards)):  # the shards hold each document's mask, end-of-text left out as for ids
+        n, mask = docs[int(shards.rids[i])]
+        got = shards.mask(i)
+        np.testing.assert_array_equal(np.ones(n - 1, np.uint8) if got is None else got, mask[:-1])
+        assert len(shards.ids(i)) == n - 1
+    assert shards.mask(0) is None
+    name = meta["shards"][with_mask[0]]["files"]["mask"]["name"]
+    (out / name).write_bytes(b"")  # a mask cut short is named
+    with pytest.raises(ValueError, match=rf"{name}: 0 bytes, meta.json says \d+"):
+        ShardSet(out)
+    assert main(["prepare", "--data", str(data), "--out", str(out), "--force", "--shard-tokens", "2000"]) == 0
+
+    log, summary = tmp_path / "docs.jsonl", tmp_path / "summary.json"
+    p = procs.start(
+        "run", "--data", str(out), "--epochs", "1", "--steps", "0", "--seq-len", "64", "--batch-size", "4",
+        "--producers", "2", "--port", str(port), "--metrics-port", "-1", "--log-every", "20",
+        "--doc-log", str(log), "--summary-json", str(summary), "--threads", "1", name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=240) == 0, procs.log(p)
+    check_run(log, summary, docs)
+
+
+def test_plain_shards_stay_version_1_without_mask_files(tmp_path, tok):
+    from lmpipe.cli import main
+
+    data = tmp_path / "plain.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"document number {i}"}) for i in range(20)) + "\n")
+    assert main(["prepare", "--data", str(data), "--out", str(tmp_path / "s")]) == 0
+    meta = json.loads((tmp_path / "s" / "meta.json").read_text())
+    assert meta["format_version"] == 1 and "mask" not in meta["shards"][0]["files"]
+    assert ShardSet(tmp_path / "s").mask(0) is None
+
+
+def test_a_tokenizer_trained_on_a_finetuning_corpus_learns_its_prompts_too(tmp_path):
+    from lmpipe.cli import main
+    from lmpipe.shared.tokenizer import load_tokenizer
+
+    data = tmp_path / "ft.jsonl"
+    lines = [{"prompt": f"quizzicality {i} quizzicality", "completion": f" yes {i}"} for i in range(300)]
+    data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "t.json"),
+                "--vocab-size",
+                "400",
+            ]
+        )
+        == 0
+    )
+    tok = load_tokenizer(tmp_path / "t.json")
+    assert len(tok.tokenizer.encode("quizzicality", add_special_tokens=False).ids) == 1
