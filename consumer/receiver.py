@@ -610,7 +610,8 @@ class Receiver(threading.Thread):
         for p in list(self.producers.values()):
             if now - p.last_seen > HOLDER_SILENCE:
                 self._leave(p, f"silent for {now - p.last_seen:.0f} s")
-        self.metrics.producers.set(self.connected(now))
+        if self._stopping is None or not self._stopping.is_set():  # frozen once the run is over: the
+            self.metrics.producers.set(self.connected(now))  # last scrape shows who served it to the end
 
     async def _control_loop(self, router: zmq.asyncio.Socket) -> None:
         conns = ControlConnections(router)
