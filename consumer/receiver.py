@@ -468,12 +468,32 @@ class Receiver(threading.Thread):
                 self.metrics.drop_stale(why)
                 continue
             self.metrics.received.labels(str(worker)).inc()
-            assert self._free is not None
-            slot = await self._free.get()
+            slot = await self._free_slot()
+            if slot is None:  # the run is over: nothing more is trained
+                continue
             slot.fill(batch, worker, hdr["seq"], hdr["session"], now)
             del msg, batch, frames  # release the ZeroMQ buffers before waiting again
             self.ready.put(slot)
             self.metrics.ready_slots.set(self.ready.qsize())
+
+    async def _free_slot(self) -> HostSlot | None:
+        """A free host slot; None once the trainer is stopping. While it waits for the producers' `bye`
+        the step loop takes no more batches, and the data socket must still be read: a producer whose
+        connection is stuck halfway through a batch when it closes its socket trips a libzmq assertion
+        (session_base.cpp, "Resource temporarily unavailable") and aborts instead of exiting 0."""
+        assert self._free is not None and self._stopping is not None
+        if not self._free.empty():
+            return self._free.get_nowait()
+        if self._stopping.is_set():
+            return None
+        get = asyncio.ensure_future(self._free.get())
+        stop = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if get.done():
+            return get.result()
+        get.cancel()
+        return None
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
         """Counts data connections that close: a producer that exited, or one ZeroMQ cut off for a frame
