@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|loss-memory|ddp|all] [extra benchmark args...]
+#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|loss-memory|ddp|elastic|all] [extra benchmark args...]
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
 # On the team's lent GPU machine pyzmq and liger-kernel come as wheels in .whl/ (see README, Development),
 # and WikiText-2 as a copy in .benchdata/.
@@ -43,7 +43,9 @@ case $stage in
     resume|all) run resume python3 -m bench.resume --out "$OUT" "$@" ;;&
     loss-memory|all) run loss-memory python3 -m bench.loss_memory --out "$OUT" "$@" ;;&
     ddp) run ddp python3 -m bench.ddp --out "$OUT" "$@" ;;&
-    tests|ceiling|ablation|precision|resume|loss-memory|ddp|all) ;;
+    elastic) run elastic python3 -m bench.elastic --data "$LMPIPE_WIKITEXT"/*.txt --doc-split heading \
+        --seq-len 1024 --batch-size 16 --before 1 --after 4 --out "$OUT" "$@" ;;&
+    tests|ceiling|ablation|precision|resume|loss-memory|ddp|elastic|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"
