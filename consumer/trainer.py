@@ -31,7 +31,14 @@ from lmpipe.consumer.receiver import Receiver, WorkerTable
 from lmpipe.consumer.report import Summary, peak_flops
 from lmpipe.consumer.scaler import make_scaler
 from lmpipe.consumer.slots import HostSlot, SlotMeta
-from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer, resolve_device, resolve_precision
+from lmpipe.consumer.step import (
+    StepRunner,
+    lr_at,
+    make_optimizer,
+    resolve_device,
+    resolve_precision,
+    to_float8,
+)
 from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.metrics import TrainerMetrics, serve
@@ -68,6 +75,8 @@ class Trainer:
         )
         self.model = GPT(mcfg).to(self.device)
         self.model.grad_checkpointing = tcfg.grad_checkpointing
+        if self.precision == "fp8":
+            log.info("fp8: %d linear layers use torchao float8 matmuls", to_float8(self.model))
         if tcfg.fused_ce and self.device.type == "cuda":
             self.model.fused_ce = fused_linear_cross_entropy()
             if self.model.fused_ce is None:
@@ -100,7 +109,8 @@ class Trainer:
         if tcfg.compile:
             # one graph per row width: pack/pad have one, bucket/pad-batch as many as --pad-multiple allows
             torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-            self.step_model = cast(torch.nn.Module, torch.compile(self.step_model, dynamic=False))
+            mode = None if tcfg.compile_mode == "default" else tcfg.compile_mode
+            self.step_model = cast(torch.nn.Module, torch.compile(self.step_model, dynamic=False, mode=mode))
         self.runner = StepRunner(
             self.step_model, self.optimizer, tcfg, self.autocast_dtype, self.scaler, no_sync=no_sync
         )
