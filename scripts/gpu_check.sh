@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|loss-memory|ddp|all] [extra benchmark args...]
+#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|loss-memory|ddp|scaling|all] [extra benchmark args...]
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
 # On the team's lent GPU machine pyzmq and liger-kernel come as wheels in .whl/ (see README, Development),
 # and WikiText-2 as a copy in .benchdata/.
@@ -36,14 +36,15 @@ run() {  # name, command...
 }
 
 case $stage in
-    tests|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m "cuda or not slow" tests/test_cuda.py tests/test_scaler.py ;;&
+    tests|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m "cuda or not slow" tests/test_cuda.py tests/test_scaler.py tests/test_consume_only.py ;;&
     ceiling|all) run ceiling python3 -m bench.ceiling --out "$OUT" "$@" ;;&
     ablation|all) run ablation python3 -m bench.ablation --out "$OUT" "$@" ;;&
     precision|all) run precision python3 -m bench.precision --out "$OUT" "$@" ;;&
     resume|all) run resume python3 -m bench.resume --out "$OUT" "$@" ;;&
     loss-memory|all) run loss-memory python3 -m bench.loss_memory --out "$OUT" "$@" ;;&
     ddp) run ddp python3 -m bench.ddp --out "$OUT" "$@" ;;&
-    tests|ceiling|ablation|precision|resume|loss-memory|ddp|all) ;;
+    scaling) run scaling python3 -m bench.scaling --out "$OUT" "$@" ;;&
+    tests|ceiling|ablation|precision|resume|loss-memory|ddp|scaling|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"
