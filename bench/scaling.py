@@ -103,7 +103,12 @@ def plot(rows: list[dict], path: Path) -> str:
         ax2.plot(
             n, [100 * r["data_wait"] for r in rs], "o-", color=line.get_color(), label=f"{key[0]} -> {key[1]}"
         )
-    ax.set(xlabel="producers", ylabel="tokens/s delivered", title="throughput (dotted: N x one producer)")
+    ax.set(
+        xlabel="producers",
+        ylabel="tokens/s delivered",
+        title="throughput (dotted: N x one producer)",
+        yscale="log",
+    )
     ax2.set(xlabel="producers", ylabel="data wait %", title="trainer's time waiting for data")
     ax.legend(fontsize=8)
     ax2.legend(fontsize=8)
@@ -233,8 +238,8 @@ def main() -> None:
                 "data wait %",
                 "prod CPU %",
                 "tokenize %",
-                "other %",
                 "blocked %",
+                "rest %",
                 "receive thread %",
                 "receive ms/batch",
                 "copy ms/batch",
