@@ -28,6 +28,7 @@ measurement runs in a fresh process. Writes bench/results/peers-<date>.md.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import json
 import os
 import signal
@@ -48,6 +49,10 @@ from bench.trainbench import bench_data
 
 LOADERS = ("lmpipe", "lmpipe-shards", "dataloader", "torchdata", "streaming")
 PACKAGES = {"torchdata": "torchdata", "streaming": "streaming"}
+# what a loader reads, and the lmpipe run it is compared with: raw text, or text tokenized (and packed) once
+INPUT = {"lmpipe": "raw text", "dataloader": "raw text", "torchdata": "raw text",
+         "lmpipe-shards": "tokenized", "streaming": "tokenized"}  # fmt: skip
+REFERENCE = {"raw text": "lmpipe", "tokenized": "lmpipe-shards"}
 
 
 def children(pid: int) -> list[int]:
@@ -113,6 +118,8 @@ def _stub_torchvision() -> None:
     ds = types.ModuleType("torchvision.datasets")
     tr = types.ModuleType("torchvision.transforms")
     fn = types.ModuleType("torchvision.transforms.functional")
+    for m in (tv, ds, tr, fn):  # importlib.util.find_spec (transformers asks) wants a spec
+        m.__spec__ = importlib.machinery.ModuleSpec(m.__name__, None)
     ds.VisionDataset = ds.CIFAR10 = type("VisionDataset", (), {})  # type: ignore[attr-defined]
     fn.to_tensor = lambda x: x  # type: ignore[attr-defined]
     tv.datasets, tv.transforms, tr.functional = ds, tr, fn  # type: ignore[attr-defined]
@@ -463,15 +470,27 @@ def main() -> None:
 
     rows = []
     for (name, n), r in results.items():
-        best = max(results[(x, n)]["tokens_per_second"] for x in loaders)
-        row = [name, n, r["tokens_per_second"], r["tokens_per_second"] / results[("lmpipe", n)]["tokens_per_second"]
-               if ("lmpipe", n) in results else 0.0, "yes" if r["tokens_per_second"] == best else "",
-               100 * r["data_wait"], r["first_batch"], r["memory"] / 2**20]  # fmt: skip
+        kind = INPUT[name]
+        ref = results.get((REFERENCE[kind], n))
+        best = max(v["tokens_per_second"] for (x, k), v in results.items() if k == n and INPUT[x] == kind)
+        row = [name, kind, n, r["tokens_per_second"], r["tokens_per_second"] / ref["tokens_per_second"] if ref else "",
+               "yes" if r["tokens_per_second"] == best else "", 100 * r["data_wait"], r["first_batch"],
+               r["memory"] / 2**20]  # fmt: skip
         if a.resume:
             row += [f"{r['killed_at']} / {r['resumed']}" + ("" if r["valid"] else " (epoch ended first)"),
                     r["lost"], r["repeated"], r["resume_seconds"]]  # fmt: skip
         rows.append(row)
-    headers = ["loader", "workers", "tokens/s", "vs lmpipe", "fastest", "wait %", "first batch s", "peak MiB"]
+    headers = [
+        "loader",
+        "input",
+        "workers",
+        "tokens/s",
+        "vs lmpipe (same input)",
+        "fastest (same input)",
+        "wait %",
+        "first batch s",
+        "peak MiB",
+    ]
     if a.resume:
         headers += ["killed at / resumed from step", "docs lost", "docs repeated", "resumed epoch s"]
     body = (
