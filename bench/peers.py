@@ -196,8 +196,20 @@ def consume(batch: dict[str, torch.Tensor], device: torch.device) -> int:
 # -- children: one measurement in a fresh process ----------------------------------------------------------
 
 
+def import_loader(name: str) -> None:
+    """The loader's modules, imported before the clock starts: time to first batch is the loader's own."""
+    if name.startswith("lmpipe"):
+        import lmpipe.consumer.trainer  # noqa: F401
+    elif name == "torchdata":
+        import torchdata.stateful_dataloader  # noqa: F401
+    elif name == "streaming":
+        _stub_torchvision()
+        import streaming  # noqa: F401
+
+
 def child_throughput(a) -> dict:
     device = torch.device(a.device)
+    import_loader(a.loader)
     t0 = time.perf_counter()
     if a.loader.startswith("lmpipe"):
         return lmpipe_throughput(a, t0)

@@ -205,7 +205,9 @@ def main() -> None:
         profile, ["read shards (memory-mapped)", "pack into rows", "encode for the wire"]
     )
     receive_ceiling = one_core_ceiling(profile, ["trainer: decode + validate"])
-    name = "scaling-quick" if args.quick else "scaling"
+    # one file per kind of run, so that runs split over several commands (--fed) keep each other's results
+    name = "scaling" + ("" if args.fed == "consume-only,model" else "-" + args.fed.replace(",", "-"))
+    name += "-quick" if args.quick else ""
     out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
     import datetime as dt
 

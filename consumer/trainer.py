@@ -3,7 +3,8 @@
 Per step: take `accum` ready host slots from the device feed (the wait is data-wait time; consumer/feed.py),
 run forward/backward over them and one optimizer step (consumer/step.py), count and log
 (consumer/report.py), and checkpoint when due. The host reads GPU values (loss, grad norm, loss scale)
-only every `log_every` steps; nothing else in the loop synchronises.
+only every `log_every` steps; nothing else in the loop synchronises. With --consume-only no model is
+built: a step is the copy of its batches to the device (how fast the pipeline alone can feed).
 """
 
 from __future__ import annotations
