@@ -252,8 +252,8 @@ def main() -> None:
         + "\n\n"
         + png
         + "\n\n## Where the time goes, one core, no sockets\n\n"
-        f"Each stage alone over the whole corpus ({n_batches} batches), in this process: seconds per 1M tokens "
-        "and microseconds per batch.\n\n"
+        f"Each stage alone over the whole corpus ({n_batches} batches), in this process, the fastest of 3 "
+        "runs: seconds per 1M tokens and microseconds per batch.\n\n"
         + table(["stage", "s per 1M tokens", "us per batch"], profile)
         + f"\n\nOne core's ceiling: {ceiling_text:,.0f} tokens/s from raw text (read + tokenize + pack + encode), "
         f"{ceiling_shards:,.0f} tokens/s from shards (read + pack + encode); the trainer's decode + validate "
