@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|loss-memory|ddp|scaling|all] [extra benchmark args...]
+#   scripts/gpu_check.sh [tests|ceiling|ablation|precision|resume|loss-memory|ddp|scaling|peers|all] [extra benchmark args...]
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
 # On the team's lent GPU machine pyzmq and liger-kernel come as wheels in .whl/ (see README, Development),
 # and WikiText-2 as a copy in .benchdata/.
@@ -44,7 +44,8 @@ case $stage in
     loss-memory|all) run loss-memory python3 -m bench.loss_memory --out "$OUT" "$@" ;;&
     ddp) run ddp python3 -m bench.ddp --out "$OUT" "$@" ;;&
     scaling) run scaling python3 -m bench.scaling --out "$OUT" "$@" ;;&
-    tests|ceiling|ablation|precision|resume|loss-memory|ddp|scaling|all) ;;
+    peers) run peers python3 -m bench.peers --out "$OUT" "$@" ;;&
+    tests|ceiling|ablation|precision|resume|loss-memory|ddp|scaling|peers|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"
