@@ -193,6 +193,46 @@ def consume(batch: dict[str, torch.Tensor], device: torch.device) -> int:
     return int(batch["lengths"].sum())
 
 
+class ModelStep:
+    """The trainer's step on a peer's batches: lmpipe's Trainer, built but never started (no sockets), with
+    its model, optimizer, input building and step, as bench/trainbench.py's synthetic run uses them."""
+
+    def __init__(self, a):
+        from lmpipe.consumer.trainer import Trainer
+        from lmpipe.shared.config import PipelineConfig
+
+        pcfg = PipelineConfig(tokenizer=a.tok, strategy="pack", seq_len=a.seq_len, batch_size=a.batch_size,
+                              port=free_port_pair())  # fmt: skip
+        self.trainer = Trainer(pcfg, model_config(a))
+        self.steps = 0
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> int:
+        from lmpipe.consumer.inputs import build_inputs
+        from lmpipe.consumer.step import lr_at
+
+        tr, lengths, seg = self.trainer, batch["lengths"], batch["seg"].to(torch.int32)
+        # the targets of the step, counted on the host from the batch as the receiver does from its header
+        inside = torch.arange(seg.shape[1] - 1)[None, :] < (lengths[:, None] - 1)
+        n_targets = int(((seg[:, 1:] == seg[:, :-1]) & inside).sum())
+        dev = tr.device
+        tokens = batch["tokens"].to(dev, non_blocking=True)
+        inp = build_inputs(tokens, lengths.to(dev, non_blocking=True), seg.to(dev, non_blocking=True),
+                           attention=tr.cfg.attention, mask_cache=tr.mask_cache)  # fmt: skip
+        loss, _ = tr.runner.step([inp], n_targets, lr_at(self.steps, tr.cfg))
+        self.steps += 1
+        if self.steps % tr.cfg.log_every == 0:
+            float(loss)  # the trainer's one host sync per logging interval
+        return int(lengths.sum())
+
+
+def model_config(a, **over):
+    from lmpipe.consumer.config import TrainConfig
+
+    cuda = a.device.startswith("cuda")
+    return TrainConfig(model=a.model, steps=0, device=a.device, compile=cuda and a.compile, lr=6e-4, warmup=10,
+                       log_every=10, metrics_port=None, **over)  # fmt: skip
+
+
 # -- children: one measurement in a fresh process ----------------------------------------------------------
 
 
@@ -213,6 +253,7 @@ def child_throughput(a) -> dict:
     t0 = time.perf_counter()
     if a.loader.startswith("lmpipe"):
         return lmpipe_throughput(a, t0)
+    step = ModelStep(a) if a.model != "none" else (lambda batch: consume(batch, device))
     dl = make_loader(a.loader, a.workers, a, epochs=0)
     first = start = None
     tokens = 0
@@ -226,7 +267,7 @@ def child_throughput(a) -> dict:
             except StopIteration:
                 break
             now = time.perf_counter()
-            real = consume(batch, device)
+            real = step(batch)
             if first is None:
                 first, warm = now - t0, now
             elif start is None:
@@ -246,14 +287,13 @@ def child_throughput(a) -> dict:
 
 
 def lmpipe_throughput(a, t0: float) -> dict:
-    from lmpipe.consumer.config import TrainConfig
     from lmpipe.consumer.trainer import Trainer
     from lmpipe.shared.config import PipelineConfig, pipeline_argv
 
     data = [a.shards] if a.loader == "lmpipe-shards" else a.text
     pcfg = PipelineConfig(data=data, tokenizer=a.tok, strategy="pack", seq_len=a.seq_len, batch_size=a.batch_size,
                           producers=a.workers, port=free_port_pair(), shuffle_window=1000)  # fmt: skip
-    tcfg = TrainConfig(consume_only=True, steps=0, device=a.device, log_every=10, metrics_port=None)
+    tcfg = model_config(a, consume_only=a.model == "none")
     trainer = Trainer(pcfg, tcfg)
     procs = start_producers(pipeline_argv(pcfg), [-1] * a.workers)
     reg = trainer.metrics.registry
@@ -400,7 +440,8 @@ def child_args(a, resume: bool = False) -> list[str]:
     seq, rows = (a.resume_seq_len, a.resume_batch_size) if resume else (a.seq_len, a.batch_size)
     return ["--text", *a.text, "--tok", a.tok, "--shards", a.shards, "--mds", a.mds_resume if resume else a.mds,
             "--seq-len", str(seq), "--batch-size", str(rows), "--device", a.device, "--warmup", str(a.warmup),
-            "--seconds", str(a.seconds), "--checkpoint-every", str(a.checkpoint_every)]  # fmt: skip
+            "--seconds", str(a.seconds), "--checkpoint-every", str(a.checkpoint_every),
+            "--model", "none" if resume else a.model, *([] if a.compile else ["--no-compile"])]  # fmt: skip
 
 
 def main() -> None:
@@ -410,6 +451,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--model", default="none", help="none: the consume-only step; else a model preset trained")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="CUDA: the model uncompiled")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--resume-seq-len", type=int, default=128, help="the kill -9 runs: short rows, many steps")
@@ -507,7 +550,9 @@ def main() -> None:
         headers += ["killed at / resumed from step", "docs lost", "docs repeated", "resumed epoch s"]
     body = (
         f"WikiText-2 valid+test ({len(lengths):,} documents, {sum(lengths.values()):,} tokens), a 32k BPE, pack, "
-        f"T={a.seq_len}, {a.batch_size} rows; consumer: the trainer's consume-only step on {a.device}. "
+        f"T={a.seq_len}, {a.batch_size} rows; consumer: "
+        + ("the trainer's consume-only step" if a.model == "none" else f"lmpipe's trainer training {a.model}")
+        + f" on {a.device}. "
         f"{cores} cores, one per worker or producer. tokens/s over {a.seconds:.0f} s after {a.warmup:.0f} s of "
         f"warm-up; wait %: the consumer's time blocked on the loader. Kill -9 runs: T={a.resume_seq_len}, "
         f"{a.resume_batch_size} rows, one epoch, a checkpoint every {a.checkpoint_every} steps, the consumer "
@@ -517,7 +562,8 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f}.\n\n" + table(headers, rows)
     )
     print(body)
-    write_result("peers", "lmpipe against DataLoader, StatefulDataLoader and MosaicML Streaming", body, a.out)
+    name = "peers" if a.model == "none" else f"peers-{a.model}"
+    write_result(name, "lmpipe against DataLoader, StatefulDataLoader and MosaicML Streaming", body, a.out)
 
 
 if __name__ == "__main__":
