@@ -18,6 +18,8 @@ process, on the same documents. Writes bench/results/scaling-<date>.md (and .png
 from __future__ import annotations
 
 import argparse
+import gc
+import hashlib
 import os
 import subprocess
 import sys
@@ -38,6 +40,9 @@ COUNTS = (1, 2, 4, 8, 12)
 
 def measure(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: float, seconds: float) -> dict[str, float]:
     """One run: producers started, the trainer stepping until `warmup + seconds` after its first interval."""
+    gc.collect()  # the previous run's trainer (its model, optimizer and pinned slots) goes before this one's
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     trainer = Trainer(pcfg, tcfg)
     ports = free_ports(pcfg.producers)
     procs = start_producers(pipeline_argv(pcfg), ports)
@@ -68,7 +73,7 @@ def measure(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: float, seconds: flo
 
 def prepare_shards(data: list[str], tok: str, work: Path) -> str:
     """`lmpipe prepare`, the command a user runs, into `work` (once per corpus and tokenizer)."""
-    out = work / f"scaling-shards-{abs(hash((tuple(data), tok))) % 10**8}"
+    out = work / f"scaling-shards-{hashlib.sha256(repr((data, tok)).encode()).hexdigest()[:12]}"
     if not (out / "meta.json").exists():
         cmd = [
             sys.executable,
