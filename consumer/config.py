@@ -45,6 +45,13 @@ def unit_interval(v: float) -> str | None:
 @dataclass
 class TrainConfig:
     model: str = setting("tiny", choices=MODELS, help="model preset")
+    # "How fast can my pipeline go?": everything up to the model's first layer, then nothing. Checkpoints
+    # and --doc-log still work (cursors only), so exactly-once can be checked without a GPU's worth of model.
+    consume_only: bool = setting(
+        False,
+        help="receive, validate and copy batches to the device, but build and train no model: "
+        "the pipeline's own tokens/s, data wait and time per stage",
+    )
     steps: int = setting(
         300, check=at_least(0), help="optimizer steps; 0: until every producer has finished its epochs"
     )

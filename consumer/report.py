@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -37,6 +38,8 @@ class Summary:
     steady_tokens: int = 0
     steady_seconds: float = 0.0
     steady_mfu: float = 0.0
+    # --consume-only: where the trainer's time went, per batch consumed (see consume_stages)
+    consume: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -76,7 +79,32 @@ class Summary:
             f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
             f"data wait {100 * self.data_wait_fraction:.1f}% | "
             f"dropped: {self.rejected} malformed, {self.stale} stale"
+            + (self._render_consume() if self.consume else "")
         )
+
+    def _render_consume(self) -> str:
+        c = self.consume
+        receive = (
+            f"receive + decode + validate {1e3 * c['receive_seconds_per_batch']:.3f} ms "
+            f"(receive thread busy {100 * c['receive_busy']:.0f}% of a core), "
+            if "receive_seconds_per_batch" in c
+            else ""
+        )
+        return (
+            f"\nconsume only (no model): {c['batches']:,.0f} batches; per batch: {receive}"
+            f"copy to the device {1e3 * c['copy_seconds_per_batch']:.3f} ms, "
+            f"data wait {1e3 * c['wait_seconds_per_batch']:.3f} ms"
+        )
+
+
+def thread_cpu_seconds(native_id: int | None) -> float | None:
+    """CPU time of one thread of this process (Linux /proc), None where it cannot be read."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def print_status(step: int, stats: dict, total: int, stream=sys.stderr) -> None:

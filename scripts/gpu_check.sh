@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|ceiling|ablation|overhead|fp8|precision|resume|loss-memory|ddp|all] [extra args...]
+#   scripts/gpu_check.sh [tests|ceiling|ablation|overhead|fp8|precision|resume|loss-memory|ddp|scaling|peers|all]
+#                        [extra benchmark args...]
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
 # On the team's lent GPU machine pyzmq and liger-kernel come as wheels in .whl/ (see README, Development),
 # and WikiText-2 as a copy in .benchdata/.
@@ -46,7 +47,9 @@ case $stage in
     resume|all) run resume python3 -m bench.resume --out "$OUT" "$@" ;;&
     loss-memory|all) run loss-memory python3 -m bench.loss_memory --out "$OUT" "$@" ;;&
     ddp) run ddp python3 -m bench.ddp --out "$OUT" "$@" ;;&
-    tests|ceiling|ablation|overhead|fp8|precision|resume|loss-memory|ddp|all) ;;
+    scaling) run scaling python3 -m bench.scaling --out "$OUT" "$@" ;;&
+    peers) run peers python3 -m bench.peers --out "$OUT" "$@" ;;&
+    tests|ceiling|ablation|overhead|fp8|precision|resume|loss-memory|ddp|scaling|peers|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"
