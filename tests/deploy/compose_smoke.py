@@ -25,6 +25,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,12 +39,12 @@ from pathlib import Path
 
 from tests.deploy.compose import load_compose
 from tests.deploy.dashboard import dashboard_exprs, expand
-from tests.deploy.shipped import COMPOSE
+from tests.deploy.shipped import COMPOSE, debian_image
 from tests.helpers import REPO
 
 SKIPPED = 77
 PROJECT = "lmpipe-smoke"
-DEBIAN_IMAGE = "localhost/lmpipe-debian:bookworm"
+DEBIAN_IMAGE = debian_image()  # what deploy/debian/base.sh builds
 PROMETHEUS = "http://127.0.0.1:9090"  # the port docker-compose.yml publishes on loopback
 # Grafana's $__rate_interval for the compose Prometheus's 5 s scrape interval (4 scrapes)
 RATE_INTERVAL = "20s"
@@ -345,6 +346,17 @@ def query(expr: str) -> list[dict]:
     return prom("/api/v1/query", query=expr)["result"]
 
 
+def port_9090_is_free() -> None:
+    """docker-compose.yml publishes Prometheus on 127.0.0.1:9090; something else there would answer instead."""
+    with socket.socket() as s:
+        s.settimeout(2)
+        if s.connect_ex(("127.0.0.1", 9090)) == 0:
+            raise Failed(
+                "127.0.0.1:9090 is taken (docker-compose.yml publishes Prometheus there): stop what listens "
+                "there (Debian's prometheus service?) and run again"
+            )
+
+
 def check_serving(stack: Stack, producers: int, timeout: float) -> None:
     """Training steps; the compose Prometheus scrapes the trainer and finds every producer replica by DNS;
     every dashboard query returns finite data; the trainer sees every producer; the health checks pass."""
@@ -511,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, default=600, help="built-in documents in the killed epoch (phase 3)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds each wait may take")
     ap.add_argument(
-        "--keep", action="store_true", help="leave the stack up at the end (it is torn down first)"
+        "--keep", action="store_true", help="leave the stack up at the end (the next run tears it down first)"
     )
     args = ap.parse_args(argv)
 
@@ -539,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         stack = Stack(engine, base, work)
         stack.write_override([], {})
         stack.compose("down", "-v", "--remove-orphans", "-t", "5", check=False)  # a previous run's leftovers
+        port_9090_is_free()
         # one after the other: producer and trainer share their layers (tests/deploy/test_dockerfiles.py)
         stack.compose("build", "trainer")
         stack.compose("build", "producer", "prometheus")
@@ -597,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
             stack.log.close()
     total = time.monotonic() - t_start
     say("PASSED in " + f"{total:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + ")")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
