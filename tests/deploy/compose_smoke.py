@@ -89,7 +89,6 @@ class Engine:
     compose: list[str]  # the compose command and its global options, before -p/-f
     env: dict[str, str] = field(default_factory=dict)  # added to every command's environment
     build_options: list[str] = field(default_factory=list)  # compose options for `build`
-    notes: list[str] = field(default_factory=list)
 
     def environ(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         # The caller's LMPIPE_* must not leak into the stack: each phase sets what it needs.
@@ -164,10 +163,7 @@ def probe_containers(engine: Engine, image: str) -> None:
         r = run([engine.name, *cmd], env=engine.environ({"CONTAINERS_CONF": str(conf)}), timeout=120)
         if r.returncode == 0:
             engine.env["CONTAINERS_CONF"] = str(conf)
-            engine.notes.append(
-                f"podman's defaults cannot run a container here ({reason}); using {conf.relative_to(REPO)}"
-            )
-            say(engine.notes[-1])
+            say(f"podman's defaults cannot run a container here ({reason}); using {conf.relative_to(REPO)}")
             return
         reason = f"{reason}; with {conf.relative_to(REPO)}: {last_line(r.stderr)}"
     raise Skip(f"{engine.name} cannot run a container here: {reason}")
