@@ -26,9 +26,9 @@ from tests.deploy.shipped import (
     COMPOSE_SCHEMA,
     DOCKERFILE_PROMETHEUS,
     DOCKERFILES,
+    debian_image,
     render_prometheus,
 )
-from tests.deploy.test_dockerfiles import debian_image
 from tests.helpers import REPO
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.compose import load_compose
-from tests.deploy.shipped import COMPOSE, DEBIAN_BASE, DOCKERFILE_PROMETHEUS, DOCKERFILES
+from tests.deploy.shipped import COMPOSE, DOCKERFILE_PROMETHEUS, DOCKERFILES, debian_image
 from tests.helpers import REPO
 
 
@@ -81,12 +81,6 @@ def test_dockerfile_structure(role):
     for pkg, folder in folders.items():
         assert folder in copied, f"package {pkg} ({folder}/) is not copied into the image"
     assert {"pyproject.toml", "README.md"} <= copied
-
-
-def debian_image() -> str:
-    """The local image deploy/debian/base.sh builds from Debian's archive (its default name)."""
-    (name,) = re.findall(r"^image=\$\{LMPIPE_DEBIAN_IMAGE:-([^}]+)\}", DEBIAN_BASE.read_text(), re.M)
-    return name
 
 
 def _base_arg(ins: list[tuple[str, str]]) -> str:
