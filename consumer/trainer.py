@@ -205,6 +205,7 @@ class Trainer:
         path = self.checkpoints.save(self.step, header, state)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+        self.metrics.checkpointed(self.step, time.time())
         self.dist.barrier()
         return path
 
@@ -230,6 +231,8 @@ class Trainer:
             self.fingerprint["data"] = ck.header["data"]  # producers must serve the same corpus
         cursors = ", ".join(f"w{w.worker}@seq{w.last_seq}" for w in self.table.workers)
         log.info("resumed from %s: step %d, producer cursors %s", ck.path, self.step, cursors)
+        self.metrics.global_step.set(self.step)
+        self.metrics.checkpointed(self.step, Path(ck.path).stat().st_mtime)
 
     def request_stop(self, reason: str = "signal") -> None:
         self._stop_reason = reason
@@ -337,6 +340,7 @@ class Trainer:
             lr = lr_at(self.step, cfg)
             loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
             self.step += 1
+            m.global_step.set(self.step)
             if math.isnan(summary.time_to_first_step):
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # once: the first step's real end
@@ -469,7 +473,6 @@ class Trainer:
             m.skipped.inc(skipped - self._published[1])
             self._published = (overflows, skipped)
             stats["overflows"], stats["skipped"] = overflows, skipped
-        m.mfu.set(0.0)  # stays 0 where the card's peak is unknown (and on CPU)
         if self.device.type == "cuda":
             m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(self.device))
             m.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(self.device))
