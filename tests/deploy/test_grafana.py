@@ -93,6 +93,8 @@ def test_every_metric_the_dashboard_uses_is_exported():
     used = set()
     for expr in dashboard_exprs():
         metrics = set(re.findall(r"\blmpipe_[a-z0-9_]+", expr))
+        if expr == "up":  # Prometheus's own series, one per scrape target
+            continue
         assert metrics, expr
         unknown = metrics - set(known)
         assert not unknown, f"not in shared/metrics.py: {sorted(unknown)} in {expr}"
@@ -105,6 +107,7 @@ def test_every_metric_the_dashboard_uses_is_exported():
         assert label in set().union(*known.values()) | {"instance", "job"}, label
     # the panels the issue asks for
     exprs = "\n".join(dashboard_exprs())
+    assert "up" in dashboard_exprs(), "a panel shows every scrape target's up"
     for needle in (
         "rate(lmpipe_producer_tokens_total",
         "rate(lmpipe_trainer_tokens_total",
@@ -117,13 +120,21 @@ def test_every_metric_the_dashboard_uses_is_exported():
         "lmpipe_trainer_loss_scale",
         "rate(lmpipe_trainer_scaler_overflows_total",
         "rate(lmpipe_trainer_skipped_steps_total",
-        "clamp_min(sum by (cache) (lmpipe_trainer_cache_hits_total) + sum by (cache) (lmpipe_trainer_cache_misses_total), 1)",
+        # a rate-based ratio: what the cache does now, not since the trainer started
+        "sum by (cache) (rate(lmpipe_trainer_cache_hits_total[$__rate_interval])) / (sum by (cache) (rate(lmpipe_trainer_cache_hits_total[$__rate_interval])) + sum by (cache) (rate(lmpipe_trainer_cache_misses_total[$__rate_interval])))",
         "sum by (reason) (rate(lmpipe_trainer_batches_rejected_total",
         "sum by (reason) (rate(lmpipe_trainer_stale_batches_total",
         "lmpipe_trainer_producers_connected",
         "rate(lmpipe_producer_send_blocked_seconds_total",
         "sum by (kind) (lmpipe_trainer_gpu_memory_bytes)",
         "lmpipe_trainer_mfu_ratio",
+        "max(lmpipe_trainer_global_step)",  # survives resume, unlike steps_total
+        "time() - max(lmpipe_trainer_checkpoint_timestamp_seconds)",
+        "sum(lmpipe_trainer_checkpoint_seconds_sum) / sum(lmpipe_trainer_checkpoint_seconds_count)",
+        "sum by (reason) (rate(lmpipe_trainer_handshake_refusals_total",
+        "max by (worker) (lmpipe_producer_epoch)",
+        "max by (worker) (lmpipe_producer_cursor_position)",
+        "sum by (worker) (rate(lmpipe_producer_batches_sent_total",
     ):
         assert needle in exprs, needle
     titles = [p["title"] for p in dashboard_panels()]
