@@ -105,6 +105,7 @@ class Trainer:
             self.step_model, self.optimizer, tcfg, self.autocast_dtype, self.scaler, no_sync=no_sync
         )
         self.metrics = TrainerMetrics()
+        self.metrics.producers_expected.set(pcfg.producers)
         for w in range(pcfg.producers):
             self.metrics.received.labels(str(w))
         self.mask_cache = MaskCache(

@@ -257,6 +257,9 @@ class TrainerMetrics:
         self.producers = Gauge(
             "lmpipe_trainer_producers_connected", "Producers heard from in the last 5 s", registry=r
         )
+        self.producers_expected = Gauge(
+            "lmpipe_trainer_producers_expected", "Worker ids of this trainer (its --producers)", registry=r
+        )
         self.stream_resets = Counter(
             "lmpipe_trainer_stream_resets",
             "Requests to a producer to resend from its consumed cursor (a batch missing or rejected)",

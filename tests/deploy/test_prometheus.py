@@ -71,6 +71,7 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
             trainer=f"127.0.0.1:{trainer_port}",
             producers=[f"127.0.0.1:{p}" for p in producer_ports],
             scrape_interval="1s",
+            rule_file=str(render_prometheus.RULES),
         )
     )
     log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - closed below
@@ -146,6 +147,14 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
             str(w) for w in range(n)
         }, "the replicas' progress, by the worker id the trainer gave each"
         assert all(float(r["value"][1]) == 1 for r in results["up"])
+        # the alert rules are loaded and evaluate without error against the live metrics
+        url = f"http://127.0.0.1:{prom_port}/api/v1/rules"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            groups = json.loads(r.read())["data"]["groups"]
+        evaluated = {r["name"]: r["health"] for g in groups for r in g["rules"]}
+        assert len(evaluated) == 7 and set(evaluated.values()) == {"ok"}, evaluated
+        firing = [a for a in prom_query(prom_port, "ALERTS") if a["metric"]["alertstate"] == "firing"]
+        assert not firing, f"a healthy run fires no alert: {firing}"
         assert 0 < value("lmpipe_trainer_loss") < math.log(load_tokenizer().vocab_size) + 1
         assert value("lmpipe_trainer_grad_norm") > 0 and value("lmpipe_trainer_learning_rate") > 0
         assert value("lmpipe_trainer_loss_scale") == 1, "fp32: not scaling"
@@ -191,7 +200,12 @@ def test_promtool_accepts_the_shipped_and_the_test_config(tmp_path):
         pytest.skip("no `promtool`: install Debian's prometheus package (.ci/run does)")
     local = tmp_path / "local.yml"
     local.write_text(
-        render_prometheus.render(trainer="127.0.0.1:9400", producers=["127.0.0.1:9401"], scrape_interval="1s")
+        render_prometheus.render(
+            trainer="127.0.0.1:9400",
+            producers=["127.0.0.1:9401"],
+            scrape_interval="1s",
+            rule_file=str(render_prometheus.RULES),
+        )
     )
     for path in (render_prometheus.SHIPPED, local):
         r = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True)
