@@ -20,7 +20,7 @@ import yaml
 from lmpipe.shared.metrics import REFUSAL_REASONS
 from lmpipe.shared.tokenizer import load_tokenizer
 from tests.deploy.compose import load_compose, service_argv, service_env
-from tests.deploy.dashboard import dashboard_exprs, expand
+from tests.deploy.dashboard import dashboard_exprs, expand, nan_allowed
 from tests.deploy.shipped import COMPOSE, render_prometheus
 from tests.helpers import free_port_pair, free_ports, lmpipe_env
 
@@ -31,13 +31,6 @@ def prom_query(port: int, expr: str) -> list[dict]:
         body = json.loads(r.read())
     assert body["status"] == "success", body
     return body["data"]["result"]
-
-
-# Dashboard series that are NaN on a CPU run, and why. Every other query must return finite values.
-NAN_ALLOWED: dict[str, str] = {
-    "lmpipe_trainer_gpu_memory_bytes": "no GPU: no reading, and no reading is NaN rather than 0",
-    "lmpipe_trainer_mfu_ratio": "MFU needs a known card's peak FLOP/s",
-}
 
 
 @pytest.mark.slow
@@ -109,7 +102,7 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
                 values = [float(r["value"][1]) for r in res]
                 if not res:
                     failures[expr] = "no data"
-                elif not all(math.isfinite(v) for v in values) and not any(m in expr for m in NAN_ALLOWED):
+                elif not all(math.isfinite(v) for v in values) and not nan_allowed(expr):
                     failures[expr] = f"non-finite values {values}"
             # enough scrapes: two logging intervals (the trainer publishes loss and grad norm at each)
             steps = prom_query(prom_port, "sum(lmpipe_trainer_steps_total)")
