@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 
 # Dense bf16 peak FLOP/s by card name (substring of torch.cuda.get_device_name), for MFU; the benchmarks use
@@ -77,17 +80,60 @@ class Summary:
         )
 
 
+def duration(seconds: float) -> str:
+    """12s, 3m05s, 1h02m."""
+    s = int(max(0.0, seconds) + 0.5)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def print_status(step: int, stats: dict, total: int, stream=sys.stderr) -> None:
     """The compact live status: on a terminal one line rewritten in place (log lines from other
-    processes push it down), otherwise one line per logging interval, for log files."""
+    processes push it down), otherwise one line per logging interval, for log files. With a step limit,
+    the time left at the last interval's pace."""
     of = f"/{total}" if total else ""
+    clock = ""
+    if "elapsed" in stats:
+        clock = f" | {duration(stats['elapsed'])}"
+        if total and step < total and stats.get("step_seconds"):
+            clock += f", ETA {duration((total - step) * stats['step_seconds'])}"
     line = (
         f"step {step}{of} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
         f"{stats['tokens_per_second']:,.0f} tok/s | data wait {100 * stats['data_wait']:.1f}% | "
         f"pad eff {100 * stats['padding_efficiency']:.1f}%"
         + (f" | scale {stats['loss_scale']:.0f}" if stats.get("loss_scale", 1.0) != 1.0 else "")
         + (f" | MFU {100 * stats['mfu']:.1f}%" if stats.get("mfu") else "")
+        + clock
     )
     live = stream.isatty() and step != total
     stream.write(f"\r\x1b[K{line}" if live else f"\r\x1b[K{line}\n" if stream.isatty() else f"{line}\n")
     stream.flush()
+
+
+class Announce:
+    """A long blocking call made visible: a log line when it starts, one every `every` seconds while it
+    lasts (a compiling trainer is not a hung one), and one with its duration at the end."""
+
+    def __init__(self, what: str, log: logging.Logger, every: float = 30.0):
+        self.what, self.log, self.every = what, log, every
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="announce", daemon=True)
+
+    def _tick(self) -> None:
+        while not self._done.wait(self.every):
+            self.log.info("%s... %s so far", self.what, duration(time.monotonic() - self.start))
+
+    def __enter__(self) -> Announce:
+        self.start = time.monotonic()
+        self.log.info("%s...", self.what)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        if exc[0] is None:
+            self.log.info("%s: done in %s", self.what, duration(time.monotonic() - self.start))

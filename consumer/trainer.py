@@ -14,6 +14,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
@@ -28,7 +29,7 @@ from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
 from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
 from lmpipe.consumer.receiver import Receiver, WorkerTable
-from lmpipe.consumer.report import Summary, peak_flops
+from lmpipe.consumer.report import Announce, Summary, peak_flops
 from lmpipe.consumer.scaler import make_scaler
 from lmpipe.consumer.slots import HostSlot, SlotMeta
 from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer, resolve_device, resolve_precision
@@ -339,10 +340,17 @@ class Trainer:
                 self._log_docs(metas)
             micro = [self.feed.to_device(s) for s in slots] or [self._empty_inputs()]
             lr = lr_at(self.step, cfg)
-            loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
+            first = math.isnan(summary.time_to_first_step)
+            # torch.compile traces and compiles in the first step: minutes on a large model, said as it goes
+            with (
+                Announce("compiling the model (torch.compile, first step)", log)
+                if first and cfg.compile
+                else nullcontext()
+            ):
+                loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
             self.step += 1
             m.global_step.set(self.step)
-            if math.isnan(summary.time_to_first_step):
+            if first:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # once: the first step's real end
                 summary.time_to_first_step = time.perf_counter() - self._started
@@ -382,6 +390,7 @@ class Trainer:
                     "data_wait": interval_wait / dt if dt > 0 else 0.0,
                     "step_seconds": dt / max(self.step - interval_step, 1),
                     "step": self.step,
+                    "elapsed": now - self._started,
                     "padding_efficiency": summary.padding_efficiency,
                     "mfu": 0.0,
                     "loss_scale": self.scaler.get_scale() if self.scaler else 1.0,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import replace
 
 from lmpipe import __version__
@@ -138,6 +139,7 @@ def cmd_produce(ns, g: GlobalOptions, cfg: PipelineConfig, opts: ProduceOptions)
 
 def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOptions) -> int:
     from lmpipe.launch import check_tokenizer, first_document, open_corpus
+    from lmpipe.progress import Progress, duration
     from lmpipe.shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
 
     if ns.action == "info":
@@ -153,10 +155,16 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
     first_document(corpus, text=True)
     texts = (r.text for r in corpus.records() if r.text and r.bad is None)
     print(f"training a {opts.vocab_size}-token byte-level BPE on {corpus.describe()}", file=sys.stderr)
-    tok = train_tokenizer(texts, opts.vocab_size)
+    # a percentage and ETA where the corpus is plain text on disk (its size is what is read)
+    plain = all(f.remote is None and f.compression is None and f.fmt == "text" for f in corpus.paths)
+    progress = Progress("reading", sum(f.size for f in corpus.paths) if corpus.paths and plain else None)
+    tok = train_tokenizer(
+        progress.texts(texts, then="learning the merges"), opts.vocab_size, show_progress=progress.tty
+    )
     tok.save(str(out))
     info = load_tokenizer(out)
-    print(f"wrote {out}: vocab size {info.vocab_size}, hash {info.hash}")
+    took = duration(time.monotonic() - progress.start)
+    print(f"wrote {out}: vocab size {info.vocab_size}, hash {info.hash} (in {took})")
     return 0
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from lmpipe.cli import build_parser
 from lmpipe.shared.settings import SettingsError, from_args
-from tests.helpers import REPO, free_port_pair, lmpipe_env
+from tests.helpers import REPO, WIKITEXT, free_port_pair, lmpipe_env
 
 README = REPO / "README.md"
-WT2 = Path("/work/shared/data/wikitext-2")  # where this project's machines hold WikiText-2 (valid, test)
+WT2 = WIKITEXT  # the README's WT2: where this project's machines hold WikiText-2 (valid and test)
 
 
 def bash_blocks(text: str) -> list[list[str]]:
