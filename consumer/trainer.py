@@ -350,6 +350,7 @@ class Trainer:
                 loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
             self.step += 1
             m.global_step.set(self.step)
+            m.last_step_time.set(time.time())
             if first:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # once: the first step's real end

@@ -7,6 +7,7 @@ lmpipe tokenizer  train or inspect a tokenizer
 lmpipe prepare    tokenize a corpus once into memory-mapped shards
 lmpipe keys       make ZeroMQ CURVE keys
 lmpipe export     write a checkpoint's weights as safetensors
+lmpipe health     is the process at a metrics port making progress? (container health checks)
 
 Every flag is a dataclass field (shared/settings.py): the parser is generated from PipelineConfig,
 TrainConfig and the classes in lmpipe/options.py, and parsing gives those dataclasses, validated. A usage
@@ -25,6 +26,7 @@ from lmpipe.consumer.config import TRAINING, TrainConfig
 from lmpipe.options import (
     ExportOptions,
     GlobalOptions,
+    HealthOptions,
     KeysOptions,
     PrepareOptions,
     ProduceOptions,
@@ -113,6 +115,17 @@ def build_parser() -> Parser:
     ex = command("export", cmd_export, (ExportOptions,), help="write a checkpoint's weights as safetensors")
     ex.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir (its latest)")
     add_settings(ex, ExportOptions, "export", env=False)
+
+    he = command(
+        "health",
+        cmd_health,
+        (HealthOptions,),
+        help="exit 0 if the lmpipe process at --metrics-port makes progress (a container health check)",
+        description="Read the /metrics of a trainer or producer on this host. A trainer is healthy while it "
+        "steps (its latest step, or its start, less than --stalled-after ago); a producer while it answers. "
+        "One line on stdout says what was seen; exit 0 healthy, 1 not.",
+    )
+    add_settings(he, HealthOptions, "health", env=False)
     return p
 
 
@@ -219,6 +232,42 @@ def cmd_export(ns, g: GlobalOptions, opts: ExportOptions) -> int:
     )  # a named checkpoint resolves or raises; --out is required
     meta = export_safetensors(path, Path(opts.out))
     print(f"wrote {opts.out} from {path} (step {meta['step']})")
+    return 0
+
+
+def cmd_health(ns, g: GlobalOptions, opts: HealthOptions) -> int:
+    import math
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lmpipe.consumer.report import duration
+
+    url = f"http://127.0.0.1:{opts.metrics_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=4) as r:
+            text = r.read().decode()
+    except OSError as exc:
+        print(f"unhealthy: {url} does not answer ({exc})")
+        return 1
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    build = samples.get("lmpipe_build_info")
+    role = build.labels.get("role", "?") if build else "?"
+    if role != "trainer":
+        print(f"healthy: lmpipe {role} answers at {url}")
+        return 0
+    now = time.time()
+    last = samples["lmpipe_trainer_last_step_timestamp_seconds"].value
+    step = int(samples["lmpipe_trainer_global_step"].value)
+    since, what = (last, "its latest step") if not math.isnan(last) else (
+        samples["process_start_time_seconds"].value, "its start, with no step since")  # fmt: skip
+    age = now - since
+    if age > opts.stalled_after:
+        print(
+            f"unhealthy: trainer at step {step}, {duration(age)} since {what} (--stalled-after {opts.stalled_after:g})"
+        )
+        return 1
+    print(f"healthy: trainer at step {step}, {duration(age)} since {what}")
     return 0
 
 

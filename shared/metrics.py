@@ -18,7 +18,15 @@ import platform
 from typing import Any
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.metrics import MetricWrapperBase
 
 from lmpipe.shared import __version__
@@ -66,7 +74,9 @@ def short_hash(text: str) -> str:
 
 
 def build_info(registry: CollectorRegistry, role: str) -> Info:
-    """`lmpipe_build_info{version, python, role} 1` on every process: which lmpipe answers at a target."""
+    """`lmpipe_build_info{version, python, role} 1` on every process: which lmpipe answers at a target.
+    With it, the standard process_* series (start time, CPU seconds, memory, open files)."""
+    ProcessCollector(registry=registry)
     info = Info("lmpipe_build", "lmpipe version of this process", registry=registry)
     info.info({"version": __version__, "python": platform.python_version(), "role": role})
     return info
@@ -211,6 +221,11 @@ class TrainerMetrics:
             "Optimizer steps taken by this process (including skipped ones); starts at 0 on resume",
             registry=r,
         )
+        self.last_step_time = Gauge(
+            "lmpipe_trainer_last_step_timestamp_seconds",
+            "Unix time of this process's latest step (NaN before its first); `lmpipe health` reads it",
+            registry=r,
+        )
         self.global_step = Gauge(
             "lmpipe_trainer_global_step",
             "The run's step: the checkpoint's at start (0 fresh), then +1 per step; survives resume",
@@ -331,7 +346,7 @@ class TrainerMetrics:
         )
         self.loss_scale.set(1.0)
         for g in (self.loss, self.lr, self.grad_norm, self.mfu, self.first_step_seconds, self.checkpoint_time,
-                  self.checkpoint_step):  # fmt: skip
+                  self.checkpoint_step, self.last_step_time):  # fmt: skip
             g.set(NAN)
         self.global_step.set(0)
         _init_labels(self.refusals, REFUSAL_REASONS)
