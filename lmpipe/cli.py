@@ -132,13 +132,26 @@ def build_parser() -> Parser:
 # -- commands: each gets the namespace, the global options and its settings, built and validated ---------
 
 
+def _need_torch() -> None:
+    """The trainer's commands, where torch (an extra) is missing: one line saying how to add it."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise SettingsError(
+            f"the trainer needs PyTorch, which this install lacks ({exc}; producer-only installs leave it "
+            "out): pip install 'lmpipe[train]', or torch from PyTorch's index (README)"
+        ) from None
+
+
 def cmd_run(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions) -> int:
+    _need_torch()
     from lmpipe.launch import train
 
     return train(cfg, tcfg, opts, local_producers=True, log_level=g.log_level)
 
 
 def cmd_train(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions) -> int:
+    _need_torch()
     from lmpipe.launch import train
 
     return train(cfg, tcfg, opts, local_producers=False, log_level=g.log_level)
@@ -224,6 +237,7 @@ def cmd_keys(ns, g: GlobalOptions, opts: KeysOptions) -> int:
 def cmd_export(ns, g: GlobalOptions, opts: ExportOptions) -> int:
     from pathlib import Path
 
+    _need_torch()
     from lmpipe.consumer.checkpoint import export_safetensors, resolve_resume
 
     path = resolve_resume(ns.checkpoint, None)
