@@ -28,6 +28,8 @@ class Summary:
     first_loss: float = float("nan")
     last_loss: float = float("nan")
     losses: list[float] = field(default_factory=list)
+    # one entry per logging interval: step, elapsed, loss, tokens_per_second, data_wait (`lmpipe plot` draws them)
+    history: list[dict] = field(default_factory=list)
     rejected: int = 0
     stale: int = 0
     compiled_graphs: int = 0

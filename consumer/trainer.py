@@ -398,6 +398,9 @@ class Trainer:
                 }
                 self._publish(stats, flops_per_token)
                 summary.losses.append(loss)
+                tok_s = tokens_all / dt if dt > 0 else 0.0  # every rank's
+                summary.history.append({"step": self.step, "elapsed": stats["elapsed"], "loss": loss,
+                                        "tokens_per_second": tok_s, "data_wait": stats["data_wait"]})  # fmt: skip
                 if not self.dist.is_main:
                     pass  # rank 0 speaks for the job
                 elif progress:

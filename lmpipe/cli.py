@@ -7,6 +7,7 @@ lmpipe tokenizer  train or inspect a tokenizer
 lmpipe prepare    tokenize a corpus once into memory-mapped shards
 lmpipe keys       make ZeroMQ CURVE keys
 lmpipe export     write a checkpoint's weights as safetensors
+lmpipe plot       a picture of a run (loss, tokens/s, data wait) from its --summary-json
 lmpipe health     is the process at a metrics port making progress? (container health checks)
 
 Every flag is a dataclass field (shared/settings.py): the parser is generated from PipelineConfig,
@@ -28,6 +29,7 @@ from lmpipe.options import (
     GlobalOptions,
     HealthOptions,
     KeysOptions,
+    PlotOptions,
     PrepareOptions,
     ProduceOptions,
     ReportOptions,
@@ -126,6 +128,17 @@ def build_parser() -> Parser:
         "One line on stdout says what was seen; exit 0 healthy, 1 not.",
     )
     add_settings(he, HealthOptions, "health", env=False)
+
+    pl = command(
+        "plot",
+        cmd_plot,
+        (PlotOptions,),
+        help="draw loss, tokens/s and data wait over steps from a --summary-json file",
+        description="A picture of a run: loss, tokens/s and data wait at each logging interval "
+        "(needs matplotlib: pip install 'lmpipe[plot]').",
+    )
+    pl.add_argument("summary", help="a file written by --summary-json")
+    add_settings(pl, PlotOptions, "plot", env=False)
     return p
 
 
@@ -246,6 +259,17 @@ def cmd_export(ns, g: GlobalOptions, opts: ExportOptions) -> int:
     )  # a named checkpoint resolves or raises; --out is required
     meta = export_safetensors(path, Path(opts.out))
     print(f"wrote {opts.out} from {path} (step {meta['step']})")
+    return 0
+
+
+def cmd_plot(ns, g: GlobalOptions, opts: PlotOptions) -> int:
+    from pathlib import Path
+
+    from lmpipe.plot import plot
+
+    assert opts.out is not None  # a required setting
+    n = plot(Path(ns.summary), Path(opts.out))
+    print(f"wrote {opts.out}: {n} logging intervals of {ns.summary}")
     return 0
 
 

@@ -98,3 +98,10 @@ class HealthOptions:
         metavar="SECONDS",
         help="a trainer without a step for this long (since its last step, or its start) is unhealthy",
     )
+
+
+@dataclass
+class PlotOptions:
+    out: str | None = setting(
+        None, required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)"
+    )
