@@ -178,7 +178,7 @@ def cmd_produce(ns, g: GlobalOptions, cfg: PipelineConfig, opts: ProduceOptions)
 
 def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOptions) -> int:
     from lmpipe.launch import check_tokenizer, first_document, open_corpus
-    from lmpipe.progress import Progress, duration
+    from lmpipe.progress import Progress, duration, text_bytes
     from lmpipe.shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
 
     if ns.action == "info":
@@ -194,9 +194,7 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
     first_document(corpus, text=True)
     texts = (r.text for r in corpus.records() if r.text and r.bad is None)
     print(f"training a {opts.vocab_size}-token byte-level BPE on {corpus.describe()}", file=sys.stderr)
-    # a percentage and ETA where the corpus is plain text on disk (its size is what is read)
-    plain = all(f.remote is None and f.compression is None and f.fmt == "text" for f in corpus.paths)
-    progress = Progress("reading", sum(f.size for f in corpus.paths) if corpus.paths and plain else None)
+    progress = Progress("reading", text_bytes(corpus))  # a percentage and ETA where the size is known
     tok = train_tokenizer(
         progress.texts(texts, then="learning the merges"), opts.vocab_size, show_progress=progress.tty
     )
@@ -208,9 +206,13 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
 
 
 def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions) -> int:
+    from typing import cast
+
     from lmpipe.launch import check_tokenizer, first_document, open_corpus
     from lmpipe.producer.shards import prepare
+    from lmpipe.producer.sources import Corpus
     from lmpipe.producer.stream import DocStream
+    from lmpipe.progress import CountedCorpus, Progress, text_bytes
 
     tok = check_tokenizer(cfg)
     corpus = open_corpus(cfg, tok.vocab_size)
@@ -225,11 +227,19 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
         bad[reason] = bad.get(reason, 0) + 1
         log.warning("%s: %s (%s), skipped", where, detail, reason)
 
-    stream = DocStream(corpus, tok, shuffle_window=0, on_bad=on_bad)
+    # records read (bad ones too), with a percentage and ETA where the corpus's size is known
+    progress = Progress("tokenizing", text_bytes(corpus), unit="records")
+    stream = DocStream(cast(Corpus, CountedCorpus(corpus, progress)), tok, shuffle_window=0, on_bad=on_bad)
     assert opts.out is not None  # a required setting
     meta = prepare(
-        stream, opts.out, shard_tokens=opts.shard_tokens, source=corpus.fingerprint(), force=opts.force
+        stream,
+        opts.out,
+        shard_tokens=opts.shard_tokens,
+        source=corpus.fingerprint(),
+        force=opts.force,
+        progress=False,  # ours, with the corpus's size
     )
+    progress.done()
     skipped = f"; skipped {sum(bad.values())} bad records ({bad})" if bad else ""
     print(
         f"wrote {opts.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens, {len(meta['shards'])} shard(s){skipped}"

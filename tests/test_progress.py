@@ -95,3 +95,19 @@ def test_a_compiling_trainer_says_so(procs):
     assert re.search(r"compiling the model \(torch\.compile, first step\)\.\.\.\n", log), log[-3000:]
     assert re.search(r"compiling the model \(torch\.compile, first step\): done in \d+", log), log[-3000:]
     assert re.search(r"^step 2/2 \| .* \| (\d+m)?\d+s$", log, re.M), "the last line: elapsed, no ETA left"
+
+
+def test_prepare_reports_its_progress(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {i} about {'lm pipelines ' * (i % 7 + 1)}" for i in range(2000)))
+    r = subprocess.run(
+        [sys.executable, "-m", "lmpipe", "prepare", "--data", str(corpus), "--out", str(tmp_path / "shards")],
+        cwd=tmp_path, env=lmpipe_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    # the text of the records, without the blank lines between them: most of the file's bytes
+    (pct,) = re.findall(
+        r"^tokenizing: 2,000 records, 0\.\d MB of 0\.\d MB \((\d+)%\), .* elapsed$", r.stderr, re.M
+    )
+    assert 90 <= int(pct) <= 100, r.stderr
+    assert "wrote " in r.stdout and "2,000 documents" in r.stdout
