@@ -32,6 +32,7 @@ class Summary:
     history: list[dict] = field(default_factory=list)
     rejected: int = 0
     stale: int = 0
+    refused: int = 0  # hellos turned away for good (other settings, a worker id out of range...)
     compiled_graphs: int = 0
     stopped_by: str = ""
     # Honest throughput: the first logging interval holds compilation and warm-up, so steady state is
@@ -79,6 +80,7 @@ class Summary:
             f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
             f"data wait {100 * self.data_wait_fraction:.1f}% | "
             f"dropped: {self.rejected} malformed, {self.stale} stale"
+            + (f" | refused: {self.refused} producer hello(s)" if self.refused else "")
         )
 
 

@@ -446,7 +446,7 @@ class Trainer:
         summary.seconds = end - run_start if run_start else 0.0
         summary.first_loss = summary.losses[0] if summary.losses else float("nan")
         summary.last_loss = summary.losses[-1] if summary.losses else float("nan")
-        summary.rejected, summary.stale = m.rejected_count, m.stale_count
+        summary.rejected, summary.stale, summary.refused = m.rejected_count, m.stale_count, m.refused_count
         summary.compiled_graphs = self._graphs - self._graphs_at_start
         if self._stop_reason:
             summary.stopped_by = self._stop_reason

@@ -212,6 +212,7 @@ class TrainerMetrics:
         # Plain totals beside the labelled counters, for the end-of-run summary (never read back from the registry)
         self.rejected_count = 0
         self.stale_count = 0
+        self.refused_count = 0
         self.build = build_info(r, "trainer")
         self.info = Info("lmpipe_trainer", "Trainer identity and configuration", registry=r)
         self.tokens = Counter("lmpipe_trainer_tokens", "Real tokens trained on", registry=r)
@@ -369,11 +370,13 @@ class TrainerMetrics:
         self.rejected_count += 1
 
     def refuse(self, reason: str) -> None:
-        """A hello turned away; `reason` is one of REFUSAL_REASONS. Refusals that make a producer exit are
-        also counted as rejected messages (reason `handshake`), as before."""
+        """A hello turned away; `reason` is one of REFUSAL_REASONS. Refusals that make a producer exit also
+        count among rejected messages (reason `handshake`), but the summary tells them apart from malformed
+        ones: a producer with other settings sent nothing broken."""
         self.refusals.labels(reason).inc()
         if reason != "busy":
-            self.reject("handshake")
+            self.rejected.labels("handshake").inc()
+            self.refused_count += 1
 
     def checkpointed(self, step: int, unix_time: float) -> None:
         self.checkpoint_step.set(step)

@@ -272,3 +272,9 @@ def test_handshake_refusals_are_counted_by_a_short_reason(procs, tmp_path):
         "malformed": 0,
         "busy": 0,
     }, refusals
+    trainer.terminate()
+    assert trainer.wait(timeout=60) == 0, procs.log(trainer)[-3000:]
+    (summary,) = [ln for ln in procs.log(trainer).splitlines() if "summary:" in ln]
+    assert summary.endswith("dropped: 0 malformed, 0 stale | refused: 2 producer hello(s)"), (
+        "a producer with other settings sent nothing malformed"
+    )
