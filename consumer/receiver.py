@@ -629,6 +629,7 @@ class Receiver(threading.Thread):
             msg = messages.unpack(raw)
         except WireError as exc:
             self._reject(exc.reason, exc.detail)
+            self.metrics.refusals.labels("malformed").inc()
             # a producer of another version learns why instead of retrying forever
             self._send(identity, messages.Refuse(f"malformed control message: {exc.detail}", retry=False))
             return
@@ -651,18 +652,20 @@ class Receiver(threading.Thread):
         n = len(self.table)
         if not -1 <= hello.worker < n:
             reason = f"worker id {hello.worker} is outside 0..{n - 1} (trainer runs {n} producers)"
-            return self._refuse(identity, where, reason)
+            return self._refuse(identity, where, reason, "bad_worker_id")
         if hello.worker >= 0 and hello.session == self.session and not hello.rejoin:
             w = self.table[hello.worker]
             if w.identity == identity:  # a heartbeat
                 w.last_seen, w.fd = now, fd
                 if w.failed:  # still here after being stopped (its refusal was lost): say it again
-                    self._refuse(identity, where, f"worker {w.worker} was stopped: {w.failed}")
+                    self._refuse(
+                        identity, where, f"worker {w.worker} was stopped: {w.failed}", "worker_stopped"
+                    )
                 return
         pinned = bool(self.fingerprint.get("data"))
         diff = mismatches(self.fingerprint, hello.fingerprint, skip=() if pinned else ("data",))
         if diff:
-            return self._refuse(identity, where, "config mismatch: " + "; ".join(diff))
+            return self._refuse(identity, where, "config mismatch: " + "; ".join(diff), "config_mismatch")
         if not pinned:
             self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
         if hello.auto or hello.worker == -1:
@@ -674,7 +677,9 @@ class Receiver(threading.Thread):
             self._wanted[wid] = now
             w = self.table[wid]
             if w.failed:
-                return self._refuse(identity, where, f"worker {wid} was stopped: {w.failed}")
+                return self._refuse(
+                    identity, where, f"worker {wid} was stopped: {w.failed}", "worker_stopped"
+                )
             if w.identity != identity and _holds(w, now):  # only a holder known to be gone gives it up
                 free = self._pick_id(None, -1, now, exclude=wid) if w.auto else None
                 if free is None:
@@ -736,11 +741,12 @@ class Receiver(threading.Thread):
         self._send_welcome(dst, force=True)
 
     def _busy(self, identity: bytes, where: str, reason: str) -> None:
+        self.metrics.refuse("busy")
         self._quiet(logging.INFO, f"busy {where}", "producer at %s waits: %s", where, reason)
         self._send(identity, messages.Refuse(reason, retry=True))
 
-    def _refuse(self, identity: bytes, where: str, reason: str) -> None:
-        self.metrics.reject("handshake")
+    def _refuse(self, identity: bytes, where: str, reason: str, code: str) -> None:
+        self.metrics.refuse(code)  # a REFUSAL_REASONS code; also counted as a rejected message (handshake)
         # once a minute per peer: a misconfigured producer exits, but a buggy or hostile one may not
         self._quiet(logging.ERROR, f"refuse {where}", "refused producer at %s: %s", where, _printable(reason))
         self._send(identity, messages.Refuse(reason, retry=False))

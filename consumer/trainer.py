@@ -15,6 +15,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
@@ -29,7 +30,7 @@ from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
 from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
 from lmpipe.consumer.receiver import Receiver, WorkerTable
-from lmpipe.consumer.report import Summary, peak_flops, thread_cpu_seconds
+from lmpipe.consumer.report import Announce, Summary, peak_flops, thread_cpu_seconds
 from lmpipe.consumer.scaler import LossScaler, make_scaler
 from lmpipe.consumer.slots import HostSlot, SlotMeta
 from lmpipe.consumer.step import (
@@ -79,6 +80,7 @@ class Trainer:
         if not tcfg.consume_only:
             self._build_model(pcfg, tcfg)
         self.metrics = TrainerMetrics()
+        self.metrics.producers_expected.set(pcfg.producers)
         for w in range(pcfg.producers):
             self.metrics.received.labels(str(w))
         self.mask_cache = MaskCache(
@@ -228,6 +230,7 @@ class Trainer:
         path = self.checkpoints.save(self.step, header, state)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+        self.metrics.checkpointed(self.step, time.time())
         self.dist.barrier()
         return path
 
@@ -254,6 +257,8 @@ class Trainer:
             self.fingerprint["data"] = ck.header["data"]  # producers must serve the same corpus
         cursors = ", ".join(f"w{w.worker}@seq{w.last_seq}" for w in self.table.workers)
         log.info("resumed from %s: step %d, producer cursors %s", ck.path, self.step, cursors)
+        self.metrics.global_step.set(self.step)
+        self.metrics.checkpointed(self.step, Path(ck.path).stat().st_mtime)
 
     def request_stop(self, reason: str = "signal") -> None:
         self._stop_reason = reason
@@ -369,15 +374,24 @@ class Trainer:
             if self._doc_log:
                 self._log_docs(metas)
             lr = lr_at(self.step, cfg)
+            first = math.isnan(summary.time_to_first_step)
             if self.model is None:  # --consume-only: the copy to the device is the whole step
                 for s in slots:
                     self.feed.copy(s)
                 loss_sum = norm = no_loss
             else:
                 micro = [self.feed.to_device(s) for s in slots] or [self._empty_inputs()]
-                loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
+                # torch.compile traces and compiles in the first step: minutes on a large model, said as it goes
+                with (
+                    Announce("compiling the model (torch.compile, first step)", log)
+                    if first and cfg.compile
+                    else nullcontext()
+                ):
+                    loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
             self.step += 1
-            if math.isnan(summary.time_to_first_step):
+            m.global_step.set(self.step)
+            m.last_step_time.set(time.time())
+            if first:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # once: the first step's real end
                 summary.time_to_first_step = time.perf_counter() - self._started
@@ -419,12 +433,16 @@ class Trainer:
                     "data_wait": interval_wait / dt if dt > 0 else 0.0,
                     "step_seconds": dt / max(self.step - interval_step, 1),
                     "step": self.step,
+                    "elapsed": now - self._started,
                     "padding_efficiency": summary.padding_efficiency,
                     "mfu": 0.0,
                     "loss_scale": self.scaler.get_scale() if self.scaler else 1.0,
                 }
                 self._publish(stats, flops_per_token)
                 summary.losses.append(loss)
+                tok_s = tokens_all / dt if dt > 0 else 0.0  # every rank's
+                summary.history.append({"step": self.step, "elapsed": stats["elapsed"], "loss": loss,
+                                        "tokens_per_second": tok_s, "data_wait": stats["data_wait"]})  # fmt: skip
                 if not self.dist.is_main:
                     pass  # rank 0 speaks for the job
                 elif progress:
@@ -473,7 +491,7 @@ class Trainer:
         summary.seconds = end - run_start if run_start else 0.0
         summary.first_loss = summary.losses[0] if summary.losses else float("nan")
         summary.last_loss = summary.losses[-1] if summary.losses else float("nan")
-        summary.rejected, summary.stale = m.rejected_count, m.stale_count
+        summary.rejected, summary.stale, summary.refused = m.rejected_count, m.stale_count, m.refused_count
         summary.compiled_graphs = self._graphs - self._graphs_at_start
         if self.model is None:
             summary.consume = self._consume_stages(batches, summary.data_wait_seconds)
@@ -533,7 +551,6 @@ class Trainer:
             m.skipped.inc(skipped - self._published[1])
             self._published = (overflows, skipped)
             stats["overflows"], stats["skipped"] = overflows, skipped
-        m.mfu.set(0.0)  # stays 0 where the card's peak is unknown (and on CPU)
         if self.device.type == "cuda":
             m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(self.device))
             m.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(self.device))

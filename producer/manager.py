@@ -37,7 +37,7 @@ from lmpipe.shared.batch import Batch, Cursor, end_frames, token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.log import setup as setup_log
 from lmpipe.shared.messages import GIVE_UP_SECONDS, HELLO_EVERY
-from lmpipe.shared.metrics import ProducerMetrics, serve
+from lmpipe.shared.metrics import ProducerMetrics, serve, short_hash
 from lmpipe.shared.security import check_connect
 from lmpipe.shared.sockets import (
     HANDSHAKE_EVENTS,
@@ -74,7 +74,7 @@ class Producer:
         self.cfg, self.opts = cfg, opts
         self.worker = opts.worker  # -1 until the trainer assigns one
         self.auto = opts.worker == -1  # any id will do; the trainer may move this producer to another
-        self.metrics = ProducerMetrics()
+        self.metrics = ProducerMetrics(cfg.strategy)  # every series labelled with the worker id held
         self.tok = load_tokenizer(cfg.tokenizer)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
         shards = self.corpus.shards
@@ -106,6 +106,7 @@ class Producer:
 
     def _assign(self, worker: int) -> None:
         self.worker = worker
+        self.metrics.bind(worker)
         self._docs_counted = 0  # documents of this stream already counted in the metric
         self.stream = DocStream(
             self.corpus,
@@ -124,7 +125,7 @@ class Producer:
                 "worker": str(worker),
                 "strategy": self.cfg.strategy,
                 "tokenizer": self.tok.hash,
-                "data": self.corpus.describe()[:200],
+                "corpus": short_hash(self.corpus.fingerprint()),  # an id, not prose (the log describes it)
             }
         )
 
@@ -343,7 +344,7 @@ class Producer:
                 self.metrics.resets.inc()
             return cursor, msg.next_seq
         if isinstance(msg, messages.Refuse):
-            self.metrics.handshakes.labels("refuse").inc()
+            self.metrics.handshakes.labels("retry" if msg.retry else "refuse").inc()
             if not msg.retry:
                 raise Refused(msg.reason)
             if self.auto and self.worker >= 0:
@@ -351,6 +352,7 @@ class Producer:
                 # Replicas are interchangeable (the trainer keeps every cursor): take any free id instead.
                 log.info("giving up worker id %d; asking the trainer for a free one", self.worker)
                 self.worker, self.session = -1, ""
+                self.metrics.bind(-1)
                 return None
             now = time.monotonic()
             if self._refused_since is None:
