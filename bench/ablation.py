@@ -23,6 +23,13 @@ from bench.trainbench import (
 # (name, pipeline overrides, trainer overrides)
 VARIANTS = [
     ("all on", {}, {}),
+    ("CUDA graphs (compile mode reduce-overhead)", {}, {"compile_mode": "reduce-overhead"}),
+    (
+        "max-autotune (Triton matmul templates, no CUDA graphs)",
+        {},
+        {"compile_mode": "max-autotune-no-cudagraphs"},
+    ),
+    ("fp8 matmuls in the blocks (torchao float8)", {}, {"precision": "fp8"}),
     ("no copy stream (H2D on the compute stream)", {}, {"copy_stream": False}),
     ("no torch.compile", {}, {"compile": False}),
     ("no fused AdamW (foreach)", {}, {"fused_adamw": False}),

@@ -46,6 +46,7 @@ class Result:
     mfu: float
     peak_memory_gib: float
     compiled_graphs: int = 0
+    final_loss: float = float("nan")  # the last logged interval's loss
 
 
 def bench_data(work: Path, vocab: int = 32768) -> tuple[str, str]:
@@ -130,6 +131,7 @@ def measure_pipeline(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int) -> Re
         mfu(tps, flops),
         _peak(),
         summary.compiled_graphs,
+        records[-1]["loss"] if records else float("nan"),
     )
     del trainer
     return res

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from lmpipe.shared.settings import at_least, between, positive, setting, validate
 
 MODELS = ("tiny", "small", "gpt2-124m", "gpt2-350m")  # consumer/model.PRESETS (tests/test_config.py)
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")
+# torch.compile modes: "reduce-overhead" adds CUDA graphs (launch overhead: small models), "max-autotune"
+# tries Triton matmul templates (long compiles). bench/results/ablation-*.md measures each.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 ATTENTIONS = ("auto", "flex", "dense")
 TRAINING, CHECKPOINTS = "training", "checkpoints"
 
@@ -42,6 +45,13 @@ def unit_interval(v: float) -> str | None:
 @dataclass
 class TrainConfig:
     model: str = setting("tiny", choices=MODELS, help="model preset")
+    # "How fast can my pipeline go?": everything up to the model's first layer, then nothing. Checkpoints
+    # and --doc-log still work (cursors only), so exactly-once can be checked without a GPU's worth of model.
+    consume_only: bool = setting(
+        False,
+        help="receive, validate and copy batches to the device, but build and train no model: "
+        "the pipeline's own tokens/s, data wait and time per stage",
+    )
     steps: int = setting(
         300, check=at_least(0), help="optimizer steps; 0: until every producer has finished its epochs"
     )
@@ -55,7 +65,11 @@ class TrainConfig:
     beta2: float = setting(0.95, check=unit_interval, help="AdamW beta2")
     grad_clip: float = setting(1.0, check=at_least(0), help="clip the global grad norm (0: off)")
     device: str = setting("auto", check=device_problem, help="auto | cpu | cuda | cuda:N")
-    precision: str = setting("auto", choices=PRECISIONS, help="auto: bf16 on CUDA, fp32 on CPU")
+    precision: str = setting(
+        "auto",
+        choices=PRECISIONS,
+        help="auto: bf16 on CUDA, fp32 on CPU; fp8: bf16 with torchao float8 matmuls in the blocks (H100/H200)",
+    )
     loss_scale: str = setting(
         "dynamic", check=loss_scale_problem, metavar="dynamic|static:VALUE|none", help="fp16 loss scaling"
     )
@@ -75,6 +89,9 @@ class TrainConfig:
     fused_adamw: bool = setting(True, help="fused AdamW (--no-fused-adamw: the foreach implementation)")
     grad_checkpointing: bool = setting(False, help="recompute activations in backward")
     compile: bool = setting(False, help="torch.compile the model")
+    compile_mode: str = setting(
+        "default", choices=COMPILE_MODES, help="torch.compile mode (reduce-overhead: CUDA graphs)"
+    )
     copy_stream: bool = setting(
         True, help="copy batches to the GPU on their own CUDA stream (--no-copy-stream: ablation)"
     )

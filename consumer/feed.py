@@ -2,8 +2,8 @@
 
 take     ready slots in consumption order (the wait is data-wait time); a slot that is not its worker's next
          batch is dropped and counted, an `end` marks its worker finished
-to_device copy a slot's arrays to the device on a dedicated copy stream; the compute stream waits on the
-         copy's event, never the host
+copy     copy a slot's arrays to the device on a dedicated copy stream; the compute stream waits on the
+         copy's event, never the host (to_device: the copy, then the model's inputs built from it)
 release  hand a slot back to the receiver once its copy has completed (polled through the event, no sync)
 """
 
@@ -127,6 +127,16 @@ class DeviceFeed:
     # -- host -> device ------------------------------------------------------------------------------
 
     def to_device(self, slot: HostSlot) -> ModelInputs:
+        tokens, lengths, seg, loss_mask = self.copy(slot)
+        return build_inputs(
+            tokens, lengths, seg, attention=self.attention, mask_cache=self.mask_cache, loss_mask=loss_mask
+        )
+
+    def copy(
+        self, slot: HostSlot
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The slot's (tokens, lengths, seg, loss_mask) on the device; the slot goes back to the receiver
+        once copied."""
         tokens, lengths, seg = slot.views(self.rows)
         loss_mask = slot.loss_mask_view(self.rows)
         out: tuple[torch.Tensor | None, ...]
@@ -165,9 +175,7 @@ class DeviceFeed:
             self._in_flight.append((done, slot))
         tokens_d, lengths_d, seg_d, mask_d = out
         assert tokens_d is not None and lengths_d is not None
-        return build_inputs(
-            tokens_d, lengths_d, seg_d, attention=self.attention, mask_cache=self.mask_cache, loss_mask=mask_d
-        )
+        return tokens_d, lengths_d, seg_d, mask_d
 
     def observe_h2d(self) -> None:
         """Record the copy times of completed copies (at the logging interval: events are not synced)."""

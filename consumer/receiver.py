@@ -678,6 +678,7 @@ class Receiver(threading.Thread):
             msg = messages.unpack(raw)
         except WireError as exc:
             self._reject(exc.reason, exc.detail)
+            self.metrics.refusals.labels("malformed").inc()
             # a producer of another version learns why instead of retrying forever
             self._send(identity, messages.Refuse(f"malformed control message: {exc.detail}", retry=False))
             return
@@ -700,7 +701,7 @@ class Receiver(threading.Thread):
         if identity in self._stopped:
             failed = [w for w in self.table.workers if w.failed]
             why = failed[0].failed if failed else "stopped"
-            return self._refuse(identity, where, f"this producer was stopped: {why}")
+            return self._refuse(identity, where, f"this producer was stopped: {why}", "worker_stopped")
         p = self.producers.get(identity)
         if p is not None:  # a heartbeat, or a known producer that lost and regained its connection
             p.last_seen, p.fd = now, fd
@@ -710,7 +711,7 @@ class Receiver(threading.Thread):
         pinned = bool(self.fingerprint.get("data"))
         diff = mismatches(self.fingerprint, hello.fingerprint, skip=() if pinned else ("data",))
         if diff:
-            return self._refuse(identity, where, "config mismatch: " + "; ".join(diff))
+            return self._refuse(identity, where, "config mismatch: " + "; ".join(diff), "config_mismatch")
         if not pinned:
             self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
         p = Producer(identity, f"p{self._joined}", where, hello.worker, fd, now)
@@ -830,8 +831,8 @@ class Receiver(threading.Thread):
             sum(1 for w in self.table.workers if w.identity is None and not (w.finished or w.failed))
         )
 
-    def _refuse(self, identity: bytes, where: str, reason: str) -> None:
-        self.metrics.reject("handshake")
+    def _refuse(self, identity: bytes, where: str, reason: str, code: str) -> None:
+        self.metrics.refuse(code)  # a REFUSAL_REASONS code; also counted as a rejected message (handshake)
         # once a minute per peer: a misconfigured producer exits, but a buggy or hostile one may not
         self._quiet(logging.ERROR, f"refuse {where}", "refused producer at %s: %s", where, _printable(reason))
         self._send(identity, messages.Refuse(reason, retry=False))

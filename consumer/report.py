@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 
 # Dense bf16 peak FLOP/s by card name (substring of torch.cuda.get_device_name), for MFU; the benchmarks use
@@ -26,8 +30,11 @@ class Summary:
     first_loss: float = float("nan")
     last_loss: float = float("nan")
     losses: list[float] = field(default_factory=list)
+    # one entry per logging interval: step, elapsed, loss, tokens_per_second, data_wait (`lmpipe plot` draws them)
+    history: list[dict] = field(default_factory=list)
     rejected: int = 0
     stale: int = 0
+    refused: int = 0  # hellos turned away for good (other settings, a worker id out of range...)
     compiled_graphs: int = 0
     stopped_by: str = ""
     # Honest throughput: the first logging interval holds compilation and warm-up, so steady state is
@@ -37,6 +44,8 @@ class Summary:
     steady_tokens: int = 0
     steady_seconds: float = 0.0
     steady_mfu: float = 0.0
+    # --consume-only: where the trainer's time went, per batch consumed (see consume_stages)
+    consume: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -76,20 +85,89 @@ class Summary:
             f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
             f"data wait {100 * self.data_wait_fraction:.1f}% | "
             f"dropped: {self.rejected} malformed, {self.stale} stale"
+            + (f" | refused: {self.refused} producer hello(s)" if self.refused else "")
+            + (self._render_consume() if self.consume else "")
         )
+
+    def _render_consume(self) -> str:
+        c = self.consume
+        receive = (
+            f"receive + decode + validate {1e3 * c['receive_seconds_per_batch']:.3f} ms "
+            f"(receive thread busy {100 * c['receive_busy']:.0f}% of a core), "
+            if "receive_seconds_per_batch" in c
+            else ""
+        )
+        return (
+            f"\nconsume only (no model): {c['batches']:,.0f} batches; per batch: {receive}"
+            f"copy to the device {1e3 * c['copy_seconds_per_batch']:.3f} ms, "
+            f"data wait {1e3 * c['wait_seconds_per_batch']:.3f} ms"
+        )
+
+
+def thread_cpu_seconds(native_id: int | None) -> float | None:
+    """CPU time of one thread of this process (Linux /proc), None where it cannot be read."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def duration(seconds: float) -> str:
+    """12s, 3m05s, 1h02m."""
+    s = int(max(0.0, seconds) + 0.5)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def print_status(step: int, stats: dict, total: int, stream=sys.stderr) -> None:
     """The compact live status: on a terminal one line rewritten in place (log lines from other
-    processes push it down), otherwise one line per logging interval, for log files."""
+    processes push it down), otherwise one line per logging interval, for log files. With a step limit,
+    the time left at the last interval's pace."""
     of = f"/{total}" if total else ""
+    clock = ""
+    if "elapsed" in stats:
+        clock = f" | {duration(stats['elapsed'])}"
+        if total and step < total and stats.get("step_seconds"):
+            clock += f", ETA {duration((total - step) * stats['step_seconds'])}"
     line = (
         f"step {step}{of} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
         f"{stats['tokens_per_second']:,.0f} tok/s | data wait {100 * stats['data_wait']:.1f}% | "
         f"pad eff {100 * stats['padding_efficiency']:.1f}%"
         + (f" | scale {stats['loss_scale']:.0f}" if stats.get("loss_scale", 1.0) != 1.0 else "")
         + (f" | MFU {100 * stats['mfu']:.1f}%" if stats.get("mfu") else "")
+        + clock
     )
     live = stream.isatty() and step != total
     stream.write(f"\r\x1b[K{line}" if live else f"\r\x1b[K{line}\n" if stream.isatty() else f"{line}\n")
     stream.flush()
+
+
+class Announce:
+    """A long blocking call made visible: a log line when it starts, one every `every` seconds while it
+    lasts (a compiling trainer is not a hung one), and one with its duration at the end."""
+
+    def __init__(self, what: str, log: logging.Logger, every: float = 30.0):
+        self.what, self.log, self.every = what, log, every
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="announce", daemon=True)
+
+    def _tick(self) -> None:
+        while not self._done.wait(self.every):
+            self.log.info("%s... %s so far", self.what, duration(time.monotonic() - self.start))
+
+    def __enter__(self) -> Announce:
+        self.start = time.monotonic()
+        self.log.info("%s...", self.what)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        if exc[0] is None:
+            self.log.info("%s: done in %s", self.what, duration(time.monotonic() - self.start))

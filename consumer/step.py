@@ -64,6 +64,9 @@ class StepRunner:
         self.device_type = next(model.parameters()).device.type
         self.autocast_dtype = autocast_dtype
         self.scaler = scaler
+        # CUDA graphs (compile mode reduce-overhead/max-autotune): each forward starts a new replay, so
+        # the previous step's outputs (already read) may be overwritten
+        self.cudagraphs = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -82,6 +85,8 @@ class StepRunner:
         for i, inp in enumerate(micro):
             last = i == len(micro) - 1
             with self.no_sync() if (self.no_sync and not last) else contextlib.nullcontext():
+                if self.cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 with self._autocast():
                     _, loss = self.model(inp.idx, inp.pos, inp.attn, inp.targets)
                 scaled = loss / denom
@@ -117,6 +122,34 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
 
 def resolve_precision(name: str, device: torch.device):
+    """(precision, autocast dtype). fp8 runs under bf16 autocast: only its converted matmuls are fp8."""
     if name == "auto":
         name = "bf16" if device.type == "cuda" else "fp32"
-    return name, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    if name == "fp8" and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError(
+            "--precision fp8 needs a GPU with FP8 matmuls (compute capability 8.9+: H100, H200, L4)"
+        )
+    return name, {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[name]
+
+
+def to_float8(model: torch.nn.Module) -> int:
+    """Swap the transformer blocks' Linear layers for torchao's float8 training layers (dynamic tensorwise
+    scaling); returns how many were swapped. lm_head stays bf16: it shares its weight with the embedding,
+    and the logits are where fp8's 3-bit mantissa would cost the most accuracy."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        raise ValueError("--precision fp8 needs torchao: pip install 'lmpipe[fp8]'") from None
+
+    def wanted(mod: torch.nn.Module, fqn: str) -> bool:
+        # _scaled_mm wants both dimensions divisible by 16
+        return (
+            isinstance(mod, torch.nn.Linear)
+            and fqn != "lm_head"
+            and mod.in_features % 16 == 0
+            and mod.out_features % 16 == 0
+        )
+
+    n = sum(1 for fqn, m in model.named_modules() if wanted(m, fqn))
+    convert_to_float8_training(model, module_filter_fn=wanted)
+    return n

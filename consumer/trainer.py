@@ -3,7 +3,8 @@
 Per step: take `accum` ready host slots from the device feed (the wait is data-wait time; consumer/feed.py),
 run forward/backward over them and one optimizer step (consumer/step.py), count and log
 (consumer/report.py), and checkpoint when due. The host reads GPU values (loss, grad norm, loss scale)
-only every `log_every` steps; nothing else in the loop synchronises.
+only every `log_every` steps; nothing else in the loop synchronises. With --consume-only no model is
+built: a step is the copy of its batches to the device (how fast the pipeline alone can feed).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
@@ -28,10 +30,17 @@ from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
 from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
 from lmpipe.consumer.receiver import Receiver, WorkerTable
-from lmpipe.consumer.report import Summary, peak_flops
-from lmpipe.consumer.scaler import make_scaler
+from lmpipe.consumer.report import Announce, Summary, peak_flops, thread_cpu_seconds
+from lmpipe.consumer.scaler import LossScaler, make_scaler
 from lmpipe.consumer.slots import HostSlot, SlotMeta
-from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer, resolve_device, resolve_precision
+from lmpipe.consumer.step import (
+    StepRunner,
+    lr_at,
+    make_optimizer,
+    resolve_device,
+    resolve_precision,
+    to_float8,
+)
 from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.metrics import TrainerMetrics, serve
@@ -63,48 +72,15 @@ class Trainer:
             raise ValueError(
                 f"--vocab-size {tcfg.vocab_size} is smaller than the tokenizer's {self.tok.vocab_size}"
             )
-        mcfg = preset(
-            tcfg.model, vocab_size=max(tcfg.vocab_size, self.tok.vocab_size), block_size=pcfg.seq_len
-        )
-        self.model = GPT(mcfg).to(self.device)
-        self.model.grad_checkpointing = tcfg.grad_checkpointing
-        if tcfg.fused_ce and self.device.type == "cuda":
-            self.model.fused_ce = fused_linear_cross_entropy()
-            if self.model.fused_ce is None:
-                log.warning(
-                    "--fused-ce: liger-kernel is not installed (pip install 'lmpipe[fused]'); plain loss"
-                )
-        self.optimizer = make_optimizer(self.model, tcfg, self.device)
-        self.scaler = make_scaler(tcfg.loss_scale, self.device) if self.precision == "fp16" else None
+        self.model: GPT | None = None  # None: --consume-only, the pipeline alone
+        self.scaler: LossScaler | None = None
         self._published = (0.0, 0.0)  # scaler overflow/skip counts already added to the metrics
         # torch.compile graphs counted so far; the counter is per process (benchmarks build several trainers)
         self._graphs = self._graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        if self.scaler is not None and not getattr(self.optimizer, "_step_supports_amp_scaling", False):
-            log.warning("fp16 with a non-fused optimizer: the scaler reads found_inf on the host every step")
-        self.step_model: torch.nn.Module = self.model
-        no_sync = None
-        if self.dist.enabled:
-            # 100 MB buckets: compiled under DDP, the graph is split at every bucket (DDPOptimizer, so that the
-            # all-reduce overlaps backward); fewer splits kept more fusion. GPT-2 124M on 4 H100s, 2 ranks:
-            # 0.945 of 2x one GPU vs 0.919 at the default 25 MB (bench/results/ddp-*.md).
-            ddp = DistributedDataParallel(
-                self.model,
-                device_ids=[self.device] if self.device.type == "cuda" else None,
-                bucket_cap_mb=100,
-                gradient_as_bucket_view=True,
-            )
-            self.step_model, no_sync = ddp, ddp.no_sync
-        if tcfg.compile and pcfg.strategy in ("bucket", "pad-batch") and pcfg.pad_multiple == 1:
-            log.warning("--compile with --strategy %s: every row width is a new graph; "
-                        "bound them with --pad-multiple (e.g. 64)", pcfg.strategy)  # fmt: skip
-        if tcfg.compile:
-            # one graph per row width: pack/pad have one, bucket/pad-batch as many as --pad-multiple allows
-            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-            self.step_model = cast(torch.nn.Module, torch.compile(self.step_model, dynamic=False))
-        self.runner = StepRunner(
-            self.step_model, self.optimizer, tcfg, self.autocast_dtype, self.scaler, no_sync=no_sync
-        )
+        if not tcfg.consume_only:
+            self._build_model(pcfg, tcfg)
         self.metrics = TrainerMetrics()
+        self.metrics.producers_expected.set(pcfg.producers)
         for w in range(tcfg.shards):
             self.metrics.received.labels(str(w))
         self.mask_cache = MaskCache(
@@ -136,11 +112,59 @@ class Trainer:
         self.metrics.info.info(
             {
                 "model": tcfg.model,
-                "params": str(self.model.num_params()),
+                "params": str(self.num_params),
                 "device": str(self.device),
                 "precision": self.precision,
                 "strategy": pcfg.strategy,
             }
+        )
+
+    @property
+    def num_params(self) -> int:
+        return self.model.num_params() if self.model is not None else 0
+
+    def _build_model(self, pcfg: PipelineConfig, tcfg: TrainConfig) -> None:
+        """The GPT, its optimizer and loss scaler, DDP and compile wrappers, and the step runner."""
+        mcfg = preset(
+            tcfg.model, vocab_size=max(tcfg.vocab_size, self.tok.vocab_size), block_size=pcfg.seq_len
+        )
+        self.model = model = GPT(mcfg).to(self.device)
+        model.grad_checkpointing = tcfg.grad_checkpointing
+        if self.precision == "fp8":
+            log.info("fp8: %d linear layers use torchao float8 matmuls", to_float8(model))
+        if tcfg.fused_ce and self.device.type == "cuda":
+            model.fused_ce = fused_linear_cross_entropy()
+            if model.fused_ce is None:
+                log.warning(
+                    "--fused-ce: liger-kernel is not installed (pip install 'lmpipe[fused]'); plain loss"
+                )
+        self.optimizer = make_optimizer(model, tcfg, self.device)
+        self.scaler = make_scaler(tcfg.loss_scale, self.device) if self.precision == "fp16" else None
+        if self.scaler is not None and not getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            log.warning("fp16 with a non-fused optimizer: the scaler reads found_inf on the host every step")
+        self.step_model: torch.nn.Module = model
+        no_sync = None
+        if self.dist.enabled:
+            # 100 MB buckets: compiled under DDP, the graph is split at every bucket (DDPOptimizer, so that the
+            # all-reduce overlaps backward); fewer splits kept more fusion. GPT-2 124M on 4 H100s, 2 ranks:
+            # 0.945 of 2x one GPU vs 0.919 at the default 25 MB (bench/results/ddp-*.md).
+            ddp = DistributedDataParallel(
+                model,
+                device_ids=[self.device] if self.device.type == "cuda" else None,
+                bucket_cap_mb=100,
+                gradient_as_bucket_view=True,
+            )
+            self.step_model, no_sync = ddp, ddp.no_sync
+        if tcfg.compile and pcfg.strategy in ("bucket", "pad-batch") and pcfg.pad_multiple == 1:
+            log.warning("--compile with --strategy %s: every row width is a new graph; "
+                        "bound them with --pad-multiple (e.g. 64)", pcfg.strategy)  # fmt: skip
+        if tcfg.compile:
+            # one graph per row width: pack/pad have one, bucket/pad-batch as many as --pad-multiple allows
+            torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+            mode = None if tcfg.compile_mode == "default" else tcfg.compile_mode
+            self.step_model = cast(torch.nn.Module, torch.compile(self.step_model, dynamic=False, mode=mode))
+        self.runner = StepRunner(
+            self.step_model, self.optimizer, tcfg, self.autocast_dtype, self.scaler, no_sync=no_sync
         )
 
     def _per_rank(self, pcfg: PipelineConfig, tcfg: TrainConfig) -> tuple[PipelineConfig, TrainConfig]:
@@ -167,7 +191,8 @@ class Trainer:
     def _identity(self) -> dict:
         """What a checkpoint must match to be resumed by this run."""
         return {
-            "model": asdict(self.model.config),
+            # a --consume-only checkpoint holds cursors only: a model run must not resume from it, nor it from one
+            "model": asdict(self.model.config) if self.model is not None else "none (--consume-only)",
             "tokenizer": self.tok.hash,
             "vocab_size": self.tok.vocab_size,
             # every rank's cursors are in the checkpoint: it must match the world size, not the rank
@@ -188,8 +213,8 @@ class Trainer:
             self.dist.barrier()  # rank 0 is writing
             return None
         state: dict[str, Any] = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": self.model.state_dict() if self.model is not None else {},
+            "optimizer": self.optimizer.state_dict() if self.model is not None else {},
             "step": self.step,
             "workers": by_rank,  # per rank, per producer: cursor and last sequence number
             "rng": {"torch": torch.get_rng_state()},
@@ -206,6 +231,7 @@ class Trainer:
         path = self.checkpoints.save(self.step, header, state)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
+        self.metrics.checkpointed(self.step, time.time())
         self.dist.barrier()
         return path
 
@@ -215,8 +241,9 @@ class Trainer:
             raise CheckpointError(
                 f"{ck.path}: precision differs (loss scaler {'absent' if self.scaler is None else 'present'} here)"
             )
-        self.model.load_state_dict(st["model"])
-        self.optimizer.load_state_dict(st["optimizer"])
+        if self.model is not None:
+            self.model.load_state_dict(st["model"])
+            self.optimizer.load_state_dict(st["optimizer"])
         if self.scaler is not None:
             self.scaler.load_state_dict(st["scaler"])
             self._published = self.scaler.counters()
@@ -231,6 +258,8 @@ class Trainer:
             self.fingerprint["data"] = ck.header["data"]  # producers must serve the same corpus
         cursors = ", ".join(f"s{w.worker}@seq{w.last_seq}" for w in self.table.workers)
         log.info("resumed from %s: step %d, shard cursors %s", ck.path, self.step, cursors)
+        self.metrics.global_step.set(self.step)
+        self.metrics.checkpointed(self.step, Path(ck.path).stat().st_mtime)
 
     def request_stop(self, reason: str = "signal") -> None:
         self._stop_reason = reason
@@ -287,10 +316,10 @@ class Trainer:
         port = serve(self.metrics.registry, self.cfg.metrics_port, self.pcfg.metrics_host)
         log.info(
             "training %s on %s (%s), %.2fM params; listening on %s; %d shards for any number of producers%s",
-            self.cfg.model,
+            "no model (--consume-only)" if self.model is None else self.cfg.model,
             self.device,
             self.precision,
-            self.model.num_params() / 1e6,
+            self.num_params / 1e6,
             self.receiver.endpoints.describe(),
             self.cfg.shards,
             f"; metrics on :{port}" if port else "",
@@ -320,7 +349,9 @@ class Trainer:
         run_start = None
         interval_step = self.step
         steady_start: tuple[float, int] | None = None  # (time, tokens) at the end of the first interval
-        flops_per_token = self.model.flops_per_token(self.pcfg.seq_len)
+        flops_per_token = self.model.flops_per_token(self.pcfg.seq_len) if self.model is not None else 0.0
+        no_loss = torch.zeros((), device=self.device)  # --consume-only: nothing is trained
+        batches = 0
         while not self._stop_reason and (cfg.steps == 0 or self.step < cfg.steps):
             slots, waited, problem = self.feed.take(cfg.accum, stopping=lambda: bool(self._stop_reason))
             if problem:
@@ -339,14 +370,29 @@ class Trainer:
                 waited = 0.0
             t0 = time.perf_counter()
             real = sum(m.real_tokens for m in metas)
+            batches += len(metas)
             pad = sum(m.pad_tokens for m in metas)
             if self._doc_log:
                 self._log_docs(metas)
-            micro = [self.feed.to_device(s) for s in slots] or [self._empty_inputs()]
             lr = lr_at(self.step, cfg)
-            loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
+            first = math.isnan(summary.time_to_first_step)
+            if self.model is None:  # --consume-only: the copy to the device is the whole step
+                for s in slots:
+                    self.feed.copy(s)
+                loss_sum = norm = no_loss
+            else:
+                micro = [self.feed.to_device(s) for s in slots] or [self._empty_inputs()]
+                # torch.compile traces and compiles in the first step: minutes on a large model, said as it goes
+                with (
+                    Announce("compiling the model (torch.compile, first step)", log)
+                    if first and cfg.compile
+                    else nullcontext()
+                ):
+                    loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
             self.step += 1
-            if math.isnan(summary.time_to_first_step):
+            m.global_step.set(self.step)
+            m.last_step_time.set(time.time())
+            if first:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # once: the first step's real end
                 summary.time_to_first_step = time.perf_counter() - self._started
@@ -388,12 +434,16 @@ class Trainer:
                     "data_wait": interval_wait / dt if dt > 0 else 0.0,
                     "step_seconds": dt / max(self.step - interval_step, 1),
                     "step": self.step,
+                    "elapsed": now - self._started,
                     "padding_efficiency": summary.padding_efficiency,
                     "mfu": 0.0,
                     "loss_scale": self.scaler.get_scale() if self.scaler else 1.0,
                 }
                 self._publish(stats, flops_per_token)
                 summary.losses.append(loss)
+                tok_s = tokens_all / dt if dt > 0 else 0.0  # every rank's
+                summary.history.append({"step": self.step, "elapsed": stats["elapsed"], "loss": loss,
+                                        "tokens_per_second": tok_s, "data_wait": stats["data_wait"]})  # fmt: skip
                 if not self.dist.is_main:
                     pass  # rank 0 speaks for the job
                 elif progress:
@@ -442,8 +492,10 @@ class Trainer:
         summary.seconds = end - run_start if run_start else 0.0
         summary.first_loss = summary.losses[0] if summary.losses else float("nan")
         summary.last_loss = summary.losses[-1] if summary.losses else float("nan")
-        summary.rejected, summary.stale = m.rejected_count, m.stale_count
+        summary.rejected, summary.stale, summary.refused = m.rejected_count, m.stale_count, m.refused_count
         summary.compiled_graphs = self._graphs - self._graphs_at_start
+        if self.model is None:
+            summary.consume = self._consume_stages(batches, summary.data_wait_seconds)
         if self._stop_reason:
             summary.stopped_by = self._stop_reason
         elif cfg.steps and self.step >= cfg.steps:
@@ -451,6 +503,23 @@ class Trainer:
         else:
             summary.stopped_by = "end of data"
         return summary
+
+    def _consume_stages(self, batches: int, waited: float) -> dict[str, float]:
+        """--consume-only: seconds per batch in the receive thread (receive, decode, validate, fill a slot;
+        its CPU time), in the copy to the device, and waiting for data."""
+        self.feed.observe_h2d()
+        n = max(batches, 1)
+        copied = self.metrics.registry.get_sample_value("lmpipe_trainer_h2d_seconds_sum") or 0.0
+        out = {
+            "batches": float(batches),
+            "copy_seconds_per_batch": copied / n,
+            "wait_seconds_per_batch": waited / n,
+        }
+        cpu = thread_cpu_seconds(self.receiver.native_id)
+        if cpu is not None:
+            out["receive_seconds_per_batch"] = cpu / n
+            out["receive_busy"] = cpu / (time.perf_counter() - self._started)  # the thread's whole life
+        return out
 
     def _empty_inputs(self) -> ModelInputs:
         """A batch with no targets, for a rank whose producers are done while other ranks still train:
@@ -483,7 +552,6 @@ class Trainer:
             m.skipped.inc(skipped - self._published[1])
             self._published = (overflows, skipped)
             stats["overflows"], stats["skipped"] = overflows, skipped
-        m.mfu.set(0.0)  # stays 0 where the card's peak is unknown (and on CPU)
         if self.device.type == "cuda":
             m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(self.device))
             m.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(self.device))

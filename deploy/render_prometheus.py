@@ -28,6 +28,7 @@ COMPOSE_PRODUCER_SERVICE = "producer"
 COMPOSE_PRODUCER_PORT = 9401
 COMPOSE_SCRAPE_INTERVAL = "5s"
 DNS_REFRESH_INTERVAL = "5s"  # how soon a new replica is scraped (Prometheus' default is 30 s)
+RULES = HERE / "prometheus" / "lmpipe.rules.yml"  # alert rules, beside the config in compose too
 
 
 def _flow_list(items: list[str]) -> str:
@@ -55,6 +56,7 @@ def render(
     producer_service: str = COMPOSE_PRODUCER_SERVICE,
     producer_port: int = COMPOSE_PRODUCER_PORT,
     scrape_interval: str = COMPOSE_SCRAPE_INTERVAL,
+    rule_file: str = RULES.name,
 ) -> str:
     """The config text. `producers=None`: discover replicas of `producer_service` by DNS (compose);
     a list: scrape exactly those host:port targets (local processes)."""
@@ -72,6 +74,7 @@ def render(
         scrape_timeout=scrape_interval,  # may not exceed the interval
         trainer_targets=_flow_list([trainer]),
         producer_discovery=discovery.rstrip("\n"),
+        rule_file=rule_file,
     )
     return text.rstrip("\n") + "\n"
 

@@ -7,6 +7,8 @@ lmpipe tokenizer  train or inspect a tokenizer
 lmpipe prepare    tokenize a corpus once into memory-mapped shards
 lmpipe keys       make ZeroMQ CURVE keys
 lmpipe export     write a checkpoint's weights as safetensors
+lmpipe plot       a picture of a run (loss, tokens/s, data wait) from its --summary-json
+lmpipe health     is the process at a metrics port making progress? (container health checks)
 
 Every flag is a dataclass field (shared/settings.py): the parser is generated from PipelineConfig,
 TrainConfig and the classes in lmpipe/options.py, and parsing gives those dataclasses, validated. A usage
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import replace
 
 from lmpipe import __version__
@@ -24,7 +27,9 @@ from lmpipe.consumer.config import TRAINING, TrainConfig
 from lmpipe.options import (
     ExportOptions,
     GlobalOptions,
+    HealthOptions,
     KeysOptions,
+    PlotOptions,
     PrepareOptions,
     ProduceOptions,
     ReportOptions,
@@ -112,19 +117,54 @@ def build_parser() -> Parser:
     ex = command("export", cmd_export, (ExportOptions,), help="write a checkpoint's weights as safetensors")
     ex.add_argument("checkpoint", help="a checkpoint directory, or a --checkpoint-dir (its latest)")
     add_settings(ex, ExportOptions, "export", env=False)
+
+    he = command(
+        "health",
+        cmd_health,
+        (HealthOptions,),
+        help="exit 0 if the lmpipe process at --metrics-port makes progress (a container health check)",
+        description="Read the /metrics of a trainer or producer on this host. A trainer is healthy while it "
+        "steps (its latest step, or its start, less than --stalled-after ago); a producer while it answers. "
+        "One line on stdout says what was seen; exit 0 healthy, 1 not.",
+    )
+    add_settings(he, HealthOptions, "health", env=False)
+
+    pl = command(
+        "plot",
+        cmd_plot,
+        (PlotOptions,),
+        help="draw loss, tokens/s and data wait over steps from a --summary-json file",
+        description="A picture of a run: loss, tokens/s and data wait at each logging interval "
+        "(needs matplotlib: pip install 'lmpipe[plot]').",
+    )
+    pl.add_argument("summary", help="a file written by --summary-json")
+    add_settings(pl, PlotOptions, "plot", env=False)
     return p
 
 
 # -- commands: each gets the namespace, the global options and its settings, built and validated ---------
 
 
+def _need_torch() -> None:
+    """The trainer's commands, where torch (an extra) is missing: one line saying how to add it."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise SettingsError(
+            f"the trainer needs PyTorch, which this install lacks ({exc}; producer-only installs leave it "
+            "out): pip install 'lmpipe[train]', or torch from PyTorch's index (README)"
+        ) from None
+
+
 def cmd_run(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions) -> int:
+    _need_torch()
     from lmpipe.launch import train
 
     return train(cfg, tcfg, opts, local_producers=True, log_level=g.log_level)
 
 
 def cmd_train(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions) -> int:
+    _need_torch()
     from lmpipe.launch import train
 
     return train(cfg, tcfg, opts, local_producers=False, log_level=g.log_level)
@@ -138,6 +178,7 @@ def cmd_produce(ns, g: GlobalOptions, cfg: PipelineConfig, opts: ProduceOptions)
 
 def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOptions) -> int:
     from lmpipe.launch import check_tokenizer, first_document, open_corpus
+    from lmpipe.progress import Progress, duration, text_bytes
     from lmpipe.shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
 
     if ns.action == "info":
@@ -153,17 +194,25 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
     first_document(corpus, text=True)
     texts = ((r.prompt or "") + r.text for r in corpus.records() if r.text and r.bad is None)  # prompts too
     print(f"training a {opts.vocab_size}-token byte-level BPE on {corpus.describe()}", file=sys.stderr)
-    tok = train_tokenizer(texts, opts.vocab_size)
+    progress = Progress("reading", text_bytes(corpus))  # a percentage and ETA where the size is known
+    tok = train_tokenizer(
+        progress.texts(texts, then="learning the merges"), opts.vocab_size, show_progress=progress.tty
+    )
     tok.save(str(out))
     info = load_tokenizer(out)
-    print(f"wrote {out}: vocab size {info.vocab_size}, hash {info.hash}")
+    took = duration(time.monotonic() - progress.start)
+    print(f"wrote {out}: vocab size {info.vocab_size}, hash {info.hash} (in {took})")
     return 0
 
 
 def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions) -> int:
+    from typing import cast
+
     from lmpipe.launch import check_tokenizer, first_document, open_corpus
     from lmpipe.producer.shards import prepare
+    from lmpipe.producer.sources import Corpus
     from lmpipe.producer.stream import DocStream
+    from lmpipe.progress import CountedCorpus, Progress, text_bytes
 
     tok = check_tokenizer(cfg)
     corpus = open_corpus(cfg, tok.vocab_size)
@@ -178,11 +227,19 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
         bad[reason] = bad.get(reason, 0) + 1
         log.warning("%s: %s (%s), skipped", where, detail, reason)
 
-    stream = DocStream(corpus, tok, shuffle_window=0, on_bad=on_bad)
+    # records read (bad ones too), with a percentage and ETA where the corpus's size is known
+    progress = Progress("tokenizing", text_bytes(corpus), unit="records")
+    stream = DocStream(cast(Corpus, CountedCorpus(corpus, progress)), tok, shuffle_window=0, on_bad=on_bad)
     assert opts.out is not None  # a required setting
     meta = prepare(
-        stream, opts.out, shard_tokens=opts.shard_tokens, source=corpus.fingerprint(), force=opts.force
+        stream,
+        opts.out,
+        shard_tokens=opts.shard_tokens,
+        source=corpus.fingerprint(),
+        force=opts.force,
+        progress=False,  # ours, with the corpus's size
     )
+    progress.done()
     skipped = f"; skipped {sum(bad.values())} bad records ({bad})" if bad else ""
     print(
         f"wrote {opts.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens, {len(meta['shards'])} shard(s){skipped}"
@@ -203,6 +260,7 @@ def cmd_keys(ns, g: GlobalOptions, opts: KeysOptions) -> int:
 def cmd_export(ns, g: GlobalOptions, opts: ExportOptions) -> int:
     from pathlib import Path
 
+    _need_torch()
     from lmpipe.consumer.checkpoint import export_safetensors, resolve_resume
 
     path = resolve_resume(ns.checkpoint, None)
@@ -211,6 +269,53 @@ def cmd_export(ns, g: GlobalOptions, opts: ExportOptions) -> int:
     )  # a named checkpoint resolves or raises; --out is required
     meta = export_safetensors(path, Path(opts.out))
     print(f"wrote {opts.out} from {path} (step {meta['step']})")
+    return 0
+
+
+def cmd_plot(ns, g: GlobalOptions, opts: PlotOptions) -> int:
+    from pathlib import Path
+
+    from lmpipe.plot import plot
+
+    assert opts.out is not None  # a required setting
+    n = plot(Path(ns.summary), Path(opts.out))
+    print(f"wrote {opts.out}: {n} logging intervals of {ns.summary}")
+    return 0
+
+
+def cmd_health(ns, g: GlobalOptions, opts: HealthOptions) -> int:
+    import math
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lmpipe.consumer.report import duration
+
+    url = f"http://127.0.0.1:{opts.metrics_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=4) as r:
+            text = r.read().decode()
+    except OSError as exc:
+        print(f"unhealthy: {url} does not answer ({exc})")
+        return 1
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    build = samples.get("lmpipe_build_info")
+    role = build.labels.get("role", "?") if build else "?"
+    if role != "trainer":
+        print(f"healthy: lmpipe {role} answers at {url}")
+        return 0
+    now = time.time()
+    last = samples["lmpipe_trainer_last_step_timestamp_seconds"].value
+    step = int(samples["lmpipe_trainer_global_step"].value)
+    since, what = (last, "its latest step") if not math.isnan(last) else (
+        samples["process_start_time_seconds"].value, "its start, with no step since")  # fmt: skip
+    age = now - since
+    if age > opts.stalled_after:
+        print(
+            f"unhealthy: trainer at step {step}, {duration(age)} since {what} (--stalled-after {opts.stalled_after:g})"
+        )
+        return 1
+    print(f"healthy: trainer at step {step}, {duration(age)} since {what}")
     return 0
 
 

@@ -15,7 +15,6 @@ trainer is about to be built, so producers never load it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -24,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -157,8 +157,11 @@ def linger(seconds: float) -> None:
     if seconds <= 0:
         return
     log.info("work done; serving metrics for %.0f s more", seconds)
-    with contextlib.suppress(KeyboardInterrupt):
-        time.sleep(seconds)
+    done = threading.Event()
+    # the trainer's handlers only ask a finished run to stop: here a signal must end the wait itself
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait(seconds)
 
 
 def report(summary, path: str | None) -> None:

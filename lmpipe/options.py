@@ -84,3 +84,25 @@ class KeysOptions:
 @dataclass
 class ExportOptions:
     out: str | None = setting(None, required=True, metavar="FILE", help="output .safetensors file")
+
+
+@dataclass
+class HealthOptions:
+    """`lmpipe health`: a container health check that proves progress, not only a live process."""
+
+    metrics_port: int = setting(
+        9400, check=between(1, 65535), help="the /metrics port to read (on 127.0.0.1)"
+    )
+    stalled_after: float = setting(
+        600.0,
+        check=at_least(1),
+        metavar="SECONDS",
+        help="a trainer without a step for this long (since its last step, or its start) is unhealthy",
+    )
+
+
+@dataclass
+class PlotOptions:
+    out: str | None = setting(
+        None, required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)"
+    )

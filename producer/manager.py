@@ -40,7 +40,7 @@ from lmpipe.shared import messages
 from lmpipe.shared.batch import Batch, Cursor, token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.messages import GIVE_UP_SECONDS, HELLO_EVERY
-from lmpipe.shared.metrics import ProducerMetrics, serve
+from lmpipe.shared.metrics import ProducerMetrics, serve, short_hash
 from lmpipe.shared.security import check_connect
 from lmpipe.shared.sockets import (
     HANDSHAKE_EVENTS,
@@ -76,7 +76,8 @@ class Producer:
             )
         self.cfg, self.opts = cfg, opts
         self.worker = opts.worker
-        self.metrics = ProducerMetrics()
+        self.metrics = ProducerMetrics(cfg.strategy)  # every series labelled with its --worker number
+        self.metrics.bind(self.worker)
         self.tok = load_tokenizer(cfg.tokenizer)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
         shards = self.corpus.shards
@@ -105,7 +106,7 @@ class Producer:
                 "worker": str(self.worker),
                 "strategy": cfg.strategy,
                 "tokenizer": self.tok.hash,
-                "data": self.corpus.describe()[:200],
+                "corpus": short_hash(self.corpus.fingerprint()),  # an id, not prose (the log describes it)
             }
         )
 
@@ -294,7 +295,7 @@ class Producer:
         if isinstance(msg, messages.Welcome):
             return self._welcomed(msg)
         if isinstance(msg, messages.Refuse):
-            self.metrics.handshakes.labels("refuse").inc()
+            self.metrics.handshakes.labels("retry" if msg.retry else "refuse").inc()
             if not msg.retry:
                 raise Refused(msg.reason)
             now = time.monotonic()

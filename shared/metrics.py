@@ -1,19 +1,43 @@
 """Prometheus metrics of every process: one class per role, each on its own registry and HTTP port.
 
 Names follow Prometheus rules: `lmpipe_` prefix, base units (seconds, bytes), counters end in `_total`
-(prometheus_client appends it), latencies are histograms. The Grafana dashboard and README read these
-names; change them in all three places or not at all.
+(prometheus_client appends it), latencies are histograms. The Grafana dashboard, the alert rules
+(deploy/prometheus/lmpipe.rules.yml) and the README read these names; change them everywhere or not at all.
+
+Metrics never lie: a gauge with no reading yet is NaN (Prometheus and Grafana show "no value"), never a
+0 that reads as a measurement; label values are short snake_case codes or ids, never prose; counters
+have no `_created` twin series.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
+import platform
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+import prometheus_client
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.metrics import MetricWrapperBase
+
+from lmpipe.shared import __version__
 
 log = logging.getLogger(__name__)
 
-# step/data-wait latencies span ~1 ms (GPU step) to seconds (CPU step, starved trainer)
+# `_created` doubles every counter and histogram series for a timestamp nobody queries (process start is
+# `process_start_time_seconds`, and resets show in rate()).
+prometheus_client.disable_created_metrics()
+
+NAN = math.nan
 # Label values created up front, so every series exists (at 0) from the first scrape: dashboards and
 # alerts then see "no problems" instead of "no data".
 BAD_RECORD_REASONS = (
@@ -24,8 +48,13 @@ REJECT_REASONS = (
     "bad_frames", "oversized", "bad_batch", "bad_worker", "bad_control", "handshake",
 )  # fmt: skip
 STALE_REASONS = ("old_session", "duplicate", "gap", "not_holder")
+# Why the trainer turned a producer's hello away. `busy` is the only one the producer retries (its worker
+# id is held by a live connection, or every id is taken); the others make it exit 2.
+REFUSAL_REASONS = ("bad_worker_id", "config_mismatch", "worker_stopped", "malformed", "busy")
+HANDSHAKE_RESULTS = ("welcome", "refuse", "retry")
 CACHES = ("causal_mask",)
 GPU_MEMORY_KINDS = ("allocated", "reserved", "peak")
+UNASSIGNED = "unassigned"  # the producer's `worker` label before the trainer gave it an id (--worker -1)
 
 
 def _init_labels(metric, values) -> None:
@@ -33,7 +62,26 @@ def _init_labels(metric, values) -> None:
         metric.labels(v)
 
 
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Step, data-wait and checkpoint times span ~1 ms (a GPU step) to minutes (a CPU step of a small model
+# takes 5-20 s on 2 cores, a GPT-2 checkpoint several seconds, a starved trainer waits as long as it must).
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+
+
+def short_hash(text: str) -> str:
+    """A 12-hex-digit id for a long value (a corpus description) that must not go into a label as prose."""
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def build_info(registry: CollectorRegistry, role: str) -> Info:
+    """`lmpipe_build_info{version, python, role} 1` on every process: which lmpipe answers at a target.
+    With it, the standard process_* series (start time, CPU seconds, memory, open files)."""
+    ProcessCollector(registry=registry)
+    info = Info("lmpipe_build", "lmpipe version of this process", registry=registry)
+    info.info({"version": __version__, "python": platform.python_version(), "role": role})
+    return info
 
 
 def serve(registry: CollectorRegistry, port: int | None, addr: str = "127.0.0.1") -> int | None:
@@ -51,50 +99,120 @@ def serve(registry: CollectorRegistry, port: int | None, addr: str = "127.0.0.1"
     return bound
 
 
+class _Bound:
+    """A labelled family with its leading `worker` label filled in: `.labels(reason)` gives the child for
+    (worker, reason), so callers count per reason without knowing about the worker label."""
+
+    def __init__(self, family: MetricWrapperBase, worker: str):
+        self.family, self.worker = family, worker
+
+    def labels(self, *values: str) -> Any:
+        return self.family.labels(self.worker, *values)
+
+
 class ProducerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    """Every series carries `worker`: the worker id this producer held when it counted (`unassigned`
+    before the trainer gave it one, with --worker -1), so producer series join the trainer's `{worker}`
+    series. A producer moved to another id starts new series for it; the old id's counters stay as they
+    were (what it did as that worker) and its gauges are removed (they would describe a stream it no longer
+    serves). The `unassigned` series go once an id is assigned."""
+
+    def __init__(self, strategy: str = "pack", registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
+        self.strategy = strategy
+        self.build = build_info(r, "producer")
         self.info = Info("lmpipe_producer", "Producer identity and configuration", registry=r)
-        self.documents = Counter("lmpipe_producer_documents", "Documents tokenized", registry=r)
-        self.tokens = Counter(
-            "lmpipe_producer_tokens", "Real tokens sent in batches", ["strategy"], registry=r
+        w = ["worker"]
+        self._documents = Counter("lmpipe_producer_documents", "Documents tokenized", w, registry=r)
+        self._tokens = Counter(
+            "lmpipe_producer_tokens", "Real tokens sent in batches", [*w, "strategy"], registry=r
         )
-        self.padding = Counter(
-            "lmpipe_producer_padding_tokens", "Pad tokens sent in batches", ["strategy"], registry=r
+        self._padding = Counter(
+            "lmpipe_producer_padding_tokens", "Pad tokens sent in batches", [*w, "strategy"], registry=r
         )
-        self.batches = Counter("lmpipe_producer_batches_sent", "Batches sent to the trainer", registry=r)
-        self.bad_records = Counter(
-            "lmpipe_producer_bad_records", "Corpus records skipped", ["reason"], registry=r
+        self._batches = Counter("lmpipe_producer_batches_sent", "Batches sent to the trainer", w, registry=r)
+        self._bad_records = Counter(
+            "lmpipe_producer_bad_records", "Corpus records skipped", [*w, "reason"], registry=r
         )
-        self.tokenize = Histogram(
+        self._tokenize = Histogram(
             "lmpipe_producer_tokenize_seconds",
             "Wall time of one encode_batch call (a chunk of documents)",
+            w,
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
-        self.send_blocked = Counter(
+        self._send_blocked = Counter(
             "lmpipe_producer_send_blocked_seconds",
-            "Time a ready batch waited for the trainer (backpressure)",
+            "Time a ready batch waited for the trainer (backpressure); grows while it waits",
+            w,
             registry=r,
         )
-        self.connected = Gauge(
-            "lmpipe_producer_connected", "1 while the trainer has welcomed this producer", registry=r
+        self._connected = Gauge(
+            "lmpipe_producer_connected", "1 while the trainer has welcomed this producer", w, registry=r
         )
-        self.handshakes = Counter(
-            "lmpipe_producer_handshakes", "Handshake answers by result", ["result"], registry=r
+        self._handshakes = Counter(
+            "lmpipe_producer_handshakes",
+            "Answers to this producer's hello: welcome, refuse (it exits) or retry (its id is busy)",
+            [*w, "result"],
+            registry=r,
         )
-        self.resets = Counter(
-            "lmpipe_producer_stream_resets", "Stream restarts at a cursor the trainer sent", registry=r
+        self._resets = Counter(
+            "lmpipe_producer_stream_resets", "Stream restarts at a cursor the trainer sent", w, registry=r
         )
-        self.cursor_pos = Gauge(
-            "lmpipe_producer_cursor_position", "Document position of the last batch sent", registry=r
+        self._cursor_pos = Gauge(
+            "lmpipe_producer_cursor_position",
+            "Position in this worker's document order of the last batch sent (NaN before the first)",
+            w,
+            registry=r,
         )
-        self.epoch = Gauge("lmpipe_producer_epoch", "Epoch of the last batch sent", registry=r)
-        self.shards_held = Gauge(
-            "lmpipe_producer_shards_held", "Shards of the corpus the trainer gave this producer", registry=r
+        self._epoch = Gauge(
+            "lmpipe_producer_epoch", "Epoch of the last batch sent (NaN before the first)", w, registry=r
         )
+        self._shards_held = Gauge(
+            "lmpipe_producer_shards_held",
+            "Shards of the corpus the trainer gave this producer",
+            w,
+            registry=r,
+        )
+        self.worker = ""
+        self.bind(-1)
+
+    @property
+    def families(self) -> list[MetricWrapperBase]:
+        """The metric families (not their per-worker children)."""
+        return [m for m in vars(self).values() if isinstance(m, MetricWrapperBase) and not m._labelvalues]
+
+    def bind(self, worker: int) -> None:
+        """Count from now on as `worker` (-1: not assigned yet)."""
+        label = str(worker) if worker >= 0 else UNASSIGNED
+        if label == self.worker:
+            return
+        old, self.worker = self.worker, label
+        if old == UNASSIGNED:  # it only counted handshake answers, which the trainer counts too
+            for family in self.families:
+                children = getattr(family, "_metrics", {}) if family._labelnames else {}
+                for values in [v for v in children if v[0] == old]:
+                    family.remove(*values)
+        elif old:
+            for gauge in (self._connected, self._cursor_pos, self._epoch, self._shards_held):
+                gauge.remove(old)
+        self.documents = self._documents.labels(label)
+        self.batches = self._batches.labels(label)
+        self.tokenize = self._tokenize.labels(label)
+        self.send_blocked = self._send_blocked.labels(label)
+        self.resets = self._resets.labels(label)
+        self.connected = self._connected.labels(label)  # 0 until the trainer welcomes it as this worker
+        self.cursor_pos = self._cursor_pos.labels(label)
+        self.cursor_pos.set(NAN)
+        self.epoch = self._epoch.labels(label)
+        self.epoch.set(NAN)
+        self.shards_held = self._shards_held.labels(label)
+        self.tokens, self.padding = _Bound(self._tokens, label), _Bound(self._padding, label)
+        self.bad_records, self.handshakes = _Bound(self._bad_records, label), _Bound(self._handshakes, label)
+        self.tokens.labels(self.strategy)
+        self.padding.labels(self.strategy)
         _init_labels(self.bad_records, BAD_RECORD_REASONS)
-        _init_labels(self.handshakes, ("welcome", "refuse"))
+        _init_labels(self.handshakes, HANDSHAKE_RESULTS)
 
 
 class TrainerMetrics:
@@ -103,6 +221,8 @@ class TrainerMetrics:
         # Plain totals beside the labelled counters, for the end-of-run summary (never read back from the registry)
         self.rejected_count = 0
         self.stale_count = 0
+        self.refused_count = 0
+        self.build = build_info(r, "trainer")
         self.info = Info("lmpipe_trainer", "Trainer identity and configuration", registry=r)
         self.tokens = Counter("lmpipe_trainer_tokens", "Real tokens trained on", registry=r)
         self.padding = Counter("lmpipe_trainer_padding_tokens", "Pad tokens in trained batches", registry=r)
@@ -110,7 +230,19 @@ class TrainerMetrics:
             "lmpipe_trainer_loss_tokens", "Targets the loss was taken on", registry=r
         )
         self.steps = Counter(
-            "lmpipe_trainer_steps", "Optimizer steps taken (including skipped ones)", registry=r
+            "lmpipe_trainer_steps",
+            "Optimizer steps taken by this process (including skipped ones); starts at 0 on resume",
+            registry=r,
+        )
+        self.last_step_time = Gauge(
+            "lmpipe_trainer_last_step_timestamp_seconds",
+            "Unix time of this process's latest step (NaN before its first); `lmpipe health` reads it",
+            registry=r,
+        )
+        self.global_step = Gauge(
+            "lmpipe_trainer_global_step",
+            "The run's step: the checkpoint's at start (0 fresh), then +1 per step; survives resume",
+            registry=r,
         )
         self.first_step_seconds = Gauge(
             "lmpipe_trainer_time_to_first_step_seconds",
@@ -172,6 +304,11 @@ class TrainerMetrics:
         self.shards_unserved = Gauge(
             "lmpipe_trainer_shards_unserved", "Open shards no producer holds (none connected)", registry=r
         )
+        self.producers_expected = Gauge(
+            "lmpipe_trainer_producers_expected",
+            "Producers this trainer waits for before its first assignment (--producers)",
+            registry=r,
+        )
         self.stream_resets = Counter(
             "lmpipe_trainer_stream_resets",
             "Requests to a producer to resend from its consumed cursor (a batch missing or rejected)",
@@ -188,9 +325,17 @@ class TrainerMetrics:
             "Data connections closed: producers that exited, or were cut off for a frame over the size guard",
             registry=r,
         )
-        self.loss = Gauge("lmpipe_trainer_loss", "Training loss at the last logging interval", registry=r)
-        self.lr = Gauge("lmpipe_trainer_learning_rate", "Learning rate", registry=r)
-        self.grad_norm = Gauge("lmpipe_trainer_grad_norm", "Gradient norm before clipping", registry=r)
+        self.loss = Gauge(
+            "lmpipe_trainer_loss", "Training loss at the last logging interval (NaN before it)", registry=r
+        )
+        self.lr = Gauge(
+            "lmpipe_trainer_learning_rate", "Learning rate (NaN before the first step)", registry=r
+        )
+        self.grad_norm = Gauge(
+            "lmpipe_trainer_grad_norm",
+            "Gradient norm before clipping, at the last logging interval (NaN before it)",
+            registry=r,
+        )
         self.loss_scale = Gauge(
             "lmpipe_trainer_loss_scale", "Current loss scale (1 when not scaling)", registry=r
         )
@@ -205,18 +350,48 @@ class TrainerMetrics:
         self.recompiles = Counter(
             "lmpipe_trainer_compile_recompiles", "torch.compile graph compilations", registry=r
         )
-        self.gpu_memory = Gauge("lmpipe_trainer_gpu_memory_bytes", "GPU memory", ["kind"], registry=r)
+        self.gpu_memory = Gauge(
+            "lmpipe_trainer_gpu_memory_bytes",
+            "GPU memory (NaN on CPU and before a reading)",
+            ["kind"],
+            registry=r,
+        )
         self.mfu = Gauge(
-            "lmpipe_trainer_mfu_ratio", "Model FLOPs utilization against the card's bf16 peak", registry=r
+            "lmpipe_trainer_mfu_ratio",
+            "Model FLOPs utilization against the card's bf16 peak (NaN where the peak is unknown, and on CPU)",
+            registry=r,
         )
         self.checkpoints = Counter("lmpipe_trainer_checkpoints", "Checkpoints written", registry=r)
+        self.checkpoint_time = Gauge(
+            "lmpipe_trainer_checkpoint_timestamp_seconds",
+            "Unix time of the latest checkpoint written, or resumed from (NaN before either)",
+            registry=r,
+        )
+        self.checkpoint_step = Gauge(
+            "lmpipe_trainer_checkpoint_step",
+            "Step of the latest checkpoint written, or resumed from (NaN before either)",
+            registry=r,
+        )
+        self.refusals = Counter(
+            "lmpipe_trainer_handshake_refusals",
+            "Hellos turned away, by reason (busy: retried by the producer; the others make it exit)",
+            ["reason"],
+            registry=r,
+        )
         self.loss_scale.set(1.0)
+        for g in (self.loss, self.lr, self.grad_norm, self.mfu, self.first_step_seconds, self.checkpoint_time,
+                  self.checkpoint_step, self.last_step_time):  # fmt: skip
+            g.set(NAN)
+        self.global_step.set(0)
+        _init_labels(self.refusals, REFUSAL_REASONS)
         _init_labels(self.rejected, REJECT_REASONS)
         _init_labels(self.stale, STALE_REASONS)
         _init_labels(self.cache_hits, CACHES)
         _init_labels(self.cache_misses, CACHES)
         _init_labels(self.gpu_memory, GPU_MEMORY_KINDS)
         _init_labels(self.shards_per_producer, ("min", "max"))
+        for kind in GPU_MEMORY_KINDS:
+            self.gpu_memory.labels(kind).set(NAN)
         self.checkpoint_seconds = Histogram(
             "lmpipe_trainer_checkpoint_seconds",
             "Time to write one checkpoint",
@@ -228,6 +403,19 @@ class TrainerMetrics:
         """A malformed message or refused handshake, dropped."""
         self.rejected.labels(reason).inc()
         self.rejected_count += 1
+
+    def refuse(self, reason: str) -> None:
+        """A hello turned away; `reason` is one of REFUSAL_REASONS. Refusals that make a producer exit also
+        count among rejected messages (reason `handshake`), but the summary tells them apart from malformed
+        ones: a producer with other settings sent nothing broken."""
+        self.refusals.labels(reason).inc()
+        if reason != "busy":
+            self.rejected.labels("handshake").inc()
+            self.refused_count += 1
+
+    def checkpointed(self, step: int, unix_time: float) -> None:
+        self.checkpoint_step.set(step)
+        self.checkpoint_time.set(unix_time)
 
     def drop_stale(self, reason: str) -> None:
         """A valid batch that is not the next one to train on (old session, duplicate, gap...), dropped."""

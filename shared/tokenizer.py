@@ -53,8 +53,9 @@ def load_tokenizer(path: str | Path | None = None) -> TokenizerInfo:
     )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style) with `<|endoftext|>` as its only special token."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096, show_progress: bool = False) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style) with `<|endoftext|>` as its only special token. `show_progress`: the
+    tokenizers library's own bars (pair counting, merges), for a terminal."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -62,7 +63,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Tokenizer:
         vocab_size=vocab_size,
         special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok

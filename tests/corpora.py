@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import zstandard
 
 from lmpipe.producer import builtin_corpus
 
@@ -59,6 +58,8 @@ def write(
         path = dest.with_name(dest.name + ".jsonl.zst")
         data = _jsonl_bytes(docs)
         half = len(data) // 2  # two frames, as concatenated or appended files have
+        import zstandard  # dev extra; imported where used, so the GPU machine (without it) can collect
+
         cctx = zstandard.ZstdCompressor()
         path.write_bytes(cctx.compress(data[:half]) + cctx.compress(data[half:]))
     elif fmt == "parquet":

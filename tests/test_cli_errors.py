@@ -178,6 +178,7 @@ CASES = [
     ("missing-corpus-file", ["run", "--data", "/nonexistent.txt"], "--data"),
     ("missing-tokenizer", ["produce", "--tokenizer", "/nonexistent.json"], "--tokenizer"),
     ("loss-scale", ["train", "--loss-scale", "static:0"], "--loss-scale static:0"),
+    ("fp8-on-cpu", ["train", "--device", "cpu", "--precision", "fp8"], "--precision fp8 needs a GPU"),
     ("tokenizer-without-out", ["tokenizer", "train"], "--out"),
 ]
 

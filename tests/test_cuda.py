@@ -162,6 +162,24 @@ def test_fp16_dynamic_scaling_end_to_end(procs, tmp_path, port):
     assert out["last_loss"] < out["first_loss"]
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [["--compile", "--compile-mode", "reduce-overhead"], ["--precision", "fp8", "--compile"]],
+    ids=["cuda-graphs", "fp8"],
+)
+def test_cuda_graphs_and_fp8_train(procs, tmp_path, port, extra):
+    summary = tmp_path / "s.json"
+    p = procs.start(
+        "run", "--port", str(port), "--steps", "60", "--log-every", "10", "--metrics-port", "-1",
+        "--model", "small", "--seq-len", "256", "--summary-json", str(summary), *extra, name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=600) == 0, procs.log(p)
+    out = json.loads(summary.read_text())
+    assert out["first_loss"] - out["last_loss"] > 1.0, out
+    if "fp8" in extra:
+        assert "linear layers use torchao float8 matmuls" in procs.log(p)
+
+
 def test_compile_keeps_bucket_shapes_bounded(procs, tmp_path, port):
     summary = tmp_path / "s.json"
     p = procs.start(

@@ -349,7 +349,7 @@ def attack(procs: Procs, tmp: Path, kind: str, tok) -> None:
         m = dep.m()
         figures["resets"]["gaps"] = m["lmpipe_trainer_stale_batches_total[gap]"]
         figures["resets"]["producer_resets"] = [
-            dep.producer_m(i)["lmpipe_producer_stream_resets_total"] for i in range(PRODUCERS)
+            dep.producer_m(i)[f"lmpipe_producer_stream_resets_total[{i}]"] for i in range(PRODUCERS)
         ]
         assert figures["resets"]["gaps"] == 0 and figures["resets"]["producer_resets"] == [0, 0], figures
     finally:

@@ -440,9 +440,9 @@ def test_a_finetuning_run_trains_each_document_once_on_its_unmasked_targets(
             sum(metric(mport + 1 + i, "lmpipe_producer_bad_records_total", reason=reason) for i in (0, 1))
             == 1
         )
-    # the work is done (the summary is written): end the linger, which a signal does not cut short yet
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait(timeout=30)
+    # the work is done (the summary is written): a signal ends the 120 s linger at once, cleanly
+    os.killpg(p.pid, signal.SIGTERM)
+    assert procs.wait(p, 15) == 0
     text = procs.log(p)
     assert f"{data}:18: loss_mask must be a list of 2 values" in text
     assert f'{data}:102: "prompt" and "completion" must both be strings' in text

@@ -156,3 +156,30 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         grads.append([p.grad.clone() for p in m.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_document_block_mask_equals_flex_attentions_own_builder(seed):
+    """document_block_mask derives each block's state from its first and last document; FlexAttention's
+    create_block_mask evaluates the mask at every position. Same dense mask, same full/partial blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from lmpipe.consumer.inputs import document_block_mask, document_causal_mask_mod
+
+    g = torch.Generator().manual_seed(seed)
+    for trial in range(20):
+        B, L = int(torch.randint(1, 4, (1,), generator=g)), 128 * int(torch.randint(1, 6, (1,), generator=g))
+        segs = []
+        for _ in range(B):
+            n = int(torch.randint(0, 12, (1,), generator=g))
+            if trial % 2:  # boundaries on block edges: the full blocks
+                cuts = torch.randint(0, L // 128 + 1, (n,), generator=g) * 128
+            else:
+                cuts = torch.randint(0, L, (n,), generator=g)
+            segs.append((torch.arange(L)[:, None] >= cuts[None, :]).sum(1).to(torch.int32))
+        seg = torch.stack(segs)
+        ref = create_block_mask(document_causal_mask_mod(seg), B, None, L, L, device="cpu")
+        got = document_block_mask(seg)
+        assert torch.equal(ref.to_dense(), got.to_dense()), seg
+        assert torch.equal(ref.kv_num_blocks, got.kv_num_blocks)
+        assert torch.equal(ref.full_kv_num_blocks, got.full_kv_num_blocks)

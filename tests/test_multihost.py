@@ -108,7 +108,10 @@ def exit_code(p: subprocess.Popen, timeout: float) -> int | None:
 
 
 def sample(metrics: dict, name: str, **labels: str) -> float:
-    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sum of `name`'s series that carry `labels` (a producer's series also carry its worker id)."""
+    rows = [v for (n, lb), v in metrics.items() if n == name and set(labels.items()) <= set(lb)]
+    assert rows, f"{name}{labels or ''} is not served"
+    return sum(rows)
 
 
 # -- the bed itself ---------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ def test_every_producer_contributes_and_every_document_is_trained_once(procs, tm
     assert p.poll() is None, "--metrics-linger keeps /metrics up for the scrape"
     trainer = scrape(metrics)
     producer_sent = [
-        scrape(metrics + 1 + i).get("lmpipe_producer_batches_sent_total") for i in range(producers)
+        scrape(metrics + 1 + i).get("lmpipe_producer_batches_sent_total", worker=str(i))
+        for i in range(producers)
     ]
 
     assert_exactly_once(read_doc_log(log), builtin_lengths(tok, DOCS))

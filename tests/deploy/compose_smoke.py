@@ -25,6 +25,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,13 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.deploy.compose import load_compose
-from tests.deploy.dashboard import dashboard_exprs, expand
-from tests.deploy.shipped import COMPOSE
+from tests.deploy.dashboard import dashboard_exprs, expand, nan_allowed
+from tests.deploy.shipped import COMPOSE, debian_image
 from tests.helpers import REPO
 
 SKIPPED = 77
 PROJECT = "lmpipe-smoke"
-DEBIAN_IMAGE = "localhost/lmpipe-debian:bookworm"
+DEBIAN_IMAGE = debian_image()  # what deploy/debian/base.sh builds
 PROMETHEUS = "http://127.0.0.1:9090"  # the port docker-compose.yml publishes on loopback
 # Grafana's $__rate_interval for the compose Prometheus's 5 s scrape interval (4 scrapes)
 RATE_INTERVAL = "20s"
@@ -88,7 +89,6 @@ class Engine:
     compose: list[str]  # the compose command and its global options, before -p/-f
     env: dict[str, str] = field(default_factory=dict)  # added to every command's environment
     build_options: list[str] = field(default_factory=list)  # compose options for `build`
-    notes: list[str] = field(default_factory=list)
 
     def environ(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         # The caller's LMPIPE_* must not leak into the stack: each phase sets what it needs.
@@ -163,10 +163,7 @@ def probe_containers(engine: Engine, image: str) -> None:
         r = run([engine.name, *cmd], env=engine.environ({"CONTAINERS_CONF": str(conf)}), timeout=120)
         if r.returncode == 0:
             engine.env["CONTAINERS_CONF"] = str(conf)
-            engine.notes.append(
-                f"podman's defaults cannot run a container here ({reason}); using {conf.relative_to(REPO)}"
-            )
-            say(engine.notes[-1])
+            say(f"podman's defaults cannot run a container here ({reason}); using {conf.relative_to(REPO)}")
             return
         reason = f"{reason}; with {conf.relative_to(REPO)}: {last_line(r.stderr)}"
     raise Skip(f"{engine.name} cannot run a container here: {reason}")
@@ -345,6 +342,17 @@ def query(expr: str) -> list[dict]:
     return prom("/api/v1/query", query=expr)["result"]
 
 
+def port_9090_is_free() -> None:
+    """docker-compose.yml publishes Prometheus on 127.0.0.1:9090; something else there would answer instead."""
+    with socket.socket() as s:
+        s.settimeout(2)
+        if s.connect_ex(("127.0.0.1", 9090)) == 0:
+            raise Failed(
+                "127.0.0.1:9090 is taken (docker-compose.yml publishes Prometheus there): stop what listens "
+                "there (Debian's prometheus service?) and run again"
+            )
+
+
 def check_serving(stack: Stack, producers: int, timeout: float) -> None:
     """Training steps; the compose Prometheus scrapes the trainer and finds every producer replica by DNS;
     every dashboard query returns finite data; the trainer sees every producer; the health checks pass."""
@@ -376,7 +384,7 @@ def check_serving(stack: Stack, producers: int, timeout: float) -> None:
         for expr in exprs:
             res = query(expand(expr, {"$__rate_interval": RATE_INTERVAL}))
             values = [float(r["value"][1]) for r in res]
-            if not res or not all(math.isfinite(v) for v in values):
+            if not res or not (all(math.isfinite(v) for v in values) or nan_allowed(expr)):
                 bad[expr] = values or "no data"
         connected = query("max(lmpipe_trainer_producers_connected)")
         if not connected or float(connected[0]["value"][1]) != producers:
@@ -385,6 +393,10 @@ def check_serving(stack: Stack, producers: int, timeout: float) -> None:
 
     wait_for("every dashboard query returns data", dashboard, timeout, every=2.0)
     say(f"all {len(exprs)} dashboard queries return data; the trainer counts {producers} producers connected")
+    rules = {r["name"]: r["health"] for g in prom("/api/v1/rules")["groups"] for r in g["rules"]}
+    if len(rules) < 7 or set(rules.values()) != {"ok"}:
+        raise Failed(f"the alert rules are not all loaded and healthy: {rules}")
+    say(f"Prometheus evaluates the {len(rules)} alert rules of deploy/prometheus/lmpipe.rules.yml")
     check_health(stack)
 
 
@@ -514,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, default=600, help="built-in documents in the killed epoch (phase 3)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds each wait may take")
     ap.add_argument(
-        "--keep", action="store_true", help="leave the stack up at the end (it is torn down first)"
+        "--keep", action="store_true", help="leave the stack up at the end (the next run tears it down first)"
     )
     args = ap.parse_args(argv)
 
@@ -542,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         stack = Stack(engine, base, work)
         stack.write_override([], {})
         stack.compose("down", "-v", "--remove-orphans", "-t", "5", check=False)  # a previous run's leftovers
+        port_9090_is_free()
         # one after the other: producer and trainer share their layers (tests/deploy/test_dockerfiles.py)
         stack.compose("build", "trainer")
         stack.compose("build", "producer", "prometheus")
@@ -556,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.phase_env = {
                 "LMPIPE_PRODUCERS": str(producers),
                 "LMPIPE_CHECKPOINT_DIR": f"/data/checkpoints-{producers}",
+                "LMPIPE_CHECKPOINT_EVERY": "5",  # the checkpoint panel's queries need one
             }
             stack.write_override(["--log-every", "5"], {})
             say(f"phase: {producers} producers, the CPU trainer, Prometheus")
@@ -600,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
             stack.log.close()
     total = time.monotonic() - t_start
     say("PASSED in " + f"{total:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + ")")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -30,16 +30,20 @@ class Scrape:
     def by_label(self, name: str, label: str) -> dict[str, float]:
         return {dict(lb)[label]: v for (n, lb), v in self.samples.items() if n == name and label in dict(lb)}
 
-    def histogram(self, name: str) -> tuple[float, float]:
-        """(count, sum) after checking the buckets are cumulative and +Inf equals the count."""
+    def histogram(self, name: str, **labels) -> tuple[float, float]:
+        """(count, sum) of the series with `labels`, after checking the buckets are cumulative and +Inf
+        equals the count."""
+        want = set(labels.items())
         buckets = sorted(
-            (float(dict(lb)["le"]), v) for (n, lb), v in self.samples.items() if n == f"{name}_bucket"
+            (float(dict(lb)["le"]), v)
+            for (n, lb), v in self.samples.items()
+            if n == f"{name}_bucket" and set(lb) - {("le", dict(lb)["le"])} == want
         )
-        assert buckets, f"{name}: no buckets served"
+        assert buckets, f"{name}{labels or ''}: no buckets served"
         counts = [v for _, v in buckets]
         assert counts == sorted(counts), f"{name}: buckets are not cumulative: {buckets}"
         assert buckets[-1][0] == math.inf
-        count, total = self.get(f"{name}_count"), self.get(f"{name}_sum")
+        count, total = self.get(f"{name}_count", **labels), self.get(f"{name}_sum", **labels)
         assert buckets[-1][1] == count and total >= 0
         return count, total
 

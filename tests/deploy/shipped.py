@@ -4,6 +4,7 @@ renderer, deploy/render_prometheus.py, loaded as a module (deploy/ is not a pack
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 from tests.helpers import REPO
@@ -30,3 +31,9 @@ def _load_renderer():
 
 
 render_prometheus = _load_renderer()
+
+
+def debian_image() -> str:
+    """The local image deploy/debian/base.sh builds from Debian's archive (its default name)."""
+    (name,) = re.findall(r"^image=\$\{LMPIPE_DEBIAN_IMAGE:-([^}]+)\}", DEBIAN_BASE.read_text(), re.M)
+    return name

@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lmpipe.cli import build_parser
+from lmpipe.options import HealthOptions
+from lmpipe.shared.settings import from_args
 from tests.deploy.compose import interpolate, load_compose, merge_compose, plain, service_argv, service_env
 from tests.deploy.shipped import (
     COMPOSE,
@@ -26,9 +29,9 @@ from tests.deploy.shipped import (
     COMPOSE_SCHEMA,
     DOCKERFILE_PROMETHEUS,
     DOCKERFILES,
+    debian_image,
     render_prometheus,
 )
-from tests.deploy.test_dockerfiles import debian_image
 from tests.helpers import REPO
 
 
@@ -160,8 +163,10 @@ def test_compose_commands_are_valid_lmpipe_commands_that_agree(monkeypatch):
     # the ports Prometheus scrapes and the health checks probe are the ones the processes serve
     assert f"trainer:{train_ns.metrics_port}" == render_prometheus.COMPOSE_TRAINER
     assert prod_ns.metrics_port == render_prometheus.COMPOSE_PRODUCER_PORT
-    assert f":{train_ns.metrics_port}/metrics" in " ".join(services["trainer"]["healthcheck"]["test"])
-    assert f":{prod_ns.metrics_port}/metrics" in " ".join(services["producer"]["healthcheck"]["test"])
+    for name, ns in (("trainer", train_ns), ("producer", prod_ns)):
+        test = services[name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "lmpipe", "health"], test
+        assert from_args(build_parser().parse_args(test[2:]), HealthOptions).metrics_port == ns.metrics_port
     assert prod_ns.metrics_linger > 0 and train_ns.metrics_linger > 0, "a last scrape after the work"
 
 

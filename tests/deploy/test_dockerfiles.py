@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.compose import load_compose
-from tests.deploy.shipped import COMPOSE, DEBIAN_BASE, DOCKERFILE_PROMETHEUS, DOCKERFILES
+from tests.deploy.shipped import COMPOSE, DOCKERFILE_PROMETHEUS, DOCKERFILES, debian_image
 from tests.helpers import REPO
 
 
@@ -59,7 +59,8 @@ def test_dockerfile_structure(role):
     assert users and users[-1].split(":")[0] not in ("root", "0"), "runs as a non-root user"
     health = [rest for op, rest in final if op == "HEALTHCHECK"]
     port = {"producer": 9401, "trainer": 9400}[role]
-    assert health and "/metrics" in health[0] and f"'{port}'" in health[0] and "urllib" in health[0]
+    # `lmpipe health`: the trainer must also be stepping (tests/deploy/test_health.py)
+    assert health and f'lmpipe health --metrics-port \\"${{LMPIPE_METRICS_PORT:-{port}}}\\"' in health[0]
     assert not [rest for op, rest in ins if op == "ADD"], "COPY, not ADD (no remote URLs, no tar magic)"
     (entry,) = [json.loads(rest) for op, rest in final if op == "ENTRYPOINT"]
     assert entry == ["lmpipe", {"producer": "produce", "trainer": "train"}[role]]
@@ -83,12 +84,6 @@ def test_dockerfile_structure(role):
     assert {"pyproject.toml", "README.md"} <= copied
 
 
-def debian_image() -> str:
-    """The local image deploy/debian/base.sh builds from Debian's archive (its default name)."""
-    (name,) = re.findall(r"^image=\$\{LMPIPE_DEBIAN_IMAGE:-([^}]+)\}", DEBIAN_BASE.read_text(), re.M)
-    return name
-
-
 def _base_arg(ins: list[tuple[str, str]]) -> str:
     first = next(i for i, (op, _) in enumerate(ins) if op == "FROM")
     head = [rest for op, rest in ins[:first] if op == "ARG"]
@@ -110,19 +105,30 @@ def _shared_part(path: Path) -> list[tuple[str, str]]:
     ins = _instructions(path)
     start = next(i for i, (op, _) in enumerate(ins) if op == "FROM")
     end = next(i for i, (op, rest) in enumerate(ins) if op == "COPY" and rest.startswith("--from=build"))
-    # only the default of TORCH_INDEX differs (the CPU wheel for the producer, PyPI's build for the trainer)
-    return [
-        (op, "TORCH_INDEX" if rest.startswith("TORCH_INDEX=") else rest) for op, rest in ins[start : end + 1]
+    # only the defaults of the torch arguments differ: none in the producer, PyPI's build in the trainer
+    return [(op, _arg_name(rest) if op == "ARG" else rest) for op, rest in ins[start : end + 1]]
+
+
+def _arg_name(rest: str) -> str:
+    return rest.partition("=")[0]
+
+
+def _arg_default(path: Path, name: str) -> str:
+    (default,) = [
+        rest.partition("=")[2] for op, rest in _instructions(path) if op == "ARG" and _arg_name(rest) == name
     ]
+    return default
 
 
 def test_producer_and_trainer_share_their_layers_on_one_base():
     """The build stage and the runtime stage up to its copy of /opt/venv are the same instructions in both
-    Dockerfiles: built on one base (the Debian one), the second image reuses every layer of the first, torch
-    included, instead of installing and copying it again."""
+    Dockerfiles, but for the torch arguments' defaults: built on one base (the Debian one), the second image
+    reuses the first's layers up to torch, which only the trainer has (the producer never imports it)."""
     producer, trainer = (_shared_part(DOCKERFILES[r]) for r in ("producer", "trainer"))
     assert producer == trainer
     assert any("pip install" in rest and "torch==" in rest for _, rest in producer)
+    assert _arg_default(DOCKERFILES["producer"], "TORCH_VERSION") == "", "no torch in the producer image"
+    assert _arg_default(DOCKERFILES["trainer"], "TORCH_VERSION") == "2.13.0", "what CI uses (.ci/run)"
     assert producer[-1] == ("COPY", "--from=build /opt/venv /opt/venv")
     # pip's downloads stay in a build cache mount, never in a layer
     pip = [rest for op, rest in producer if op == "RUN" and "pip install" in rest]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 
 import pytest
 
+from lmpipe.shared import __version__
 from lmpipe.shared.metrics import (
     BAD_RECORD_REASONS,
     CACHES,
@@ -64,17 +66,18 @@ def finite_run(tmp_path_factory):
 
 # The minimum set of DESIGN.md, by process: sample names that must be served (with every known label value).
 PRODUCER_MINIMUM = {
-    "lmpipe_producer_documents_total": None,
+    "lmpipe_producer_documents_total": ("worker", None),
     "lmpipe_producer_tokens_total": ("strategy", ("pack",)),
     "lmpipe_producer_padding_tokens_total": ("strategy", ("pack",)),
-    "lmpipe_producer_batches_sent_total": None,
+    "lmpipe_producer_batches_sent_total": ("worker", None),
     "lmpipe_producer_bad_records_total": ("reason", BAD_RECORD_REASONS),
-    "lmpipe_producer_tokenize_seconds_count": None,
-    "lmpipe_producer_send_blocked_seconds_total": None,
+    "lmpipe_producer_tokenize_seconds_count": ("worker", None),
+    "lmpipe_producer_send_blocked_seconds_total": ("worker", None),
 }
 TRAINER_MINIMUM = {
     "lmpipe_trainer_tokens_total": None,
     "lmpipe_trainer_steps_total": None,
+    "lmpipe_trainer_global_step": None,
     "lmpipe_trainer_step_seconds_count": None,
     "lmpipe_trainer_data_wait_seconds_count": None,
     "lmpipe_trainer_h2d_seconds_count": None,
@@ -102,11 +105,20 @@ def assert_serves(s: Scrape, minimum: dict, prefix: str) -> None:
             s.get(name)
         else:
             label, values = labelled
-            assert set(values) <= set(s.by_label(name, label)), (
+            served = s.by_label(name, label)
+            assert served, f"{name}: no series with a {label} label"
+            assert values is None or set(values) <= set(served), (
                 f"{name}: {label} values {values} not all served"
             )
-    foreign = {n for n in s.names() if n.startswith("lmpipe_") and not n.startswith(prefix)}
+    foreign = {
+        n for n in s.names() if n.startswith("lmpipe_") and not n.startswith((prefix, "lmpipe_build_"))
+    }
     assert not foreign, f"metrics of another process served here: {sorted(foreign)}"
+    assert not {n for n in s.names() if n.endswith("_created")}, (
+        "no _created series (disable_created_metrics)"
+    )
+    (build,) = [dict(lb) for (n, lb), v in s.samples.items() if n == "lmpipe_build_info" and v == 1]
+    assert build["version"] == __version__ and build["role"] == prefix.split("_")[1], build
 
 
 @pytest.mark.slow
@@ -133,43 +145,67 @@ def test_every_minimum_metric_is_served_by_its_process_with_sane_values(finite_r
     assert t.get("lmpipe_trainer_scaler_overflows_total") == 0
     assert t.get("lmpipe_trainer_skipped_steps_total") == 0
     assert t.get("lmpipe_trainer_compile_recompiles_total") == 0, "no --compile"
-    assert set(t.by_label("lmpipe_trainer_gpu_memory_bytes", "kind").values()) == {0.0}, "CPU: no GPU memory"
-    assert t.get("lmpipe_trainer_mfu_ratio") == 0.0, "CPU: MFU is not estimated"
+    gpu = t.by_label("lmpipe_trainer_gpu_memory_bytes", "kind").values()
+    assert all(math.isnan(v) for v in gpu), (
+        "CPU: no GPU memory reading, NaN rather than a 0 that reads as one"
+    )
+    assert math.isnan(t.get("lmpipe_trainer_mfu_ratio")), "CPU: MFU is not estimated (NaN, not 0)"
+    assert t.get("lmpipe_trainer_global_step") == steps, "a fresh run: the global step is the steps taken"
+    assert math.isnan(t.get("lmpipe_trainer_checkpoint_timestamp_seconds")), "no --checkpoint-dir"
+    # the info metrics carry ids and settings, never prose (a label value is a short code or a number)
+    for s in (t, *producers):
+        for (name, labels), _ in s.samples.items():
+            if name.endswith("_info"):
+                for k, v in labels:
+                    assert re.fullmatch(r"[A-Za-z0-9_.:+-]{1,40}", v), f"{name}{{{k}={v!r}}} reads as prose"
     assert set(t.by_label("lmpipe_trainer_stale_batches_total", "reason").values()) == {0.0}
     assert t.get("lmpipe_trainer_producers_connected") == 2
 
+    workers = set()
     for p in producers:
-        assert p.get("lmpipe_producer_documents_total") > 0
-        assert p.get("lmpipe_producer_tokens_total", strategy="pack") > 0
-        assert p.get("lmpipe_producer_batches_sent_total") > 0
+        # every producer series carries the worker id: `lmpipe run` starts worker i with --worker i
+        (w,) = {dict(lb).get("worker") for (n, lb) in p.samples if n.startswith("lmpipe_producer_")}
+        workers.add(w)
+        assert p.get("lmpipe_producer_documents_total", worker=w) > 0
+        assert p.get("lmpipe_producer_tokens_total", strategy="pack", worker=w) > 0
+        assert p.get("lmpipe_producer_batches_sent_total", worker=w) > 0
         assert set(p.by_label("lmpipe_producer_bad_records_total", "reason").values()) == {0.0}, (
             "clean corpus"
         )
-        count, total = p.histogram("lmpipe_producer_tokenize_seconds")
+        count, total = p.histogram("lmpipe_producer_tokenize_seconds", worker=w)
         assert count > 0 and total > 0
-        assert p.get("lmpipe_producer_send_blocked_seconds_total") >= 0
-        assert p.get("lmpipe_producer_handshakes_total", result="welcome") == 1
+        assert p.get("lmpipe_producer_send_blocked_seconds_total", worker=w) >= 0
+        assert p.get("lmpipe_producer_handshakes_total", result="welcome", worker=w) == 1
+        assert p.get("lmpipe_producer_epoch", worker=w) == 0, "one epoch, counted from 0"
+        assert p.get("lmpipe_producer_cursor_position", worker=w) > 0
+    assert workers == {"0", "1"}, "the workers' series join the trainer's batches_received{worker}"
 
     mid = finite_run.trainer_mid
     for name in ("lmpipe_trainer_tokens_total", "lmpipe_trainer_steps_total"):
         assert 0 < mid.get(name) <= t.get(name), f"{name} was served during training and only grew"
 
 
+def total(s: Scrape, name: str) -> float:
+    return sum(v for (n, _), v in s.samples.items() if n == name)
+
+
 @pytest.mark.slow
 def test_tokens_sent_equal_tokens_trained(finite_run):
     t, producers = finite_run.trainer, finite_run.producers
-    assert sum(p.get("lmpipe_producer_tokens_total", strategy="pack") for p in producers) == t.get(
+    assert sum(total(p, "lmpipe_producer_tokens_total") for p in producers) == t.get(
         "lmpipe_trainer_tokens_total"
     )
-    assert sum(p.get("lmpipe_producer_padding_tokens_total", strategy="pack") for p in producers) == t.get(
+    assert sum(total(p, "lmpipe_producer_padding_tokens_total") for p in producers) == t.get(
         "lmpipe_trainer_padding_tokens_total"
     )
-    assert sum(p.get("lmpipe_producer_documents_total") for p in producers) == 400, "one epoch of 400 docs"
-    sent = [p.get("lmpipe_producer_batches_sent_total") for p in producers]
+    assert sum(total(p, "lmpipe_producer_documents_total") for p in producers) == 400, "one epoch of 400 docs"
+    sent: dict[str, float] = {}
+    for p in producers:
+        sent.update(p.by_label("lmpipe_producer_batches_sent_total", "worker"))
     received = t.by_label("lmpipe_trainer_batches_received_total", "worker")
-    assert sum(sent) == sum(received.values()), "every batch sent was received"
-    assert all(sent), "every producer served shards"
-    assert sum(sent) == t.get("lmpipe_trainer_steps_total"), "one batch per step (--accum 1)"
+    # producers label their series with their own --worker number, the trainer with shards: totals agree
+    assert sum(sent.values()) == sum(received.values()), "every batch sent was received"
+    assert sum(sent.values()) == t.get("lmpipe_trainer_steps_total"), "one batch per step (--accum 1)"
     assert "end of data" in finite_run.log
 
 
@@ -189,3 +225,57 @@ def test_injected_bad_messages_move_the_rejected_counter(finite_run):
     rejected = finite_run.trainer.by_label("lmpipe_trainer_batches_rejected_total", "reason")
     assert sum(rejected.values()) == len(GARBAGE), rejected
     assert finite_run.trainer.get("lmpipe_trainer_steps_total") > 0, "training went on"
+
+
+@pytest.mark.slow
+def test_the_global_step_and_checkpoint_gauges_survive_a_resume(procs, tmp_path):
+    """steps_total counts this process's steps (a counter restarts with its process); global_step and the
+    checkpoint gauges are the run's, read from the checkpoint at start."""
+    ck = tmp_path / "ck"
+    common = ["--builtin-docs", "200", "--seq-len", "64", "--batch-size", "4", "--checkpoint-dir", str(ck),
+              "--threads", "1"]  # fmt: skip
+    first = procs.start("run", *common, "--steps", "6", "--port", str(free_port_pair()), name="first")
+    assert first.wait(timeout=120) == 0, procs.log(first)
+    before = time.time()
+    port, mport = free_port_pair(), free_ports(3)
+    second = procs.start("run", *common, "--steps", "10", "--resume", "auto", "--port", str(port),
+                         "--metrics-port", str(mport), "--metrics-linger", "20", name="second")  # fmt: skip
+    procs.wait_for(second, "resumed from", timeout=60)
+    at_start = wait_for_scrape(mport)  # before or after its 4 steps, never 0 or NaN
+    assert at_start.get("lmpipe_trainer_checkpoint_step") in (6, 10)
+    assert at_start.get("lmpipe_trainer_global_step") >= 6, "the checkpoint's step, not 0"
+    procs.wait_for(second, "summary:", timeout=120)
+    t = scrape(mport)
+    assert t.get("lmpipe_trainer_steps_total") == 4, "this process took 4 steps"
+    assert t.get("lmpipe_trainer_global_step") == 10, "the run is at step 10"
+    assert t.get("lmpipe_trainer_checkpoint_step") == 10, "the final checkpoint"
+    assert before <= t.get("lmpipe_trainer_checkpoint_timestamp_seconds") <= time.time()
+    count, total_s = t.histogram("lmpipe_trainer_checkpoint_seconds")
+    assert count == 1 and total_s > 0, "one checkpoint written by this process"
+
+
+@pytest.mark.slow
+def test_handshake_refusals_are_counted_by_a_short_reason(procs, tmp_path):
+    port, mport = free_port_pair(), free_ports(1)
+    common = ["--port", str(port), "--producers", "1", "--builtin-docs", "100", "--batch-size", "4"]
+    trainer = procs.start("train", *common, "--seq-len", "64", "--metrics-port", str(mport), name="trainer")
+    procs.wait_for(trainer, "listening on", timeout=60)
+    wrong = procs.start("produce", *common, "--seq-len", "32", "--worker", "0", name="wrong")
+    assert wrong.wait(timeout=60) == 2, procs.log(wrong)
+    outside = procs.start("produce", "--port", str(port), "--producers", "3", "--builtin-docs", "100",
+                          "--batch-size", "4", "--seq-len", "64", "--worker", "2", name="outside")  # fmt: skip
+    assert outside.wait(timeout=60) == 2, procs.log(outside)
+    refusals = scrape(mport).by_label("lmpipe_trainer_handshake_refusals_total", "reason")
+    assert refusals == {
+        "config_mismatch": 1,
+        "bad_worker_id": 1,
+        "worker_stopped": 0,
+        "malformed": 0,
+        "busy": 0,
+    }, refusals
+    trainer.terminate()
+    assert trainer.wait(timeout=60) == 0, procs.log(trainer)[-3000:]
+    (summary,) = [ln for ln in procs.log(trainer).splitlines() if "summary:" in ln]
+    assert summary.endswith("dropped: 0 malformed, 0 stale | refused: 2 producer hello(s)"), (
+        "a producer with other settings sent nothing malformed"
+    )

@@ -17,9 +17,10 @@ import urllib.request
 import pytest
 import yaml
 
+from lmpipe.shared.metrics import REFUSAL_REASONS
 from lmpipe.shared.tokenizer import load_tokenizer
 from tests.deploy.compose import interpolate, load_compose, service_argv, service_env
-from tests.deploy.dashboard import dashboard_exprs, expand
+from tests.deploy.dashboard import dashboard_exprs, expand, nan_allowed
 from tests.deploy.shipped import COMPOSE, render_prometheus
 from tests.helpers import free_port_pair, free_ports, lmpipe_env
 
@@ -32,11 +33,6 @@ def prom_query(port: int, expr: str) -> list[dict]:
     return body["data"]["result"]
 
 
-# Dashboard series that may be NaN on a CPU run (a quantile of a histogram that saw nothing in the window).
-# Every other query must return finite values.
-NAN_ALLOWED: dict[str, str] = {}
-
-
 @pytest.mark.slow
 def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_returns_data(procs, tmp_path):
     prometheus = shutil.which("prometheus")
@@ -44,7 +40,9 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
         pytest.skip("no `prometheus` binary: install Debian's prometheus package (.ci/run does)")
     services = load_compose(COMPOSE)["services"]
     trainer_svc, producer_svc = services["trainer"], services["producer"]
-    env = {**lmpipe_env(), **service_env(trainer_svc)}
+    # checkpoints in this test's folder, every 5 steps, so that the checkpoint panel has data
+    ckpt = {"LMPIPE_CHECKPOINT_DIR": str(tmp_path / "ck"), "LMPIPE_CHECKPOINT_EVERY": "5"}
+    env = {**lmpipe_env(), **service_env(trainer_svc), **ckpt}
     n = int(interpolate(producer_svc["scale"], {}))
     data_port = free_port_pair()
     base = free_ports(n + 2, avoid={data_port, data_port + 1})
@@ -66,6 +64,7 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
             trainer=f"127.0.0.1:{trainer_port}",
             producers=[f"127.0.0.1:{p}" for p in producer_ports],
             scrape_interval="1s",
+            rule_file=str(render_prometheus.RULES),
         )
     )
     log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - closed below
@@ -103,7 +102,7 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
                 values = [float(r["value"][1]) for r in res]
                 if not res:
                     failures[expr] = "no data"
-                elif not all(math.isfinite(v) for v in values) and not any(m in expr for m in NAN_ALLOWED):
+                elif not all(math.isfinite(v) for v in values) and not nan_allowed(expr):
                     failures[expr] = f"non-finite values {values}"
             # enough scrapes: two logging intervals (the trainer publishes loss and grad norm at each)
             steps = prom_query(prom_port, "sum(lmpipe_trainer_steps_total)")
@@ -129,9 +128,26 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
         assert 0 <= value(find("lmpipe_trainer_data_wait_seconds_sum")) <= 1
         assert value(find("max(lmpipe_trainer_producers_connected)")) == n, "every replica joined"
         assert value(find("lmpipe_producer_padding_tokens_total"), strategy="pack") > 0.99
-        assert value(find("clamp_min"), cache="causal_mask") > 0.5, (
+        assert value(find("rate(lmpipe_trainer_cache_hits_total"), cache="causal_mask") > 0.5, (
             "packed rows on CPU hit the causal-mask cache"
         )
+        assert value(find("max(lmpipe_trainer_global_step)")) > 0
+        assert 0 <= value(find("time() - max(lmpipe_trainer_checkpoint_timestamp_seconds)")) < 60
+        assert value(find("lmpipe_trainer_checkpoint_step")) % 5 == 0
+        refusals = {r["metric"]["reason"]: float(r["value"][1]) for r in results[find("handshake_refusals")]}
+        assert refusals == dict.fromkeys(REFUSAL_REASONS, 0.0), refusals
+        assert {r["metric"]["worker"] for r in results[find("lmpipe_producer_epoch")]} == {
+            str(w) for w in range(n)
+        }, "the replicas' progress, by the worker id the trainer gave each"
+        assert all(float(r["value"][1]) == 1 for r in results["up"])
+        # the alert rules are loaded and evaluate without error against the live metrics
+        url = f"http://127.0.0.1:{prom_port}/api/v1/rules"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            groups = json.loads(r.read())["data"]["groups"]
+        evaluated = {r["name"]: r["health"] for g in groups for r in g["rules"]}
+        assert len(evaluated) == 7 and set(evaluated.values()) == {"ok"}, evaluated
+        firing = [a for a in prom_query(prom_port, "ALERTS") if a["metric"]["alertstate"] == "firing"]
+        assert not firing, f"a healthy run fires no alert: {firing}"
         assert 0 < value("lmpipe_trainer_loss") < math.log(load_tokenizer().vocab_size) + 1
         assert value("lmpipe_trainer_grad_norm") > 0 and value("lmpipe_trainer_learning_rate") > 0
         assert value("lmpipe_trainer_loss_scale") == 1, "fp32: not scaling"
@@ -177,7 +193,12 @@ def test_promtool_accepts_the_shipped_and_the_test_config(tmp_path):
         pytest.skip("no `promtool`: install Debian's prometheus package (.ci/run does)")
     local = tmp_path / "local.yml"
     local.write_text(
-        render_prometheus.render(trainer="127.0.0.1:9400", producers=["127.0.0.1:9401"], scrape_interval="1s")
+        render_prometheus.render(
+            trainer="127.0.0.1:9400",
+            producers=["127.0.0.1:9401"],
+            scrape_interval="1s",
+            rule_file=str(render_prometheus.RULES),
+        )
     )
     for path in (render_prometheus.SHIPPED, local):
         r = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True)

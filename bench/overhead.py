@@ -1,0 +1,140 @@
+"""The trainer's fixed cost per step, for a model small enough that it dominates (issue: small models must
+become data-bound, not overhead-bound).
+
+    python -m bench.overhead                     # tiny model, 32 x 256 rows, bf16, on CUDA
+
+1. Where a step's time goes (synthetic-fed, torch.compile default mode): wall time per step against the
+   GPU's kernel time per step (torch.profiler), the block-mask build alone, and the host-side operators
+   that cost the most.
+2. Step time and tokens/s, synthetic-fed and pipeline-fed, side by side: eager, compile, and compile with
+   CUDA graphs (mode reduce-overhead), so "halved" is a ratio measured in one run.
+Writes bench/results/overhead-<date>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from bench.common import table, write_result
+from bench.trainbench import (
+    apply_smoke,
+    bench_data,
+    common_args,
+    device_batches,
+    measure_pipeline,
+    measure_synthetic,
+    pipeline_config,
+    train_config,
+)
+from lmpipe.consumer.inputs import build_inputs, document_causal_mask_mod
+from lmpipe.consumer.step import lr_at
+from lmpipe.consumer.trainer import Trainer
+
+VARIANTS = [
+    ("eager (no compile)", {"compile": False}),
+    ("compile (default mode)", {"compile": True}),
+    ("compile + CUDA graphs (reduce-overhead)", {"compile": True, "compile_mode": "reduce-overhead"}),
+]
+
+
+def profile(pcfg, tcfg, warmup: int, steps: int) -> tuple[list[list], str]:
+    """Wall vs GPU time per step and the host operators that cost most, over `steps` synthetic steps."""
+    trainer = Trainer(pcfg, tcfg)
+    data = device_batches(pcfg, 16, trainer.device)
+    cuda = trainer.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(i: int) -> None:
+        tok, lengths, seg, n_targets, _ = data[i % len(data)]
+        inp = build_inputs(tok, lengths, seg, attention=tcfg.attention, mask_cache=trainer.mask_cache)
+        trainer.runner.step([inp], n_targets, lr_at(i, tcfg))
+
+    for i in range(warmup):
+        step(i)
+    sync()
+    # the block mask alone: built for each batch, shared by the layers
+    t0 = time.perf_counter()
+    for i in range(steps):
+        tok, lengths, seg, _, _ = data[i % len(data)]
+        build_inputs(tok, lengths, seg, attention=tcfg.attention, mask_cache=None)
+    sync()
+    mask_ms = 1e3 * (time.perf_counter() - t0) / steps
+    # FlexAttention's own builder on the same batches, side by side (what the trainer used before)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        seg = data[i % len(data)][2]
+        if seg is not None:
+            B, L = seg.shape
+            create_block_mask(document_causal_mask_mod(seg.int()), B, None, L, L, device=seg.device)
+    sync()
+    old_mask_ms = 1e3 * (time.perf_counter() - t0) / steps
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(warmup + i)
+        sync()
+        wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    gpu_ms = gpu_us / 1e3 / steps
+    launches = sum(
+        e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+    )
+    rows = [
+        ["wall time per step", f"{wall_ms:.2f} ms"],
+        ["GPU kernel time per step", f"{gpu_ms:.2f} ms ({100 * gpu_ms / wall_ms:.0f}% of the wall)"],
+        ["kernel launches per step", f"{launches / steps:.0f}"],
+        ["block mask build per batch (alone)", f"{mask_ms:.2f} ms"],
+        ["the same with create_block_mask (the builder used before)", f"{old_mask_ms:.2f} ms"],
+    ]
+    top = events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
+    return rows, top
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(p)
+    p.set_defaults(model="tiny", seq_len=256, batch_size=32, vocab_size=0, warmup=30, steps=100)
+    p.add_argument("--profile-steps", type=int, default=30)
+    p.add_argument("--skip-pipeline", action="store_true", help="synthetic-fed rows only")
+    args = apply_smoke(p.parse_args())
+    tok, shards = bench_data(Path(args.work))
+    pcfg = pipeline_config(shards, tok, args)
+    prof_rows, top = profile(pcfg, train_config(args), args.warmup, args.profile_steps)
+    for r in prof_rows:
+        print(*r, sep=": ", flush=True)
+    rows, base = [], {}
+    for name, over in VARIANTS:
+        for fed in ("synthetic", "pipeline"):
+            if fed == "pipeline" and args.skip_pipeline:
+                continue
+            tcfg = train_config(args, **over)
+            if fed == "synthetic":
+                r = measure_synthetic(pipeline_config(shards, tok, args), tcfg, args.warmup)
+            else:
+                r = measure_pipeline(pipeline_config(shards, tok, args), tcfg, args.warmup)
+            base.setdefault(fed, r.step_ms)
+            rows.append([name, fed, r.step_ms, base[fed] / r.step_ms, r.tokens_per_second, 100 * r.data_wait])
+            print(f"{name}, {fed}: {r.step_ms:.2f} ms/step, {r.tokens_per_second:,.0f} tok/s", flush=True)
+    body = (
+        f"{args.model}, T={args.seq_len}, batch {args.batch_size} rows, {args.precision}, "
+        f"{args.producers} producers (pipeline rows); {args.warmup} untimed + {args.steps} timed steps.\n\n"
+        f"## Where a step goes (synthetic-fed, compile default, {args.profile_steps} profiled steps)\n\n"
+        + table(["", ""], prof_rows)
+        + "\n\nHost operators by self CPU time:\n\n```\n"
+        + top
+        + "\n```\n\n## Step time side by side\n\n"
+        + table(["variant", "fed by", "step ms", "speed vs eager", "tokens/s", "data wait %"], rows)
+    )
+    print(body)
+    write_result("overhead", "Per-step overhead of a small model", body, args.out)
+
+
+if __name__ == "__main__":
+    main()

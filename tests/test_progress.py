@@ -1,0 +1,113 @@
+"""Progress where work is long: the trainer's live line (elapsed time, ETA), a compiling trainer that says
+so, and `lmpipe tokenizer train`'s progress on a terminal (a pseudo-terminal here) and in a log."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import select
+import subprocess
+import sys
+
+import pytest
+
+from lmpipe.consumer.report import duration, print_status
+from lmpipe.progress import Progress
+from tests.helpers import free_port_pair, lmpipe_env
+
+STATS = {"loss": 3.5, "lr": 1e-3, "tokens_per_second": 1000.0, "data_wait": 0.01, "padding_efficiency": 1.0}
+
+
+def test_durations_read_as_people_write_them():
+    assert [duration(s) for s in (0.2, 59.4, 60, 185, 3599, 3600, 7322)] == [
+        "0s", "59s", "1m00s", "3m05s", "59m59s", "1h00m", "2h02m",
+    ]  # fmt: skip
+
+
+def test_the_live_line_has_elapsed_time_and_an_eta_when_the_step_limit_is_known():
+    out = io.StringIO()
+    print_status(100, {**STATS, "elapsed": 125.0, "step_seconds": 4.5}, 300, stream=out)
+    assert out.getvalue().endswith("| 2m05s, ETA 15m00s\n"), out.getvalue()  # 200 steps left at 4.5 s
+    out = io.StringIO()
+    print_status(100, {**STATS, "elapsed": 125.0, "step_seconds": 4.5}, 0, stream=out)  # until the data ends
+    assert out.getvalue().endswith("| 2m05s\n") and "ETA" not in out.getvalue()
+    out = io.StringIO()
+    print_status(300, {**STATS, "elapsed": 900.0, "step_seconds": 4.5}, 300, stream=out)
+    assert "ETA" not in out.getvalue(), "done: nothing left"
+
+
+def test_progress_in_a_log_is_a_line_at_a_time_with_a_percentage_and_an_eta():
+    out = io.StringIO()
+    p = Progress("reading", 1000, every=0, stream=out)
+    for _ in p.texts(["x" * 250, "é" * 125], then="learning the merges"):  # 250 bytes each (é: 2 in UTF-8)
+        pass
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and "\r" not in out.getvalue(), lines
+    assert re.match(r"reading: 1 documents, 0\.0 MB of 0\.0 MB \(25%\), .* elapsed(, ETA \d+s)?$", lines[0])
+    assert "2 documents" in lines[1] and "(50%)" in lines[1]
+    assert lines[2].endswith("; learning the merges") and "ETA" not in lines[2]
+
+
+def test_progress_on_a_terminal_rewrites_one_line():
+    master, slave = os.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as tty:
+            p = Progress("reading", 100, stream=tty)
+            assert p.tty and p.every < 1
+            p.every = 0
+            p.update(1, 40)
+            p.done("learning the merges")
+        text = ""
+        while "merges" not in text and select.select([master], [], [], 5)[0]:
+            text += os.read(master, 4096).decode()
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert text.startswith("\r\x1b[Kreading: 1 documents") and "(40%)" in text
+    assert text.count("\r\x1b[K") == 2 and text.rstrip().endswith("learning the merges"), repr(text)
+
+
+def test_tokenizer_train_reports_its_progress_and_time(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {i} about {'lm pipelines ' * (i % 7 + 1)}" for i in range(3000)))
+    r = subprocess.run(
+        [sys.executable, "-m", "lmpipe", "tokenizer", "train", "--data", str(corpus), "--vocab-size", "400",
+         "--out", str(tmp_path / "tok.json")],
+        cwd=tmp_path, env=lmpipe_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^reading: 3,000 documents, 0\.\d MB of 0\.\d MB \(\d+%\), .*; learning the merges$",
+                     r.stderr, re.M), r.stderr  # fmt: skip
+    assert re.search(r"^wrote .*tok\.json: vocab size 400, hash \w+ \(in \d+s\)$", r.stdout, re.M), r.stdout
+
+
+@pytest.mark.slow
+def test_a_compiling_trainer_says_so(procs):
+    if sys.platform != "linux":
+        pytest.skip("torch.compile on CPU needs a C++ compiler; CI is Linux")
+    p = procs.start(
+        "run", "--compile", "--steps", "2", "--log-every", "1", "--builtin-docs", "100", "--seq-len", "32",
+        "--batch-size", "2", "--port", str(free_port_pair()), "--metrics-port", "-1", name="compile",
+    )  # fmt: skip
+    assert p.wait(timeout=600) == 0, procs.log(p)[-3000:]
+    log = procs.log(p)
+    assert re.search(r"compiling the model \(torch\.compile, first step\)\.\.\.\n", log), log[-3000:]
+    assert re.search(r"compiling the model \(torch\.compile, first step\): done in \d+", log), log[-3000:]
+    assert re.search(r"^step 2/2 \| .* \| (\d+m)?\d+s$", log, re.M), "the last line: elapsed, no ETA left"
+
+
+def test_prepare_reports_its_progress(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {i} about {'lm pipelines ' * (i % 7 + 1)}" for i in range(2000)))
+    r = subprocess.run(
+        [sys.executable, "-m", "lmpipe", "prepare", "--data", str(corpus), "--out", str(tmp_path / "shards")],
+        cwd=tmp_path, env=lmpipe_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    # the text of the records, without the blank lines between them: most of the file's bytes
+    (pct,) = re.findall(
+        r"^tokenizing: 2,000 records, 0\.\d MB of 0\.\d MB \((\d+)%\), .* elapsed$", r.stderr, re.M
+    )
+    assert 90 <= int(pct) <= 100, r.stderr
+    assert "wrote " in r.stdout and "2,000 documents" in r.stdout

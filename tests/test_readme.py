@@ -1,0 +1,147 @@
+"""The README, followed as written: every `lmpipe` command in its bash blocks parses (flags, choices,
+values, settings checks); the quick start's first line runs the default job; the "Using it" block runs
+end to end, on a slice of WikiText-2 and with short step counts."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmpipe.cli import build_parser
+from lmpipe.shared.settings import SettingsError, from_args
+from tests.helpers import REPO, WIKITEXT, free_port_pair, lmpipe_env
+
+README = REPO / "README.md"
+WT2 = WIKITEXT  # the README's WT2: where this project's machines hold WikiText-2 (valid and test)
+
+
+def bash_blocks(text: str) -> list[list[str]]:
+    """Every ```bash block: its commands, one a line, comments and continuation lines joined."""
+    blocks = []
+    for body in re.findall(r"```bash\n(.*?)```", text, re.S):
+        lines = body.replace("\\\n", " ").splitlines()
+        blocks.append([ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")])
+    return blocks
+
+
+def section(text: str, title: str) -> str:
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def lmpipe_commands(line: str) -> list[list[str]]:
+    """The lmpipe invocations of one shell line (`a && b`), as argv after the program name."""
+    out = []
+    for part in line.split("&&"):
+        words = shlex.split(part, comments=True)
+        if words and Path(words[0]).name == "lmpipe":
+            out.append(words[1:])
+    return out
+
+
+def parse(argv: list[str]) -> None:
+    """What `lmpipe` does with argv before any work: argparse, then every settings class and its checks."""
+    ns = build_parser().parse_args(argv)
+    for cls in ns.settings:
+        from_args(ns, cls)
+
+
+def test_quick_start_is_install_and_run_then_the_tests():
+    text = README.read_text()
+    first = bash_blocks(text)[0]
+    assert len(first) == 2, first
+    setup, tests = first
+    assert setup.startswith("python3 -m venv .venv && .venv/bin/pip install ") and "-e '.[dev]'" in setup
+    assert setup.endswith("&& .venv/bin/lmpipe run"), "the first line runs the default job"
+    assert tests.startswith(".venv/bin/python -m pytest"), "the second runs the tests"
+    cpu = re.search(r"No GPU\?.*?```bash\n(.*?)\n```", text, re.S)
+    assert cpu and "--index-url https://download.pytorch.org/whl/cpu" in cpu[1], "the CPU index, spelled out"
+    assert re.search(r"torch==([\d.]+)", cpu[1])[1] == re.search(r"torch==([\d.]+)", setup)[1]
+
+
+def test_every_lmpipe_command_in_the_readme_parses(monkeypatch):
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("LMPIPE_")})
+    commands = [
+        argv for block in bash_blocks(README.read_text()) for ln in block for argv in lmpipe_commands(ln)
+    ]
+    assert len(commands) >= 15, commands
+    # what the README's own commands make (--out ...): a check may find it missing here, and only that
+    made = {argv[i + 1] for argv in commands for i, a in enumerate(argv[:-1]) if a == "--out"}
+    for argv in commands:
+        argv = [a.replace("$WT2", str(WT2)) for a in argv]
+        try:
+            parse(argv)
+        except SystemExit as exc:  # argparse: a usage mistake
+            pytest.fail(f"lmpipe {shlex.join(argv)}: exit {exc.code}")
+        except SettingsError as exc:
+            missing = re.fullmatch(r"--[\w-]+ (\S+): no such (?:file|directory)", str(exc))
+            assert missing and missing[1] in made, f"lmpipe {shlex.join(argv)}: {exc}"
+
+
+def test_using_it_follows_wikitext_practice():
+    using = bash_blocks(section(README.read_text(), "Using it"))[0]
+    assert using[0].startswith("source .venv/bin/activate"), "bare `lmpipe` needs the venv activated"
+    for line in using:
+        if "$WT2" in line:
+            assert "--doc-split heading" in line, f"WikiText is split by article: {line}"
+        if line.startswith("lmpipe tokenizer train"):
+            assert "test.txt" not in line and "*" not in line, "the tokenizer never sees the test split"
+
+
+def _run(argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {**lmpipe_env(), "LMPIPE_RUNTIME_DIR": str(cwd / "run")}  # sockets apart from other tests
+    r = subprocess.run(
+        [sys.executable, "-m", "lmpipe", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, (
+        f"lmpipe {shlex.join(argv)} exited {r.returncode}:\n{r.stdout}\n{r.stderr[-3000:]}"
+    )
+    return r
+
+
+@pytest.mark.slow
+def test_the_first_command_runs_the_default_job(tmp_path):
+    (setup, _tests) = bash_blocks(README.read_text())[0]
+    (argv,) = lmpipe_commands(setup)
+    r = _run([*argv, "--metrics-port", "-1"], tmp_path, timeout=600)  # no flag of its own: the defaults
+    assert "summary: 300 steps" in r.stderr + r.stdout and "(step limit)" in r.stderr + r.stdout
+
+
+@pytest.mark.slow
+def test_the_using_it_block_runs_on_a_slice_of_wikitext(tmp_path):
+    if not (WT2 / "valid.txt").exists():
+        pytest.skip(f"no WikiText-2 at {WT2}")
+    # WT2 as the README describes it: train, valid and test, here slices of the validation split
+    wt2 = tmp_path / "wt2"
+    wt2.mkdir()
+    articles = re.split(r"(?m)^(?= = [^=].* = $)", (WT2 / "valid.txt").read_text())
+    for name, part in (("train", articles[1:25]), ("valid", articles[25:30]), ("test", articles[30:35])):
+        (wt2 / f"{name}.txt").write_text("".join(part))
+    using = bash_blocks(section(README.read_text(), "Using it"))[0]
+    steps = iter([3, 2, 4])  # for the three runs: 500, 300 (the default) and 600 steps in the README
+    ran = []
+    for line in using:
+        for argv in lmpipe_commands(line.replace("$WT2", str(wt2))):
+            if argv[0] in ("keys", "train", "produce"):
+                continue  # several hosts: test_multihost.py runs them
+            if argv[0] == "run":
+                # short: the last flag wins; the tiny model for the small one (checkpoints must agree)
+                argv = [*argv, "--steps", str(next(steps)), "--model", "tiny", "--port", str(free_port_pair()),
+                        "--metrics-port", "-1", "--threads", "1"]  # fmt: skip
+            r = _run(argv, tmp_path, timeout=300)
+            ran.append((argv[0], r.stdout + r.stderr))
+    assert [c for c, _ in ran] == ["run", "tokenizer", "prepare", "run", "run", "export"]
+    assert "summary: 4 steps" in ran[4][1] and "resumed from" in ran[4][1], "the second small run resumes"
+    assert (tmp_path / "model.safetensors").stat().st_size > 0

@@ -1,0 +1,1 @@
+../../lmpipe/plot.py
