@@ -133,9 +133,12 @@ def test_every_metric_the_dashboard_uses_is_exported():
         "time() - max(lmpipe_trainer_checkpoint_timestamp_seconds)",
         "sum(lmpipe_trainer_checkpoint_seconds_sum) / sum(lmpipe_trainer_checkpoint_seconds_count)",
         "sum by (reason) (rate(lmpipe_trainer_handshake_refusals_total",
-        "max by (worker) (lmpipe_producer_epoch)",
-        "max by (worker) (lmpipe_producer_cursor_position)",
-        "sum by (worker) (rate(lmpipe_producer_batches_sent_total",
+        # producers serve shards that move between them: their series are told apart by replica (instance)
+        "max by (instance) (lmpipe_producer_epoch)",
+        "max by (instance) (lmpipe_producer_cursor_position)",
+        "sum by (instance) (rate(lmpipe_producer_batches_sent_total",
+        "max by (stat) (lmpipe_trainer_shards_per_producer)",
+        "sum(increase(lmpipe_trainer_producer_joins_total",
     ):
         assert needle in exprs, needle
     titles = [p["title"] for p in dashboard_panels()]
