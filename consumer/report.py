@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,9 @@ class Summary:
     tokens: int = 0  # real (non-pad) tokens in trained batches: what throughput is measured in
     pad_tokens: int = 0
     targets: int = 0  # targets the loss was taken on: tokens minus document ends and loss-masked tokens
+    # steps whose batches held no trained target (all loss-masked): no forward, backward or update, since
+    # AdamW would still move the weights on a zero gradient (momentum, weight decay)
+    untrained_steps: int = 0
     seconds: float = 0.0
     data_wait_seconds: float = 0.0
     first_loss: float = float("nan")
@@ -79,6 +83,11 @@ class Summary:
             f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
             f"data wait {100 * self.data_wait_fraction:.1f}% | "
             f"dropped: {self.rejected} malformed, {self.stale} stale"
+            + (
+                f" | {self.untrained_steps} steps without a trained target (no update)"
+                if self.untrained_steps
+                else ""
+            )
             + (self._render_consume() if self.consume else "")
         )
 
@@ -107,12 +116,17 @@ def thread_cpu_seconds(native_id: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def format_loss(loss: float) -> str:
+    """NaN: the interval had no trained target, so there is no loss to show (0 would read as perfect)."""
+    return "n/a" if math.isnan(loss) else f"{loss:.4f}"
+
+
 def print_status(step: int, stats: dict, total: int, stream=sys.stderr) -> None:
     """The compact live status: on a terminal one line rewritten in place (log lines from other
     processes push it down), otherwise one line per logging interval, for log files."""
     of = f"/{total}" if total else ""
     line = (
-        f"step {step}{of} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
+        f"step {step}{of} | loss {format_loss(stats['loss'])} | lr {stats['lr']:.2e} | "
         f"{stats['tokens_per_second']:,.0f} tok/s | data wait {100 * stats['data_wait']:.1f}% | "
         f"pad eff {100 * stats['padding_efficiency']:.1f}%"
         + (f" | scale {stats['loss_scale']:.0f}" if stats.get("loss_scale", 1.0) != 1.0 else "")

@@ -29,7 +29,7 @@ from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
 from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
 from lmpipe.consumer.receiver import Receiver, WorkerTable
-from lmpipe.consumer.report import Summary, peak_flops, thread_cpu_seconds
+from lmpipe.consumer.report import Summary, format_loss, peak_flops, thread_cpu_seconds
 from lmpipe.consumer.scaler import LossScaler, make_scaler
 from lmpipe.consumer.slots import HostSlot, SlotMeta
 from lmpipe.consumer.step import (
@@ -373,6 +373,18 @@ class Trainer:
                 for s in slots:
                     self.feed.copy(s)
                 loss_sum = norm = no_loss
+            elif all_targets == 0:  # every rank agrees: nothing to learn here, and no update to make
+                for s in slots:
+                    self.receiver.release(s)  # never copied: free for the next batch at once
+                loss_sum = norm = no_loss
+                summary.untrained_steps += 1
+                if summary.untrained_steps == 1:
+                    log.warning(
+                        "step %d: no trained target in this step's batches (every token loss-masked, or "
+                        "one-token documents); the step is counted, the model is not updated (the summary "
+                        "says how often)",
+                        self.step + 1,
+                    )
             else:
                 micro = [self.feed.to_device(s) for s in slots] or [self._empty_inputs()]
                 loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
@@ -407,7 +419,11 @@ class Trainer:
                 loss_all, targets_all, tokens_all = self.dist.sum(
                     [loss_acc.item(), targets_acc, interval_tokens]
                 )
-                loss = loss_all / max(targets_all, 1)
+                # no trained target in the whole interval: no loss to show (0 would read as perfect)
+                if self.model is None:
+                    loss = 0.0  # --consume-only: nothing is trained
+                else:  # no trained target in the whole interval: no loss to show (0 would read as perfect)
+                    loss = loss_all / targets_all if targets_all else math.nan
                 now = time.perf_counter()
                 assert interval_start is not None  # set with the first batch
                 dt = now - interval_start
@@ -424,16 +440,17 @@ class Trainer:
                     "loss_scale": self.scaler.get_scale() if self.scaler else 1.0,
                 }
                 self._publish(stats, flops_per_token)
-                summary.losses.append(loss)
+                if not math.isnan(loss):
+                    summary.losses.append(loss)
                 if not self.dist.is_main:
                     pass  # rank 0 speaks for the job
                 elif progress:
                     progress(self.step, {**stats, "tokens_per_second": tokens_all / dt if dt > 0 else 0.0})
                 else:
                     log.info(
-                        "step %d | loss %.4f | lr %.2e | %.0f tok/s | data wait %.1f%%",
+                        "step %d | loss %s | lr %.2e | %.0f tok/s | data wait %.1f%%",
                         self.step,
-                        loss,
+                        format_loss(loss),
                         lr,
                         stats["tokens_per_second"],
                         100 * stats["data_wait"],
@@ -524,7 +541,8 @@ class Trainer:
     def _publish(self, stats: dict, flops_per_token: float) -> None:
         m = self.metrics
         self.feed.observe_h2d()
-        m.loss.set(stats["loss"])
+        if not math.isnan(stats["loss"]):  # an interval without a trained target leaves the last loss
+            m.loss.set(stats["loss"])
         m.grad_norm.set(stats["grad_norm"])
         m.loss_scale.set(stats["loss_scale"])
         if self.scaler is not None:

@@ -522,3 +522,37 @@ def test_a_tokenizer_trained_on_a_finetuning_corpus_learns_its_prompts_too(tmp_p
     )
     tok = load_tokenizer(tmp_path / "t.json")
     assert len(tok.tokenizer.encode("quizzicality", add_special_tokens=False).ids) == 1
+
+
+@pytest.mark.slow
+def test_steps_without_a_trained_target_leave_the_model_alone(procs, tmp_path, port):
+    """A corpus whose every token is masked (say, prompts cut off from their completions by --seq-len):
+    AdamW would still move the weights on a zero gradient (momentum, weight decay), and the status line
+    read loss 0.0000 as if the model were perfect. Each such step is counted and changes nothing."""
+    data = tmp_path / "prompts-only.jsonl"
+    rng = random.Random(3)
+    lines = []
+    for _ in range(40):
+        ids = [rng.randint(1, 500) for _ in range(rng.randint(5, 60))]
+        lines.append(json.dumps({"ids": ids, "loss_mask": [0] * len(ids)}))
+    data.write_text("\n".join(lines) + "\n")
+    ck, summary = tmp_path / "ck", tmp_path / "summary.json"
+    p = procs.start(
+        "run", "--data", str(data), "--steps", "3", "--seq-len", "32", "--batch-size", "2", "--accum", "2",
+        "--producers", "1", "--port", str(port), "--metrics-port", "-1", "--log-every", "1",
+        "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--keep-checkpoints", "5",
+        "--summary-json", str(summary), "--threads", "1", name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=120) == 0, procs.log(p)
+    text = procs.log(p)
+    assert "Traceback" not in text and "loss 0.0000" not in text, text
+    assert text.count("no trained target") == 1, "said once, then counted"
+    assert "3 steps without a trained target (no update)" in text
+    out = json.loads(summary.read_text())
+    assert out["steps"] == 3 and out["untrained_steps"] == 3 and out["targets"] == 0 and out["tokens"] > 0
+    assert out["losses"] == []
+    states = [torch.load(ck / f"step-{s:08d}" / "state.pt", weights_only=True) for s in (1, 3)]
+    assert states[0]["model"].keys() == states[1]["model"].keys()
+    for k, v in states[0]["model"].items():
+        assert torch.equal(v, states[1]["model"][k]), k
+    assert states[1]["optimizer"]["state"] == {}, "AdamW never stepped"
