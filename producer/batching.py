@@ -20,6 +20,7 @@ with no masked document carries no mask at all.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
@@ -29,6 +30,8 @@ from lmpipe.producer.stream import Doc, DocStream
 from lmpipe.shared.batch import Batch, Cursor
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import inherit, validate
+
+log = logging.getLogger("lmpipe.producer")
 
 
 @dataclass(frozen=True)
@@ -225,19 +228,50 @@ def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor, mask=No
     )
 
 
+class _LongMaskedWarning:
+    """Says once per stream that a masked document is longer than a row: cut into rows, its later tokens
+    (a completion) are trained without the rows before them (the start of its prompt) in view."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len, self.said = seq_len, False
+
+    def check(self, doc: Doc) -> None:
+        if not self.said and doc.mask is not None and len(doc.ids) > self.seq_len:
+            self.said = True
+            log.warning(
+                "document %d has a loss mask and %d tokens, over --seq-len %d: it is cut into rows, and "
+                "a token trained in a later row does not see the rows before it (the start of its prompt); "
+                "raise --seq-len or shorten such records (said once)",
+                doc.doc_id,
+                len(doc.ids),
+                self.seq_len,
+            )
+
+    def docs(self, docs: Iterator[Doc]) -> Iterator[Doc]:
+        for doc in docs:
+            self.check(doc)
+            yield doc
+
+    def epochs(self, docs: Iterator[tuple[int, Doc]]) -> Iterator[tuple[int, Doc]]:
+        for epoch, doc in docs:
+            self.check(doc)
+            yield epoch, doc
+
+
 def batches(
     stream: DocStream, spec: BatchSpec, start: Cursor | None = None, epochs: int = 0, dtype=np.uint16
 ) -> Iterator[Batch]:
     """Batches from `start` on, through `epochs` epochs (0: forever)."""
     start = start or Cursor()
     pad_id = stream.tok.pad_id
+    long_masked = _LongMaskedWarning(spec.seq_len)
     if spec.strategy == "pack":
-        yield from _pack(_epochs(stream, start, epochs), spec, start, pad_id, dtype)
+        yield from _pack(long_masked.epochs(_epochs(stream, start, epochs)), spec, start, pad_id, dtype)
         return
     epoch, first = start.epoch, True
     while epochs == 0 or epoch < epochs:
         at = start if first else Cursor(epoch)
-        docs = stream.docs(epoch, at.pos)
+        docs = long_masked.docs(stream.docs(epoch, at.pos))
         produced = False
         if spec.strategy == "bucket":
             gen = _bucket(docs, spec, at, pad_id, dtype, stream.worker)

@@ -203,6 +203,24 @@ def test_a_mask_on_an_unmasked_batch_changes_nothing():
             assert a.loss_mask is None and b.loss_mask is not None
 
 
+@pytest.mark.parametrize("strategy", ["pack", "pad", "bucket"])
+def test_a_masked_document_longer_than_a_row_is_said_once(strategy, caplog):
+    """A prompt longer than --seq-len is cut into rows, and its completion is trained without the start of
+    the prompt in view: worth one warning per stream. An unmasked long document is ordinary text."""
+    long_plain, long_masked, short_masked = list(range(1, 21)), list(range(1, 21)), [1, 2, 3]
+    stream = MaskedStream(
+        [long_plain, short_masked, long_masked, long_masked],
+        [None, [0, 1, 1], [0] * 15 + [1] * 5, [0] * 15 + [1] * 5],
+    )
+    spec = BatchSpec(strategy=strategy, seq_len=8, batch_size=2, bucket_window=8)
+    with caplog.at_level("WARNING", logger="lmpipe.producer"):
+        list(batches(MaskedStream(stream.docs_[:2], stream.masks_[:2]), spec, epochs=1))
+        assert not caplog.records, "a long unmasked document and a short masked one are fine"
+        list(batches(stream, spec, epochs=2))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "document 1002 has a loss mask and 20 tokens, over --seq-len 8" in said[0], said
+
+
 # -- the wire ------------------------------------------------------------------------------------------
 
 
