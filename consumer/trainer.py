@@ -378,11 +378,10 @@ class Trainer:
                     self.receiver.release(s)  # never copied: free for the next batch at once
                 loss_sum = norm = no_loss
                 summary.untrained_steps += 1
-                if summary.untrained_steps == 1:
+                if summary.untrained_steps == 1 and self.dist.is_main:  # every rank skips: rank 0 says so
                     log.warning(
-                        "step %d: no trained target in this step's batches (every token loss-masked, or "
-                        "one-token documents); the step is counted, the model is not updated (the summary "
-                        "says how often)",
+                        "step %d: no trained target in this step's batches (every token loss-masked); the "
+                        "step is counted, the model is not updated (the summary says how often)",
                         self.step + 1,
                     )
             else:
