@@ -99,8 +99,11 @@ class Summary:
             if "receive_seconds_per_batch" in c
             else ""
         )
+        ranks = int(c.get("ranks", 1))
         return (
-            f"\nconsume only (no model): {c['batches']:,.0f} batches; per batch: {receive}"
+            f"\nconsume only (no model): {c['batches']:,.0f} batches; per batch"
+            + (f" (rank 0 of {ranks})" if ranks > 1 else "")
+            + f": {receive}"
             f"copy to the device {1e3 * c['copy_seconds_per_batch']:.3f} ms, "
             f"data wait {1e3 * c['wait_seconds_per_batch']:.3f} ms"
         )

@@ -508,7 +508,9 @@ class Trainer:
         n = max(batches, 1)
         copied = self.metrics.registry.get_sample_value("lmpipe_trainer_h2d_seconds_sum") or 0.0
         out = {
-            "batches": float(batches),
+            # the job's batches (the summary's tokens are the job's too); the times per batch are this rank's
+            "batches": self.dist.sum([float(batches)])[0],
+            "ranks": float(self.dist.world_size),
             "copy_seconds_per_batch": copied / n,
             "wait_seconds_per_batch": waited / n,
         }
