@@ -574,3 +574,29 @@ def test_steps_without_a_trained_target_leave_the_model_alone(procs, tmp_path, p
     for k, v in states[0]["model"].items():
         assert torch.equal(v, states[1]["model"][k]), k
     assert states[1]["optimizer"]["state"] == {}, "AdamW never stepped"
+
+
+def test_fine_tuning_tables_say_what_lmpipe_reads_of_them(procs, tmp_path, port, caplog):
+    """Parquet is how most fine-tuning sets ship. prompt/completion columns: one line saying masks come
+    from JSONL (the run cannot start). input_ids with labels (-100 on the prompt): the labels are not
+    read and every token is trained, which a user must be told rather than find out from the model."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sft = tmp_path / "sft.parquet"
+    pq.write_table(pa.table({"prompt": ["Q1?", "Q2?"], "completion": [" a", " b"]}), sft)
+    p = procs.start("run", "--data", str(sft), "--port", str(port), "--metrics-port", "-1", name="run")
+    assert p.wait(timeout=60) == 2
+    text = procs.log(p)
+    assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+    assert "prompt/completion records (loss masks) are read from JSONL only" in text
+
+    tok = tmp_path / "tok.parquet"
+    ids, labels = [[1, 2, 3, 4], [5, 6, 7]] * 3, [[-100, -100, 3, 4], [-100, 6, 7]] * 3
+    pq.write_table(pa.table({"input_ids": ids, "labels": labels}), tok)
+    with caplog.at_level("WARNING", logger="lmpipe.producer"):
+        for _ in range(2):  # every epoch reopens the file: said once
+            assert sum(r.bad is None for r in Corpus([str(tok)]).records()) == 6
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"{tok}: column 'labels' is not read: every token of 'input_ids' is trained "
+                    "(loss masks come from JSONL records with ids and loss_mask)"]  # fmt: skip
