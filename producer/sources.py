@@ -153,6 +153,8 @@ def _jsonl_records(
             rec.bad = ("invalid_utf8", f"invalid UTF-8 at byte {exc.start}")
         except json.JSONDecodeError as exc:
             rec.bad = ("bad_json", f"not valid JSON ({exc.msg} at column {exc.colno})")
+        except RecursionError:  # [[[[... or {"a":{"a":... a few hundred KB deep: the parser's stack, not ours
+            rec.bad = ("bad_json", "JSON nested too deeply to parse")
         else:
             if not isinstance(obj, dict):
                 kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
