@@ -9,7 +9,9 @@ after it, so a producer restarted at that cursor makes exactly the batches that 
              Pieces are grouped by length in windows: an O(n) index by length bucket, then O(batch) per batch.
 - pack:      documents laid end to end in rows of exactly seq_len tokens; `seg` marks which document
              each token belongs to so attention and targets never cross documents. Rows run on from one
-             epoch into the next: no pad except in the last row of a finite run.
+             epoch into the next: no pad except in the last row of a finite run, and before a document
+             with loss-masked tokens (a prompt) that fits in a row but not in the rest of this one: it
+             starts the next row, so its trained tokens see all of their context.
 
 A piece is a document, or a seq_len-long slice of one that is longer (for the padding strategies).
 
@@ -180,13 +182,27 @@ def _pack(
         ids, n = doc.ids, len(doc.ids)
         off, offset = offset, 0
         last = Cursor(epoch, doc.pos + 1)
+        if fill and fill + n - off > T and n - off <= T and _has_context(doc, off):
+            # a prompt/completion that fits a row but not this one's rest starts the next row: cut at the
+            # row end, its completion would be trained without the prompt in view. The rest is pad.
+            seg[row, fill:] = nseg
+            lengths[row] = fill
+            if mask is not None:
+                mask[row, fill:] = 0
+            row, fill, nseg = row + 1, 0, 0
+            if row == B:
+                yield _packed(tokens, seg, lengths, segs, spec, Cursor(epoch, doc.pos, off), mask)
+                tokens, seg, lengths = fresh()
+                segs, row, mask = [], 0, None
         while off < n:
             take = min(T - fill, n - off)
             tokens[row, fill : fill + take] = ids[off : off + take]
             seg[row, fill : fill + take] = nseg
             if doc.mask is not None:
-                if mask is None:  # everything laid out so far is unmasked: 1s
+                if mask is None:  # everything laid out so far is unmasked: 1s, and pad 0s
                     mask = np.ones((B, T), dtype=np.uint8)
+                    for r in range(row):
+                        mask[r, lengths[r] :] = 0
                 mask[row, fill : fill + take] = doc.mask[off : off + take]
             segs.append((doc.doc_id, off, take))
             fill += take
@@ -211,6 +227,11 @@ def _pack(
             tokens[:row].copy(), seg[:row].copy(), lengths[:row].copy(), segs, spec, last,
             None if mask is None else mask[:row].copy(),
         )  # fmt: skip
+
+
+def _has_context(doc: Doc, off: int) -> bool:
+    """Whether the document (from `off` on) has loss-masked tokens: context its trained tokens need."""
+    return doc.mask is not None and not bool(doc.mask[off:].all())
 
 
 def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor, mask=None) -> Batch:
