@@ -250,17 +250,17 @@ def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor, mask=No
 
 
 class _LongMaskedWarning:
-    """Says once per stream that a masked document is longer than a row: cut into rows, its later tokens
-    (a completion) are trained without the rows before them (the start of its prompt) in view."""
+    """Says once per stream that a document with masked tokens (a prompt) is longer than a row: cut into
+    rows, its later tokens (a completion) are trained without the rows before them in view."""
 
     def __init__(self, seq_len: int):
         self.seq_len, self.said = seq_len, False
 
     def check(self, doc: Doc) -> None:
-        if not self.said and doc.mask is not None and len(doc.ids) > self.seq_len:
+        if not self.said and len(doc.ids) > self.seq_len and _has_context(doc, 0):
             self.said = True
             log.warning(
-                "document %d has a loss mask and %d tokens, over --seq-len %d: it is cut into rows, and "
+                "document %d has loss-masked tokens and %d in all, over --seq-len %d: it is cut into rows, and "
                 "a token trained in a later row does not see the rows before it (the start of its prompt); "
                 "raise --seq-len or shorten such records (said once)",
                 doc.doc_id,

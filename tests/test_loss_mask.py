@@ -249,11 +249,14 @@ def test_a_masked_document_longer_than_a_row_is_said_once(strategy, caplog):
     )
     spec = BatchSpec(strategy=strategy, seq_len=8, batch_size=2, bucket_window=8)
     with caplog.at_level("WARNING", logger="lmpipe.producer"):
-        list(batches(MaskedStream(stream.docs_[:2], stream.masks_[:2]), spec, epochs=1))
-        assert not caplog.records, "a long unmasked document and a short masked one are fine"
+        ones = MaskedStream([long_plain, long_plain, short_masked], [None, [1] * 20, [0, 1, 1]])
+        list(batches(ones, spec, epochs=1))
+        assert not caplog.records, "a long document without a prompt and a short one with one are fine"
         list(batches(stream, spec, epochs=2))
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and "document 1002 has a loss mask and 20 tokens, over --seq-len 8" in said[0], said
+    assert (
+        len(said) == 1 and "document 1002 has loss-masked tokens and 20 in all, over --seq-len 8" in said[0]
+    )
 
 
 # -- the wire ------------------------------------------------------------------------------------------
