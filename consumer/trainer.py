@@ -418,7 +418,6 @@ class Trainer:
                 loss_all, targets_all, tokens_all = self.dist.sum(
                     [loss_acc.item(), targets_acc, interval_tokens]
                 )
-                # no trained target in the whole interval: no loss to show (0 would read as perfect)
                 if self.model is None:
                     loss = 0.0  # --consume-only: nothing is trained
                 else:  # no trained target in the whole interval: no loss to show (0 would read as perfect)
