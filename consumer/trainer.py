@@ -22,7 +22,7 @@ from typing import Any, cast
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lmpipe.consumer.checkpoint import CheckpointError, CheckpointManager, load, resolve_resume
+from lmpipe.consumer.checkpoint import NO_MODEL, CheckpointError, CheckpointManager, load, resolve_resume
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
@@ -190,7 +190,7 @@ class Trainer:
         """What a checkpoint must match to be resumed by this run."""
         return {
             # a --consume-only checkpoint holds cursors only: a model run must not resume from it, nor it from one
-            "model": asdict(self.model.config) if self.model is not None else "none (--consume-only)",
+            "model": asdict(self.model.config) if self.model is not None else NO_MODEL,
             "tokenizer": self.tok.hash,
             "vocab_size": self.tok.vocab_size,
             # every rank's cursors are in the checkpoint: it must match the world size, not the rank

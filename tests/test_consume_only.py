@@ -78,6 +78,13 @@ def test_a_model_run_refuses_a_consume_only_checkpoint(procs, tmp_path, port):
     assert model.wait(timeout=120) == 2, procs.log(model)
     err = procs.log(model)
     assert "model: checkpoint has 'none (--consume-only)'" in err and "Traceback" not in err
+    # nor is it exported: it wrote a safetensors file of no tensors and said "wrote"
+    out = tmp_path / "model.safetensors"
+    export = procs.start("export", str(ck), "--out", str(out), name="export")
+    assert export.wait(timeout=60) == 2, procs.log(export)
+    said = procs.log(export).strip()
+    assert len(said.splitlines()) == 1 and "a --consume-only checkpoint: no model to export" in said, said
+    assert not out.exists()
 
 
 @pytest.mark.cuda
