@@ -32,6 +32,7 @@ log = logging.getLogger("lmpipe.trainer")
 
 FORMAT_VERSION = 2  # 2: state.pt's workers holds every data-parallel rank's cursors
 _PREFIX = "step-"
+NO_MODEL = "none (--consume-only)"  # a checkpoint's model field when it holds producer cursors only
 
 
 class CheckpointError(ValueError):
@@ -216,6 +217,10 @@ def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     header = read_header(path)
+    if header.get("model") == NO_MODEL:
+        raise CheckpointError(
+            f"{path}: a --consume-only checkpoint: no model to export (producer cursors only)"
+        )
     state = _read_state(path, header)
     weights = {k: v.contiguous() for k, v in state["model"].items()}
     # lm_head and wte share storage; safetensors refuses aliases, and loaders re-tie them
