@@ -34,6 +34,7 @@ log = logging.getLogger("lmpipe.trainer")
 # header "shards"), where 2 had one per producer (--producers, header stream.producers): the same split
 FORMAT_VERSION = 3
 _PREFIX = "step-"
+NO_MODEL = "none (--consume-only)"  # a checkpoint's model field when it holds producer cursors only
 
 
 class CheckpointError(ValueError):
@@ -222,6 +223,10 @@ def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     header = read_header(path)
+    if header.get("model") == NO_MODEL:
+        raise CheckpointError(
+            f"{path}: a --consume-only checkpoint: no model to export (producer cursors only)"
+        )
     state = _read_state(path, header)
     weights = {k: v.contiguous() for k, v in state["model"].items()}
     # lm_head and wte share storage; safetensors refuses aliases, and loaders re-tie them

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -25,6 +26,9 @@ class Summary:
     tokens: int = 0  # real (non-pad) tokens in trained batches: what throughput is measured in
     pad_tokens: int = 0
     targets: int = 0  # targets the loss was taken on: tokens minus document ends and loss-masked tokens
+    # steps whose batches held no trained target (all loss-masked): no forward, backward or update, since
+    # AdamW would still move the weights on a zero gradient (momentum, weight decay)
+    untrained_steps: int = 0
     seconds: float = 0.0
     data_wait_seconds: float = 0.0
     first_loss: float = float("nan")
@@ -86,6 +90,11 @@ class Summary:
             f"data wait {100 * self.data_wait_fraction:.1f}% | "
             f"dropped: {self.rejected} malformed, {self.stale} stale"
             + (f" | refused: {self.refused} producer hello(s)" if self.refused else "")
+            + (
+                f" | {self.untrained_steps} steps without a trained target (no update)"
+                if self.untrained_steps
+                else ""
+            )
             + (self._render_consume() if self.consume else "")
         )
 
@@ -97,8 +106,11 @@ class Summary:
             if "receive_seconds_per_batch" in c
             else ""
         )
+        ranks = int(c.get("ranks", 1))
         return (
-            f"\nconsume only (no model): {c['batches']:,.0f} batches; per batch: {receive}"
+            f"\nconsume only (no model): {c['batches']:,.0f} batches; per batch"
+            + (f" (rank 0 of {ranks})" if ranks > 1 else "")
+            + f": {receive}"
             f"copy to the device {1e3 * c['copy_seconds_per_batch']:.3f} ms, "
             f"data wait {1e3 * c['wait_seconds_per_batch']:.3f} ms"
         )
@@ -124,6 +136,11 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def format_loss(loss: float) -> str:
+    """NaN: the interval had no trained target, so there is no loss to show (0 would read as perfect)."""
+    return "n/a" if math.isnan(loss) else f"{loss:.4f}"
+
+
 def print_status(step: int, stats: dict, total: int, stream=sys.stderr) -> None:
     """The compact live status: on a terminal one line rewritten in place (log lines from other
     processes push it down), otherwise one line per logging interval, for log files. With a step limit,
@@ -135,7 +152,7 @@ def print_status(step: int, stats: dict, total: int, stream=sys.stderr) -> None:
         if total and step < total and stats.get("step_seconds"):
             clock += f", ETA {duration((total - step) * stats['step_seconds'])}"
     line = (
-        f"step {step}{of} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
+        f"step {step}{of} | loss {format_loss(stats['loss'])} | lr {stats['lr']:.2e} | "
         f"{stats['tokens_per_second']:,.0f} tok/s | data wait {100 * stats['data_wait']:.1f}% | "
         f"pad eff {100 * stats['padding_efficiency']:.1f}%"
         + (f" | scale {stats['loss_scale']:.0f}" if stats.get("loss_scale", 1.0) != 1.0 else "")

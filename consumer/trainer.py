@@ -23,14 +23,14 @@ from typing import Any, cast
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lmpipe.consumer.checkpoint import CheckpointError, CheckpointManager, load, resolve_resume
+from lmpipe.consumer.checkpoint import NO_MODEL, CheckpointError, CheckpointManager, load, resolve_resume
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
 from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
 from lmpipe.consumer.receiver import Receiver, WorkerTable
-from lmpipe.consumer.report import Announce, Summary, peak_flops, thread_cpu_seconds
+from lmpipe.consumer.report import Announce, Summary, format_loss, peak_flops, thread_cpu_seconds
 from lmpipe.consumer.scaler import LossScaler, make_scaler
 from lmpipe.consumer.slots import HostSlot, SlotMeta
 from lmpipe.consumer.step import (
@@ -192,7 +192,7 @@ class Trainer:
         """What a checkpoint must match to be resumed by this run."""
         return {
             # a --consume-only checkpoint holds cursors only: a model run must not resume from it, nor it from one
-            "model": asdict(self.model.config) if self.model is not None else "none (--consume-only)",
+            "model": asdict(self.model.config) if self.model is not None else NO_MODEL,
             "tokenizer": self.tok.hash,
             "vocab_size": self.tok.vocab_size,
             # every rank's cursors are in the checkpoint: it must match the world size, not the rank
@@ -380,6 +380,17 @@ class Trainer:
                 for s in slots:
                     self.feed.copy(s)
                 loss_sum = norm = no_loss
+            elif all_targets == 0:  # every rank agrees: nothing to learn here, and no update to make
+                for s in slots:
+                    self.receiver.release(s)  # never copied: free for the next batch at once
+                loss_sum = norm = no_loss
+                summary.untrained_steps += 1
+                if summary.untrained_steps == 1 and self.dist.is_main:  # every rank skips: rank 0 says so
+                    log.warning(
+                        "step %d: no trained target in this step's batches (every token loss-masked); the "
+                        "step is counted, the model is not updated (the summary says how often)",
+                        self.step + 1,
+                    )
             else:
                 micro = [self.feed.to_device(s) for s in slots] or [self._empty_inputs()]
                 # torch.compile traces and compiles in the first step: minutes on a large model, said as it goes
@@ -422,7 +433,10 @@ class Trainer:
                 loss_all, targets_all, tokens_all = self.dist.sum(
                     [loss_acc.item(), targets_acc, interval_tokens]
                 )
-                loss = loss_all / max(targets_all, 1)
+                if self.model is None:
+                    loss = 0.0  # --consume-only: nothing is trained
+                else:  # no trained target in the whole interval: no loss to show (0 would read as perfect)
+                    loss = loss_all / targets_all if targets_all else math.nan
                 now = time.perf_counter()
                 assert interval_start is not None  # set with the first batch
                 dt = now - interval_start
@@ -440,7 +454,8 @@ class Trainer:
                     "loss_scale": self.scaler.get_scale() if self.scaler else 1.0,
                 }
                 self._publish(stats, flops_per_token)
-                summary.losses.append(loss)
+                if not math.isnan(loss):
+                    summary.losses.append(loss)
                 tok_s = tokens_all / dt if dt > 0 else 0.0  # every rank's
                 summary.history.append({"step": self.step, "elapsed": stats["elapsed"], "loss": loss,
                                         "tokens_per_second": tok_s, "data_wait": stats["data_wait"]})  # fmt: skip
@@ -450,9 +465,9 @@ class Trainer:
                     progress(self.step, {**stats, "tokens_per_second": tokens_all / dt if dt > 0 else 0.0})
                 else:
                     log.info(
-                        "step %d | loss %.4f | lr %.2e | %.0f tok/s | data wait %.1f%%",
+                        "step %d | loss %s | lr %.2e | %.0f tok/s | data wait %.1f%%",
                         self.step,
-                        loss,
+                        format_loss(loss),
                         lr,
                         stats["tokens_per_second"],
                         100 * stats["data_wait"],
@@ -511,7 +526,9 @@ class Trainer:
         n = max(batches, 1)
         copied = self.metrics.registry.get_sample_value("lmpipe_trainer_h2d_seconds_sum") or 0.0
         out = {
-            "batches": float(batches),
+            # the job's batches (the summary's tokens are the job's too); the times per batch are this rank's
+            "batches": self.dist.sum([float(batches)])[0],
+            "ranks": float(self.dist.world_size),
             "copy_seconds_per_batch": copied / n,
             "wait_seconds_per_batch": waited / n,
         }
@@ -543,7 +560,8 @@ class Trainer:
     def _publish(self, stats: dict, flops_per_token: float) -> None:
         m = self.metrics
         self.feed.observe_h2d()
-        m.loss.set(stats["loss"])
+        if not math.isnan(stats["loss"]):  # an interval without a trained target leaves the last loss
+            m.loss.set(stats["loss"])
         m.grad_norm.set(stats["grad_norm"])
         m.loss_scale.set(stats["loss_scale"])
         if self.scaler is not None:

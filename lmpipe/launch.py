@@ -114,11 +114,16 @@ def open_corpus(cfg: PipelineConfig, vocab_size: int | None = None) -> Corpus:
 
 def first_document(corpus: Corpus, *, text: bool = False) -> Record:
     """The corpus's first good record (with text, if `text`): an empty corpus is a usage mistake."""
+    first_bad = ""
     for rec in corpus.records():
         if rec.bad is None and (rec.text if text else True):
             return rec
+        if rec.bad is not None and not first_bad:
+            first_bad = f"; the first: {rec.where}: {rec.bad[1]}"  # the one line says what is wrong
     what = "text documents" if text else "documents"
-    raise SettingsError(f"--data: no {what} in {corpus.describe()} (every record is empty or malformed)")
+    raise SettingsError(
+        f"--data: no {what} in {corpus.describe()} (every record is empty or malformed{first_bad})"
+    )
 
 
 def check_device(name: str) -> None:

@@ -9,7 +9,9 @@ after it, so a producer restarted at that cursor makes exactly the batches that 
              Pieces are grouped by length in windows: an O(n) index by length bucket, then O(batch) per batch.
 - pack:      documents laid end to end in rows of exactly seq_len tokens; `seg` marks which document
              each token belongs to so attention and targets never cross documents. Rows run on from one
-             epoch into the next: no pad except in the last row of a finite run.
+             epoch into the next: no pad except in the last row of a finite run, and before a document
+             with loss-masked tokens (a prompt) that fits in a row but not in the rest of this one: it
+             starts the next row, so its trained tokens see all of their context.
 
 A piece is a document, or a seq_len-long slice of one that is longer (for the padding strategies).
 
@@ -20,6 +22,7 @@ with no masked document carries no mask at all.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
@@ -29,6 +32,8 @@ from lmpipe.producer.stream import Doc, DocStream
 from lmpipe.shared.batch import Batch, Cursor
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import inherit, validate
+
+log = logging.getLogger("lmpipe.producer")
 
 
 @dataclass(frozen=True)
@@ -177,13 +182,27 @@ def _pack(
         ids, n = doc.ids, len(doc.ids)
         off, offset = offset, 0
         last = Cursor(epoch, doc.pos + 1)
+        if fill and fill + n - off > T and n - off <= T and _has_context(doc, off):
+            # a prompt/completion that fits a row but not this one's rest starts the next row: cut at the
+            # row end, its completion would be trained without the prompt in view. The rest is pad.
+            seg[row, fill:] = nseg
+            lengths[row] = fill
+            if mask is not None:
+                mask[row, fill:] = 0
+            row, fill, nseg = row + 1, 0, 0
+            if row == B:
+                yield _packed(tokens, seg, lengths, segs, spec, Cursor(epoch, doc.pos, off), mask)
+                tokens, seg, lengths = fresh()
+                segs, row, mask = [], 0, None
         while off < n:
             take = min(T - fill, n - off)
             tokens[row, fill : fill + take] = ids[off : off + take]
             seg[row, fill : fill + take] = nseg
             if doc.mask is not None:
-                if mask is None:  # everything laid out so far is unmasked: 1s
+                if mask is None:  # everything laid out so far is unmasked: 1s, and pad 0s
                     mask = np.ones((B, T), dtype=np.uint8)
+                    for r in range(row):
+                        mask[r, lengths[r] :] = 0
                 mask[row, fill : fill + take] = doc.mask[off : off + take]
             segs.append((doc.doc_id, off, take))
             fill += take
@@ -210,6 +229,11 @@ def _pack(
         )  # fmt: skip
 
 
+def _has_context(doc: Doc, off: int) -> bool:
+    """Whether the document (from `off` on) has loss-masked tokens: context its trained tokens need."""
+    return doc.mask is not None and not bool(doc.mask[off:].all())
+
+
 def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor, mask=None) -> Batch:
     arr = np.array(segs, dtype=np.int64).reshape(-1, 3)
     return Batch(
@@ -225,19 +249,50 @@ def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor, mask=No
     )
 
 
+class _LongMaskedWarning:
+    """Says once per stream that a document with masked tokens (a prompt) is longer than a row: cut into
+    rows, its later tokens (a completion) are trained without the rows before them in view."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len, self.said = seq_len, False
+
+    def check(self, doc: Doc) -> None:
+        if not self.said and len(doc.ids) > self.seq_len and _has_context(doc, 0):
+            self.said = True
+            log.warning(
+                "document %d has loss-masked tokens and %d in all, over --seq-len %d: it is cut into rows, and "
+                "a token trained in a later row does not see the rows before it (the start of its prompt); "
+                "raise --seq-len or shorten such records (said once)",
+                doc.doc_id,
+                len(doc.ids),
+                self.seq_len,
+            )
+
+    def docs(self, docs: Iterator[Doc]) -> Iterator[Doc]:
+        for doc in docs:
+            self.check(doc)
+            yield doc
+
+    def epochs(self, docs: Iterator[tuple[int, Doc]]) -> Iterator[tuple[int, Doc]]:
+        for epoch, doc in docs:
+            self.check(doc)
+            yield epoch, doc
+
+
 def batches(
     stream: DocStream, spec: BatchSpec, start: Cursor | None = None, epochs: int = 0, dtype=np.uint16
 ) -> Iterator[Batch]:
     """Batches from `start` on, through `epochs` epochs (0: forever)."""
     start = start or Cursor()
     pad_id = stream.tok.pad_id
+    long_masked = _LongMaskedWarning(spec.seq_len)
     if spec.strategy == "pack":
-        yield from _pack(_epochs(stream, start, epochs), spec, start, pad_id, dtype)
+        yield from _pack(long_masked.epochs(_epochs(stream, start, epochs)), spec, start, pad_id, dtype)
         return
     epoch, first = start.epoch, True
     while epochs == 0 or epoch < epochs:
         at = start if first else Cursor(epoch)
-        docs = stream.docs(epoch, at.pos)
+        docs = long_masked.docs(stream.docs(epoch, at.pos))
         produced = False
         if spec.strategy == "bucket":
             gen = _bucket(docs, spec, at, pad_id, dtype, stream.worker)

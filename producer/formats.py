@@ -28,6 +28,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
 import zlib
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from lmpipe.producer.remote import BLOCK, MissingExtra, RangeReader, Remote, RemoteError, is_url
+
+log = logging.getLogger("lmpipe.producer")
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -51,6 +54,8 @@ DIR_SUFFIXES = (
 COMPRESSION = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 TABLES = ("parquet", "arrow")
 IDS_COLUMNS = ("ids", "input_ids")
+MASK_COLUMNS = ("labels", "loss_mask")  # what a tokenized fine-tuning table marks its trained tokens with
+_said_unmasked: set[str] = set()
 ROWS_PER_BATCH = 4096  # rows decoded at a time from a Parquet row group
 
 
@@ -338,9 +343,25 @@ def _column(f: DataFile, schema: Any, text_column: str) -> tuple[str, str]:
     candidates = [text_column] + (list(IDS_COLUMNS) if text_column == "text" else [])
     name = next((c for c in candidates if c in names), None)
     if name is None:
+        hint = (
+            "; prompt/completion records (loss masks) are read from JSONL only: write the table as JSON "
+            'Lines, one {"prompt": ..., "completion": ...} object per row'
+            if {"prompt", "completion"} <= set(names) and text_column == "text"
+            else ""
+        )
         raise FormatError(
             f"{f}: no column {text_column!r} (columns: {', '.join(names)}); name the text column "
-            "(--text-column)"
+            f"(--text-column){hint}"
+        )
+    masks = [c for c in MASK_COLUMNS if c in names]
+    if masks and name in IDS_COLUMNS and str(f) not in _said_unmasked:
+        _said_unmasked.add(str(f))  # once per file and process: files are reopened every epoch
+        log.warning(
+            "%s: column %r is not read: every token of %r is trained (loss masks come from JSONL records "
+            "with ids and loss_mask)",
+            f,
+            masks[0],
+            name,
         )
     t = schema.field(name).type
     if pa.types.is_string(t) or pa.types.is_large_string(t) or str(t) == "string_view":

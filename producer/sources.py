@@ -143,15 +143,24 @@ def _jsonl_records(
             rec.bad = ("line_too_long", f"line of {size} bytes exceeds {max_line_bytes}")
             yield rec
             continue
+        if lineno == 1 and raw.strip() == b"[":  # a JSON array (what json.dump writes): each line is junk
+            rec.bad = ("bad_json", "a JSON array, not JSON Lines: write one object per line (jq -c '.[]')")
+            yield rec
+            continue
         try:
             obj = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:
             rec.bad = ("invalid_utf8", f"invalid UTF-8 at byte {exc.start}")
         except json.JSONDecodeError as exc:
             rec.bad = ("bad_json", f"not valid JSON ({exc.msg} at column {exc.colno})")
+        except RecursionError:  # [[[[... or {"a":{"a":... a few hundred KB deep: the parser's stack, not ours
+            rec.bad = ("bad_json", "JSON nested too deeply to parse")
         else:
             if not isinstance(obj, dict):
-                rec.bad = ("bad_json", "line is not a JSON object")
+                kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+                    type(obj), "a number"
+                )
+                rec.bad = ("bad_json", f"line is {kind}, not a JSON object (JSON Lines: one object per line)")
             elif "prompt" in obj or "completion" in obj:
                 _prompt_completion(rec, obj)
             elif "loss_mask" in obj:

@@ -60,6 +60,13 @@ def empty_corpus(c: Ctx) -> list[str]:
     return ["--data", str(c.tmp / "empty.txt"), str(c.tmp / "blank.jsonl")]
 
 
+def json_array(c: Ctx) -> list[str]:
+    """What json.dump(records, f, indent=2) writes, named .json: each line of it is junk as JSON Lines."""
+    records = [{"prompt": f"Q{i}?", "completion": f" A{i}"} for i in range(3)]
+    (c.tmp / "sft.json").write_text(json.dumps(records, indent=2))
+    return ["--data", str(c.tmp / "sft.json")]
+
+
 def resume_state_without(key: str) -> Callable[[Ctx], list[str]]:
     def make(c: Ctx) -> list[str]:
         ck = c.tmp / "ck"
@@ -154,6 +161,11 @@ CASES = [
     ("slots-below-accum", ["run", "--accum", "4", "--slots", "3"], "--slots 3 is fewer than --accum 4"),
     ("empty-corpus-run", lambda c: ["run", *empty_corpus(c)], "no documents in"),
     ("empty-corpus-produce", lambda c: ["produce", *empty_corpus(c)], "no documents in"),
+    (
+        "json-array-not-lines",
+        lambda c: ["run", *json_array(c)],
+        "sft.json:1: a JSON array, not JSON Lines: write one object per line",
+    ),
     (
         "empty-corpus-prepare",
         lambda c: ["prepare", *empty_corpus(c), "--out", str(c.tmp / "s")],

@@ -17,6 +17,7 @@ from tests.helpers import (
     assert_exactly_once,
     builtin_lengths,
     doc_log_entries,
+    doc_pieces,
     steps_logged,
     trained_pieces,
     wait_until,
@@ -77,6 +78,13 @@ def test_a_model_run_refuses_a_consume_only_checkpoint(procs, tmp_path, port):
     assert model.wait(timeout=120) == 2, procs.log(model)
     err = procs.log(model)
     assert "model: checkpoint has 'none (--consume-only)'" in err and "Traceback" not in err
+    # nor is it exported: it wrote a safetensors file of no tensors and said "wrote"
+    out = tmp_path / "model.safetensors"
+    export = procs.start("export", str(ck), "--out", str(out), name="export")
+    assert export.wait(timeout=60) == 2, procs.log(export)
+    said = procs.log(export).strip()
+    assert len(said.splitlines()) == 1 and "a --consume-only checkpoint: no model to export" in said, said
+    assert not out.exists()
 
 
 @pytest.mark.cuda
@@ -88,3 +96,17 @@ def test_consume_only_copies_to_the_gpu_on_the_copy_stream(procs, tmp_path, port
     out = procs.log(p)
     assert "on cuda" in out and STAGES.search(out), out[-2000:]
     assert_exactly_once(trained_pieces(doc_log_entries(log), "", 0), builtin_lengths(tok, DOCS))
+
+
+def test_two_ranks_consume_every_document_once_and_the_summary_counts_the_job(tmp_path, port, tok):
+    """Under torchrun the summary's tokens are the job's; its batch count was rank 0's alone."""
+    from tests.test_distributed import lmpipe, rank_logs
+
+    rc, out = lmpipe(tmp_path, "ddp", "run", *COMMON, "--consume-only", "--steps", "0", "--port", str(port),
+                     "--doc-log", str(tmp_path / "docs.jsonl"), nproc=2)  # fmt: skip
+    assert rc == 0, out[-3000:]
+    entries = [e for p in rank_logs(tmp_path, "docs") for e in doc_log_entries(p)]
+    assert_exactly_once(doc_pieces(entries), builtin_lengths(tok, DOCS))
+    stages = re.search(r"consume only \(no model\): ([\d,]+) batches; per batch \(rank 0 of 2\): ", out)
+    assert stages, out[-2000:]
+    assert int(stages.group(1).replace(",", "")) == sum(len(e["batches"]) for e in entries)

@@ -190,6 +190,41 @@ def test_the_mask_travels_aligned_with_its_tokens(raw, spec):
         assert all(b.loss_mask is None for b in out)
 
 
+def _same(a: Batch, b: Batch) -> bool:
+    arrays = a.arrays().keys() == b.arrays().keys() and all(
+        np.array_equal(x, b.arrays()[k]) for k, x in a.arrays().items()
+    )
+    return arrays and a.cursor == b.cursor
+
+
+def test_pack_starts_a_row_with_a_prompt_that_would_be_cut():
+    """A prompt/completion cut at a row end trained its completion without the prompt in view (41% of the
+    trained targets of a fine-tuning corpus at the default --seq-len 128). One that fits in a row now
+    starts the next row; plain documents, all-ones masks and documents longer than a row pack as before."""
+    docs = [[1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12, 13, 14], list(range(15, 25)), [25, 26]]
+    masks = [None, [0, 0, 1, 1], [1] * 5, [0] * 5 + [1] * 5, None]
+    (b,) = batches(MaskedStream(docs, masks), BatchSpec(strategy="pack", seq_len=8, batch_size=4), epochs=1)
+    assert b.lengths.tolist() == [5, 8, 8, 5]
+    assert b.tokens[0, :5].tolist() == docs[0] and b.tokens[1, :4].tolist() == docs[1], "prompt starts row 1"
+    assert b.tokens[1, 4:].tolist() == docs[2][:4] and b.tokens[2, 0] == 14, "all ones: cut as plain text"
+    assert b.tokens[2, 1:].tolist() == docs[3][:7], "longer than a row: cut as before (and said once)"
+    assert b.loss_mask[0].tolist() == [1] * 5 + [0] * 3, "the row's pad is never trained"
+    assert b.seg[0].tolist() == [0] * 5 + [1] * 3 and b.num_targets() == 4 + 5 + 2 + 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(raw=masked_docs, seq_len=st.integers(2, 24), rows=st.integers(1, 4))
+def test_pack_resumes_at_any_cursor_to_the_same_batches(raw, seq_len, rows):
+    """The row padded out before a prompt can end a batch: its cursor (the prompt, not yet taken) makes
+    exactly the batches that came next, as every other cursor does."""
+    docs, masks = _split(raw)
+    spec = BatchSpec(strategy="pack", seq_len=seq_len, batch_size=rows)
+    out = list(batches(MaskedStream(docs, masks), spec, epochs=2))
+    for i in range(1, len(out)):
+        again = list(batches(MaskedStream(docs, masks), spec, start=out[i - 1].cursor, epochs=2))
+        assert len(again) == len(out) - i and all(_same(a, b) for a, b in zip(again, out[i:])), i
+
+
 def test_a_mask_on_an_unmasked_batch_changes_nothing():
     """The same documents with all-ones masks: the same tokens and target counts as with none."""
     docs = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -201,6 +236,27 @@ def test_a_mask_on_an_unmasked_batch_changes_nothing():
         for a, b in zip(plain, ones):
             np.testing.assert_array_equal(a.tokens, b.tokens)
             assert a.loss_mask is None and b.loss_mask is not None
+
+
+@pytest.mark.parametrize("strategy", ["pack", "pad", "bucket"])
+def test_a_masked_document_longer_than_a_row_is_said_once(strategy, caplog):
+    """A prompt longer than --seq-len is cut into rows, and its completion is trained without the start of
+    the prompt in view: worth one warning per stream. An unmasked long document is ordinary text."""
+    long_plain, long_masked, short_masked = list(range(1, 21)), list(range(1, 21)), [1, 2, 3]
+    stream = MaskedStream(
+        [long_plain, short_masked, long_masked, long_masked],
+        [None, [0, 1, 1], [0] * 15 + [1] * 5, [0] * 15 + [1] * 5],
+    )
+    spec = BatchSpec(strategy=strategy, seq_len=8, batch_size=2, bucket_window=8)
+    with caplog.at_level("WARNING", logger="lmpipe.producer"):
+        ones = MaskedStream([long_plain, long_plain, short_masked], [None, [1] * 20, [0, 1, 1]])
+        list(batches(ones, spec, epochs=1))
+        assert not caplog.records, "a long document without a prompt and a short one with one are fine"
+        list(batches(stream, spec, epochs=2))
+    said = [r.getMessage() for r in caplog.records]
+    assert (
+        len(said) == 1 and "document 1002 has loss-masked tokens and 20 in all, over --seq-len 8" in said[0]
+    )
 
 
 # -- the wire ------------------------------------------------------------------------------------------
@@ -406,7 +462,11 @@ def check_run(log, summary, docs) -> None:
     out = json.loads(summary.read_text())
     assert out["stopped_by"] == "end of data" and out["rejected"] == 0 and out["stale"] == 0
     entries = doc_log_entries(log)
-    assert_exactly_once(doc_pieces(entries), {d: n for d, (n, _) in docs.items()})
+    pieces = doc_pieces(entries)
+    assert_exactly_once(pieces, {d: n for d, (n, _) in docs.items()})
+    # a prompt/completion that fits a row (64) is never cut: its completion is trained with the prompt in view
+    whole = {d: n for d, (n, mask) in docs.items() if n <= 64 and not mask.all()}
+    assert whole and all(pieces[d] == [(0, n)] for d, n in whole.items())
     expected = sum(
         int(docs[did][1][start + 1 : start + n].sum())
         for e in entries
@@ -522,3 +582,63 @@ def test_a_tokenizer_trained_on_a_finetuning_corpus_learns_its_prompts_too(tmp_p
     )
     tok = load_tokenizer(tmp_path / "t.json")
     assert len(tok.tokenizer.encode("quizzicality", add_special_tokens=False).ids) == 1
+
+
+@pytest.mark.slow
+def test_steps_without_a_trained_target_leave_the_model_alone(procs, tmp_path, port):
+    """A corpus whose every token is masked (say, prompts cut off from their completions by --seq-len):
+    AdamW would still move the weights on a zero gradient (momentum, weight decay), and the status line
+    read loss 0.0000 as if the model were perfect. Each such step is counted and changes nothing."""
+    data = tmp_path / "prompts-only.jsonl"
+    rng = random.Random(3)
+    lines = []
+    for _ in range(40):
+        ids = [rng.randint(1, 500) for _ in range(rng.randint(5, 60))]
+        lines.append(json.dumps({"ids": ids, "loss_mask": [0] * len(ids)}))
+    data.write_text("\n".join(lines) + "\n")
+    ck, summary = tmp_path / "ck", tmp_path / "summary.json"
+    p = procs.start(
+        "run", "--data", str(data), "--steps", "3", "--seq-len", "32", "--batch-size", "2", "--accum", "2",
+        "--producers", "1", "--port", str(port), "--metrics-port", "-1", "--log-every", "1",
+        "--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--keep-checkpoints", "5",
+        "--summary-json", str(summary), "--threads", "1", name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=120) == 0, procs.log(p)
+    text = procs.log(p)
+    assert "Traceback" not in text and "loss 0.0000" not in text, text
+    assert text.count("no trained target") == 1, "said once, then counted"
+    assert "3 steps without a trained target (no update)" in text
+    out = json.loads(summary.read_text())
+    assert out["steps"] == 3 and out["untrained_steps"] == 3 and out["targets"] == 0 and out["tokens"] > 0
+    assert out["losses"] == []
+    states = [torch.load(ck / f"step-{s:08d}" / "state.pt", weights_only=True) for s in (1, 3)]
+    assert states[0]["model"].keys() == states[1]["model"].keys()
+    for k, v in states[0]["model"].items():
+        assert torch.equal(v, states[1]["model"][k]), k
+    assert states[1]["optimizer"]["state"] == {}, "AdamW never stepped"
+
+
+def test_fine_tuning_tables_say_what_lmpipe_reads_of_them(procs, tmp_path, port, caplog):
+    """Parquet is how most fine-tuning sets ship. prompt/completion columns: one line saying masks come
+    from JSONL (the run cannot start). input_ids with labels (-100 on the prompt): the labels are not
+    read and every token is trained, which a user must be told rather than find out from the model."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sft = tmp_path / "sft.parquet"
+    pq.write_table(pa.table({"prompt": ["Q1?", "Q2?"], "completion": [" a", " b"]}), sft)
+    p = procs.start("run", "--data", str(sft), "--port", str(port), "--metrics-port", "-1", name="run")
+    assert p.wait(timeout=60) == 2
+    text = procs.log(p)
+    assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text
+    assert "prompt/completion records (loss masks) are read from JSONL only" in text
+
+    tok = tmp_path / "tok.parquet"
+    ids, labels = [[1, 2, 3, 4], [5, 6, 7]] * 3, [[-100, -100, 3, 4], [-100, 6, 7]] * 3
+    pq.write_table(pa.table({"input_ids": ids, "labels": labels}), tok)
+    with caplog.at_level("WARNING", logger="lmpipe.producer"):
+        for _ in range(2):  # every epoch reopens the file: said once
+            assert sum(r.bad is None for r in Corpus([str(tok)]).records()) == 6
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"{tok}: column 'labels' is not read: every token of 'input_ids' is trained "
+                    "(loss masks come from JSONL records with ids and loss_mask)"]  # fmt: skip

@@ -183,3 +183,50 @@ def test_the_document_block_mask_equals_flex_attentions_own_builder(seed):
         assert torch.equal(ref.to_dense(), got.to_dense()), seg
         assert torch.equal(ref.kv_num_blocks, got.kv_num_blocks)
         assert torch.equal(ref.full_kv_num_blocks, got.full_kv_num_blocks)
+
+
+def _masked_packed_batch(L: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 97, (2, L), generator=g)
+    cuts = torch.randint(1, L, (2, 5), generator=g)
+    seg = (torch.arange(L)[None, :, None] >= cuts[:, None, :]).sum(-1).to(torch.uint16)
+    lengths = torch.tensor([L, L - 7], dtype=torch.int32)
+    return tokens, lengths, seg, torch.randint(0, 2, (2, L), generator=g, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("L", [64, 200, 256])
+def test_flex_attention_equals_dense_at_any_row_width(L):
+    """Rows narrower than a 128-token block (seq_len 64) or not a multiple of it (200) take
+    create_block_mask's path, 256 document_block_mask's: the logits and the masked loss are the dense
+    path's either way (forward only: FlexAttention has no backward on CPU; the CUDA test below trains)."""
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", vocab_size=97, block_size=L)).eval()
+    tokens, lengths, seg, mask = _masked_packed_batch(L, L)
+    flex = build_inputs(tokens, lengths, seg, attention="flex", loss_mask=mask)
+    dense = build_inputs(tokens, lengths, seg, attention="dense", loss_mask=mask)
+    assert flex.attn.kind == "flex" and torch.equal(flex.targets, dense.targets)
+    with torch.no_grad():
+        got = model(flex.idx, flex.pos, flex.attn)[0], model(flex.idx, flex.pos, flex.attn, flex.targets)[1]
+        want = (
+            model(dense.idx, dense.pos, dense.attn)[0],
+            model(dense.idx, dense.pos, dense.attn, dense.targets)[1],
+        )
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("L", [64, 200, 256])
+def test_flex_attention_trains_like_dense_at_any_row_width(L):
+    """The same on the GPU with the backward pass: equal gradients, masked targets included."""
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", vocab_size=97, block_size=L)).cuda()
+    tokens, lengths, seg, mask = (t.cuda() for t in _masked_packed_batch(L, L))
+    grads = []
+    for attention in ("flex", "dense"):
+        inp = build_inputs(tokens, lengths, seg, attention=attention, loss_mask=mask)
+        model.zero_grad(set_to_none=True)
+        model(inp.idx, inp.pos, inp.attn, inp.targets)[1].backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lmpipe.producer.sources import Corpus
@@ -74,3 +76,24 @@ def test_builtin_corpus_is_deterministic_and_varied():
     assert builtin_corpus.document(0, 5) == builtin_corpus.document(0, 5)
     lengths = [len(builtin_corpus.document(0, i).split()) for i in range(500)]
     assert min(lengths) < 20 and max(lengths) > 500
+
+
+@pytest.mark.slow
+def test_a_json_line_nested_too_deeply_is_a_bad_record_not_a_crash(procs, tmp_path, port):
+    """{"a":{"a":... 50,000 deep (300 KB, under --max-line-bytes) overflowed json's recursion: the producer
+    died with a traceback and took the run with it."""
+    data = tmp_path / "deep.jsonl"
+    deep = '{"a":' * 50_000 + "1" + "}" * 50_000
+    good = [json.dumps({"text": f"document {i} " + "words " * 20}) for i in range(40)]
+    data.write_text("\n".join(good[:20] + [deep, "[" * 50_000] + good[20:]) + "\n")
+    summary = tmp_path / "summary.json"
+    p = procs.start(
+        "run", "--data", str(data), "--epochs", "1", "--steps", "0", "--seq-len", "32", "--batch-size", "2",
+        "--producers", "2", "--port", str(port), "--metrics-port", "-1", "--summary-json", str(summary),
+        "--threads", "1", name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=120) == 0, procs.log(p)
+    text = procs.log(p)
+    assert "Traceback" not in text
+    assert f"{data}:21: JSON nested too deeply to parse" in text and f"{data}:22: JSON nested" in text
+    assert json.loads(summary.read_text())["stopped_by"] == "end of data"
