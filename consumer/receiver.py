@@ -281,6 +281,8 @@ class Receiver(threading.Thread):
         except RuntimeError:  # the loop closed in between (the thread failed)
             return
         self.join(timeout=STOP_GRACE + 5)  # it waits up to STOP_GRACE for the producers' `bye`
+        if self.is_alive():
+            log.warning("the receive thread did not finish within %.0f s of the stop", STOP_GRACE + 5)
 
     # -- the thread ---------------------------------------------------------------------------------
 
@@ -362,7 +364,7 @@ class Receiver(threading.Thread):
         router.close(linger=500)  # let the stop messages out
         if auth is not None:
             auth.stop()
-        ctx.term()
+        ctx.destroy(linger=0)  # term, and close whatever socket a cancelled task may have left open
         ep.release()
 
     def _shutdown(self, reason: str) -> None:

@@ -96,6 +96,7 @@ class Producer:
         check_connect(cfg.host, cfg.trusted_network, cfg.curve_dir)
         self.endpoints = endpoints(cfg)  # creates and checks the runtime directory (ValueError if unsafe)
         self._stop = False
+        self._bye_due = False
         self.interrupted = False
         self._held = False  # the control connection dropped: send nothing until welcomed again
         self._refused_since: float | None = None
@@ -165,7 +166,11 @@ class Producer:
         # the monitor exists before the connection does, so not even the first handshake goes unseen
         monitor = ctrl.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
         ctrl.connect(ep.control)
-        data = open_socket(ctx, PRODUCER_DATA, self.cfg, ep)
+        # The data socket has a context of its own, terminated before the `bye` goes out: libzmq aborts
+        # (session_base.cpp, clean_pipes) when a socket closed mid-batch sees the trainer close the
+        # connection at the same moment, and the bye is what lets the trainer close.
+        data_ctx = zmq.Context()
+        data = open_socket(data_ctx, PRODUCER_DATA, self.cfg, ep)
         try:
             return self._loop(ctrl, data, monitor)
         except Refused as exc:
@@ -175,10 +180,14 @@ class Producer:
             log.error("cannot connect: %s", exc)
             return 2
         finally:
+            data.close(0)
+            data_ctx.term()  # returns once the data connection is torn down
+            if self._bye_due:  # the trainer waits for this before it closes its sockets
+                with contextlib.suppress(zmq.Again):
+                    ctrl.send(messages.pack(messages.Bye()), zmq.NOBLOCK)
             ctrl.disable_monitor()
             monitor.close(0)
-            ctrl.close(linger=1000)  # a `bye` just queued still goes out
-            data.close(0)
+            ctrl.close(linger=1000)  # the bye just queued still goes out
             ctx.term()
 
     def _loop(self, ctrl: zmq.Socket, data: zmq.Socket, monitor: zmq.Socket) -> int:
@@ -196,6 +205,7 @@ class Producer:
                 with contextlib.suppress(zmq.Again):  # no trainer connected yet
                     ctrl.send(self._hello(), zmq.NOBLOCK)
                 last_hello = now
+                watch.stalled(now)  # connected, never authenticated: say why instead of waiting
                 waiting = (not self.session or self._held) and self._refused_since is None
                 if waiting and now - waiting_logged > 10:
                     log.info("waiting for the trainer at %s (%.0f s)", self.endpoints.control, now - started)
@@ -228,7 +238,7 @@ class Producer:
                     last_hello = 0.0  # (re)connected: say hello now, not at the next tick
                 continue
             if ctrl in flags:
-                self._control(ctrl.recv(), ctrl)
+                self._control(ctrl.recv())
                 continue
             if self._pending is None or self._held:
                 continue
@@ -270,7 +280,7 @@ class Producer:
             log.info("lost the connection to the trainer; holding batches until it welcomes this producer")
         return event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
 
-    def _control(self, raw: bytes, ctrl: zmq.Socket) -> None:
+    def _control(self, raw: bytes) -> None:
         """Handle one control message from the trainer."""
         try:
             msg = messages.unpack(raw)
@@ -309,8 +319,7 @@ class Producer:
                 self._retry_logged = now
             return None
         if isinstance(msg, messages.Stop):
-            with contextlib.suppress(zmq.Again):  # the trainer waits for this before it closes its sockets
-                ctrl.send(messages.pack(messages.Bye()), zmq.NOBLOCK)
+            self._bye_due = True  # sent once the data socket is closed (run)
             log.info("trainer says stop: %s", msg.reason or "run finished")
             self.metrics.connected.set(0)
             self._stop = True

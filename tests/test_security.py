@@ -93,7 +93,10 @@ def test_curve_admits_only_authorized_producers(procs, tmp_path, port):
     )
     procs.wait_for(train, "listening on")
     # tcp without keys (as --trusted-network means) against a trainer that wants them
-    plain = procs.start("produce", *COMMON, "--port", str(port), "--trusted-network", name="plain")
+    # debug: its log names every handshake event, should it ever wait again (it did, once in ~60 runs)
+    plain = procs.start(
+        "produce", *COMMON, "--port", str(port), "--trusted-network", "--log-level", "debug", name="plain"
+    )
     other = procs.start("produce", *COMMON, *net, str(stranger), name="stranger")
     good = procs.start("produce", *COMMON, *net, str(keys), name="good")
     assert procs.wait(plain) == 2, procs.log(plain)
