@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+import torch._inductor.config
+
 from bench.common import table, write_result
 from bench.trainbench import (
     apply_smoke,
@@ -20,8 +23,8 @@ from bench.trainbench import (
     train_config,
 )
 
-# (name, pipeline overrides, trainer overrides)
-VARIANTS = [
+# (name, pipeline overrides, trainer overrides[, torch._inductor.config overrides])
+VARIANTS: list[tuple] = [
     ("all on", {}, {}),
     ("CUDA graphs (compile mode reduce-overhead)", {}, {"compile_mode": "reduce-overhead"}),
     (
@@ -30,6 +33,8 @@ VARIANTS = [
         {"compile_mode": "max-autotune-no-cudagraphs"},
     ),
     ("fp8 matmuls in the blocks (torchao float8)", {}, {"precision": "fp8"}),
+    # gpt-fast's and modded-nanogpt's setting: inductor tunes each generated kernel's launch parameters
+    ("coordinate-descent tuning (inductor)", {}, {}, {"coordinate_descent_tuning": True}),
     ("no copy stream (H2D on the compute stream)", {}, {"copy_stream": False}),
     ("no torch.compile", {}, {"compile": False}),
     ("no fused AdamW (foreach)", {}, {"fused_adamw": False}),
@@ -53,12 +58,13 @@ def main() -> None:
     tok, shards = bench_data(Path(args.work))
     rows = []
     base = None
-    for name, pover, tover in VARIANTS:
+    for name, pover, tover, *inductor in VARIANTS:
         if args.only and not any(w in name for w in args.only):
             continue
-        r = measure_pipeline(
-            pipeline_config(shards, tok, args, **pover), train_config(args, **tover), args.warmup
-        )
+        with torch._inductor.config.patch(**(inductor[0] if inductor else {})):
+            r = measure_pipeline(
+                pipeline_config(shards, tok, args, **pover), train_config(args, **tover), args.warmup
+            )
         base = base or r.tokens_per_second
         rows.append(
             [

@@ -31,7 +31,9 @@ STATUS = re.compile(r"^step (\d+)/\d+ \| loss [\d.]+ .*\| ([\d,]+) tok/s \| data
 SAFE_NCCL = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def run(n: int, accum: int, args, tok: str, shards: str, port: int, steps: int) -> dict:
+def run(
+    n: int, accum: int, args, tok: str, shards: str, port: int, steps: int, extra: list[str] = ()
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         summary = Path(tmp) / "summary.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
@@ -42,6 +44,7 @@ def run(n: int, accum: int, args, tok: str, shards: str, port: int, steps: int) 
                "--port", str(port), "--metrics-port", "-1", "--summary-json", str(summary)]  # fmt: skip
         if args.compile:
             cmd.append("--compile")
+        cmd += extra
         env = {**os.environ, **SAFE_NCCL, "TOKENIZERS_PARALLELISM": "true"}
         t0 = time.perf_counter()
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -72,6 +75,14 @@ def main() -> None:
     )
     p.add_argument("--loss-steps", type=int, default=200, help="steps of the loss comparison (0: skip it)")
     p.add_argument("--timeout", type=float, default=540)
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="also measure N > 1 with these trainer flags, e.g. 'bf16 all-reduce=--grad-reduce bf16' "
+        "(against the same N=1 run)",
+    )
     args = apply_smoke(p.parse_args())
     gpus = torch.cuda.device_count() or 2  # CPU (gloo): --smoke checks the script with 2 ranks
     ranks = [n for n in map(int, args.ranks.split(",")) if n <= gpus]
@@ -79,13 +90,16 @@ def main() -> None:
     port = 47300
     steps = args.warmup + args.steps
     rows, results = [], {}
-    for n in ranks if args.steps > 0 else []:  # --steps 0: the loss comparison alone
-        r = run(n, 1, args, tok, shards, port, steps)
-        results[n] = r
-        base = results[ranks[0]]["per_gpu"] * n
-        rows.append([n, r["tokens_per_second"], r["per_gpu"], r["tokens_per_second"] / base if base else 0.0,
-                     r["data_wait"], r["wall"]])  # fmt: skip
-        print(rows[-1], flush=True)
+    variants = [("", [])] + [(v.split("=", 1)[0], v.split("=", 1)[1].split()) for v in args.variant]
+    for name, extra in variants if args.steps > 0 else []:  # --steps 0: the loss comparison alone
+        for n in ranks if not name else [n for n in ranks if n > 1]:
+            r = run(n, 1, args, tok, shards, port, steps, extra)
+            results.setdefault(name, {})[n] = r
+            base = results[""][ranks[0]]["per_gpu"] * n
+            label = f"{n} ({name})" if name else n
+            rows.append([label, r["tokens_per_second"], r["per_gpu"],
+                         r["tokens_per_second"] / base if base else 0.0, r["data_wait"], r["wall"]])  # fmt: skip
+            print(rows[-1], flush=True)
     body = (
         f"{args.model}, T={args.seq_len}, {args.batch_size} rows per rank, {args.precision}, "
         f"compile={args.compile}, {args.producers} producers per rank from WikiText-2 shards, pack. "

@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                 *(["--data", *args.data] if args.data else [])]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMPIPE_")}
     env["LMPIPE_LOG_LEVEL"] = "WARNING"
+    # one core per producer (encode_batch on the calling thread), as in bench.scaling: a producer is the unit
+    # users add, and on a many-core host a multi-threaded tokenizer would let one producer take every core
+    producer_env = {**env, "TOKENIZERS_PARALLELISM": "false"}
     py = [sys.executable, "-m", "lmpipe"]
     trainer = subprocess.Popen(
         [*py, "train", *pipeline, "--producers", str(args.before), "--shards", str(args.shards), "--steps", "0",
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def produce() -> tuple[subprocess.Popen, int]:
         mport = free_port_pair()
-        p = subprocess.Popen([*py, "produce", *pipeline, "--metrics-port", str(mport)], env=env)
+        p = subprocess.Popen([*py, "produce", *pipeline, "--metrics-port", str(mport)], env=producer_env)
         producers.append((p, mport))
         return p, mport
 
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     corpus = " ".join(args.data) if args.data else f"built-in corpus ({args.builtin_docs:,} documents)"
     body = (
         f"{corpus}, pack, T={args.seq_len}, {args.batch_size} rows, model {args.model}, {args.shards} shards; "
-        f"one trainer, {args.before} producer(s), then {args.after - args.before} more started mid-run "
+        f"one core per producer (TOKENIZERS_PARALLELISM=false); one trainer, {args.before} producer(s), then {args.after - args.before} more started mid-run "
         f"(measured over {args.window:.0f} s windows, side by side in one run).\n\n"
         + table(["producers", "tokens/s", "steps/s", "data wait", "vs before"], rows)
         + "\n\nTime from a new producer's start (seconds):\n\n"

@@ -92,6 +92,11 @@ class TrainConfig:
     compile_mode: str = setting(
         "default", choices=COMPILE_MODES, help="torch.compile mode (reduce-overhead: CUDA graphs)"
     )
+    # Under torchrun, DDP all-reduces fp32 gradients; bf16 halves the bytes on the wire (torch's
+    # bf16_compress_hook: each bucket cast to bf16, averaged, cast back), at bf16's 8-bit mantissa in the sum.
+    grad_reduce: str = setting(
+        "fp32", choices=("fp32", "bf16"), help="dtype of DDP's gradient all-reduce under torchrun"
+    )
     copy_stream: bool = setting(
         True, help="copy batches to the GPU on their own CUDA stream (--no-copy-stream: ablation)"
     )

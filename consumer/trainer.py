@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lmpipe.consumer.checkpoint import NO_MODEL, CheckpointError, CheckpointManager, load, resolve_resume
@@ -154,6 +155,10 @@ class Trainer:
                 bucket_cap_mb=100,
                 gradient_as_bucket_view=True,
             )
+            if tcfg.grad_reduce == "bf16":
+                if self.device.type != "cuda":  # torch's hook needs NCCL
+                    raise ValueError("--grad-reduce bf16 needs CUDA GPUs (NCCL); on CPU leave it at fp32")
+                ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
             self.step_model, no_sync = ddp, ddp.no_sync
         if tcfg.compile and pcfg.strategy in ("bucket", "pad-batch") and pcfg.pad_multiple == 1:
             log.warning("--compile with --strategy %s: every row width is a new graph; "

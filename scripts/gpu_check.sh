@@ -17,7 +17,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || { echo "pip install -e . failed"; exit 1; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export LMPIPE_WIKITEXT=${LMPIPE_WIKITEXT:-$PWD/.benchdata}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-true}
 # NVLink multicast stays off on shared GPU hosts (it can take every GPU of the host out of service)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stage=${1:-all}

@@ -180,3 +180,12 @@ def test_a_checkpoint_holds_every_ranks_cursors(tmp_path, port, tok):
     assert rc == 0 and "resumed from" in text, text[-3000:]
     entries = [e for stem in ("a", "b") for p in rank_logs(tmp_path, stem) for e in doc_log_entries(p)]
     assert_exactly_once(doc_pieces(entries), builtin_lengths(tok, DOCS))
+
+
+def test_bf16_gradient_reduction_on_cpu_is_one_clear_error(tmp_path, port):
+    # torch's bf16 compression hook needs NCCL: on gloo it would fail inside DDP with a TypeError
+    rc, text = lmpipe(tmp_path, "bf16", "run", "--device", "cpu", "--grad-reduce", "bf16", "--steps", "2",
+                      "--port", str(port), "--metrics-port", "-1", nproc=2, timeout=120)  # fmt: skip
+    assert rc != 0
+    assert "--grad-reduce bf16 needs CUDA GPUs (NCCL)" in text
+    assert "TypeError" not in text, text[-3000:]
