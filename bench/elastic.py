@@ -39,6 +39,11 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
+def total(m: dict[str, float], name: str) -> float:
+    """`name` summed over its label sets (producer series carry a `worker` label)."""
+    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
+
+
 def try_scrape(port: int) -> dict[str, float] | None:
     try:
         return scrape(port)
@@ -136,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                 now = time.monotonic() - t0
                 if m is not None:
                     got.setdefault("metrics_up_s", now)
-                    if m.get("lmpipe_producer_shards_held", 0) > 0:
+                    if total(m, "lmpipe_producer_shards_held") > 0:
                         got.setdefault("shards_s", now)
-                    if m.get("lmpipe_producer_batches_sent_total", 0) > 0:
+                    if total(m, "lmpipe_producer_batches_sent_total") > 0:
                         got["first_batch_s"] = now
                 time.sleep(0.05)
             joined.append(got)
