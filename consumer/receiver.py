@@ -61,7 +61,7 @@ from lmpipe.shared.messages import ALIVE_SECONDS, HOLDER_SILENCE, STOP_GRACE
 from lmpipe.shared.metrics import TrainerMetrics
 from lmpipe.shared.security import start_zap
 from lmpipe.shared.sockets import TRAINER_CONTROL, TRAINER_DATA, endpoints, open_socket
-from lmpipe.shared.wire import WireError, decode
+from lmpipe.shared.wire import WIRE_VERSION, WireError, decode
 
 log = logging.getLogger("lmpipe.trainer")
 
@@ -704,6 +704,8 @@ class Receiver(threading.Thread):
     def _hello(self, identity: bytes, hello: messages.Hello, fd: int = -1) -> None:
         now = time.monotonic()
         where = _printable(f"{hello.host}:{hello.pid}", 80)
+        if hello.wire != WIRE_VERSION:  # its batches would all be rejected: say so now, not after the first
+            return self._refuse(identity, where, _version_skew(hello.wire), "wire_version")
         if identity in self._stopped:
             failed = [w for w in self.table.workers if w.failed]
             why = failed[0].failed if failed else "stopped"
@@ -842,6 +844,15 @@ class Receiver(threading.Thread):
         # once a minute per peer: a misconfigured producer exits, but a buggy or hostile one may not
         self._quiet(logging.ERROR, f"refuse {where}", "refused producer at %s: %s", where, _printable(reason))
         self._send(identity, messages.Refuse(reason, retry=False))
+
+
+def _version_skew(wire: int) -> str:
+    """The refusal of a producer of another wire version, naming both."""
+    theirs = f"wire version {wire}" if wire else "wire version 2 or older (its hello names none)"
+    return (
+        f"wire version mismatch: the producer speaks {theirs}, the trainer speaks wire version "
+        f"{WIRE_VERSION}; run the same lmpipe version on both sides"
+    )
 
 
 def _taken(moved: dict[int, tuple[Producer, str]], p: Producer) -> str:

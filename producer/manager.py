@@ -52,7 +52,7 @@ from lmpipe.shared.sockets import (
     open_socket,
 )
 from lmpipe.shared.tokenizer import load_tokenizer
-from lmpipe.shared.wire import WireError
+from lmpipe.shared.wire import WIRE_VERSION, WireError
 
 log = logging.getLogger("lmpipe.producer")
 
@@ -141,6 +141,7 @@ class Producer:
                 session=self.session,
                 rejoin=self._held,
                 holding=self.holdings.held() if self.session else [],
+                wire=WIRE_VERSION,
             )
         )
 

@@ -1,7 +1,8 @@
 """Control-channel messages (producer DEALER <-> trainer ROUTER), one place for every type.
 
-Each message is a single msgpack map with a `type`. Producers say `hello` when they start and repeat it
-every HELLO_EVERY seconds as a heartbeat, naming the shards they hold; the trainer answers `assign` (the
+Each message is a single msgpack map with a `type`. Producers say `hello` when they start (with their wire
+version: the trainer refuses another at once) and repeat it every HELLO_EVERY seconds as a heartbeat,
+naming the shards they hold; the trainer answers `assign` (the
 whole set of shards this producer holds now, possibly none: it stands by), one `welcome` per shard to
 start or restart (session, shard, cursor, next sequence number, lease), `refuse` (with a reason, and
 whether retrying can help) or `stop`, which a producer acknowledges with `bye`. A hello that names an old
@@ -45,6 +46,9 @@ class Hello:
     session: str = ""
     rejoin: bool = False  # lost the control connection: asks for a welcome even in the same session
     holding: list[int] = field(default_factory=list)  # shards held in `session`
+    # the producer's wire.WIRE_VERSION; 0: absent, a producer from before the hello carried it (version 2 or
+    # older). The trainer refuses any version but its own here, before a batch is built.
+    wire: int = 0
 
 
 @dataclass

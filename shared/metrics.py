@@ -50,7 +50,7 @@ REJECT_REASONS = (
 STALE_REASONS = ("old_session", "duplicate", "gap", "not_holder")
 # Why the trainer turned a producer's hello away. `busy` is the only one the producer retries (its worker
 # id is held by a live connection, or every id is taken); the others make it exit 2.
-REFUSAL_REASONS = ("bad_worker_id", "config_mismatch", "worker_stopped", "malformed", "busy")
+REFUSAL_REASONS = ("bad_worker_id", "config_mismatch", "wire_version", "worker_stopped", "malformed", "busy")
 HANDSHAKE_RESULTS = ("welcome", "refuse", "retry")
 CACHES = ("causal_mask",)
 GPU_MEMORY_KINDS = ("allocated", "reserved", "peak")

@@ -270,6 +270,7 @@ def test_handshake_refusals_are_counted_by_a_short_reason(procs, tmp_path):
     refusals = scrape(mport).by_label("lmpipe_trainer_handshake_refusals_total", "reason")
     assert refusals == {
         "config_mismatch": 1,
+        "wire_version": 0,
         "bad_worker_id": 0,
         "worker_stopped": 0,
         "malformed": 0,
