@@ -67,6 +67,13 @@ def json_array(c: Ctx) -> list[str]:
     return ["--data", str(c.tmp / "sft.json")]
 
 
+def hf_labels(c: Ctx) -> list[str]:
+    """Records tokenized the Hugging Face way: `labels` (-100 where untrained) beside the ids."""
+    records = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"ids": [8, 9], "labels": [-100, 9]}]
+    (c.tmp / "hf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return ["--data", str(c.tmp / "hf.jsonl")]
+
+
 def resume_state_without(key: str) -> Callable[[Ctx], list[str]]:
     def make(c: Ctx) -> list[str]:
         ck = c.tmp / "ck"
@@ -165,6 +172,11 @@ CASES = [
         "json-array-not-lines",
         lambda c: ["run", *json_array(c)],
         "sft.json:1: a JSON array, not JSON Lines: write one object per line",
+    ),
+    (
+        "jsonl-hf-labels",
+        lambda c: ["run", *hf_labels(c)],
+        'hf.jsonl:1: "labels" is not read: write {"ids": [...], "loss_mask": [...]}',
     ),
     (
         "empty-corpus-prepare",
