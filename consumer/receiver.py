@@ -580,7 +580,7 @@ class Receiver(threading.Thread):
             self._stopped.add(p.identity)
             self._send(
                 p.identity,
-                messages.Refuse(f"the trainer stopped shard {worker}: {reason}. {ADVICE}", retry=False),
+                messages.Refuse(f"the trainer stopped shard {worker}: {reason}. {ADVICE}"),
             )
             self._leave(p, f"stopped with shard {worker}")
 
@@ -686,7 +686,7 @@ class Receiver(threading.Thread):
             self._reject(exc.reason, exc.detail)
             self.metrics.refusals.labels("malformed").inc()
             # a producer of another version learns why instead of retrying forever
-            self._send(identity, messages.Refuse(f"malformed control message: {exc.detail}", retry=False))
+            self._send(identity, messages.Refuse(f"malformed control message: {exc.detail}"))
             return
         if self._stopping is not None and self._stopping.is_set():
             if isinstance(msg, messages.Bye):
@@ -843,7 +843,7 @@ class Receiver(threading.Thread):
         self.metrics.refuse(code)  # a REFUSAL_REASONS code; also counted as a rejected message (handshake)
         # once a minute per peer: a misconfigured producer exits, but a buggy or hostile one may not
         self._quiet(logging.ERROR, f"refuse {where}", "refused producer at %s: %s", where, _printable(reason))
-        self._send(identity, messages.Refuse(reason, retry=False))
+        self._send(identity, messages.Refuse(reason))
 
 
 def _version_skew(wire: int) -> str:

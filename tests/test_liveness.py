@@ -167,7 +167,7 @@ control_maps = st.fixed_dictionaries(
     {"type": st.sampled_from([*messages.TYPES, "bogus"])},
     optional={
         f: values
-        for f in [*HELLO_FIELDS, "cursor", "reason", "retry", "next_seq", "force", "shards", "total", "lease"]
+        for f in [*HELLO_FIELDS, "cursor", "reason", "next_seq", "force", "shards", "total", "lease"]
     },
 )
 

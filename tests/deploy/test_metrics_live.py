@@ -271,10 +271,8 @@ def test_handshake_refusals_are_counted_by_a_short_reason(procs, tmp_path):
     assert refusals == {
         "config_mismatch": 1,
         "wire_version": 0,
-        "bad_worker_id": 0,
         "worker_stopped": 0,
         "malformed": 0,
-        "busy": 0,
     }, refusals
     trainer.terminate()
     assert trainer.wait(timeout=60) == 0, procs.log(trainer)[-3000:]
