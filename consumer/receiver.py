@@ -241,6 +241,7 @@ class Receiver(threading.Thread):
         self._all_said_bye: asyncio.Event | None = None
         for w in range(len(table)):
             metrics.stream_resets.labels(str(w))
+        self._publish()  # every open shard is unserved until producers come (the ShardsUnserved alert)
 
     @property
     def error(self) -> BaseException | None:
