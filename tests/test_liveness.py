@@ -319,7 +319,10 @@ def test_a_producer_of_another_wire_version_is_refused_at_the_handshake(procs, t
     assert len(refused) == 1 and refused[0].endswith(f"trainer refused this producer: {want}"), procs.log(old)
     assert "Traceback" not in procs.log(old) and "retry" not in procs.log(old)
     procs.wait_for(train, want)
-    assert metric(mport, "lmpipe_trainer_handshake_refusals_total", reason="wire_version") == 1
+    # one per hello refused: a producer may have sent a second (at connect, and once connected) before it
+    # read the answer to its first
+    refusals = metric(mport, "lmpipe_trainer_handshake_refusals_total", reason="wire_version")
+    assert refusals >= 1
 
     # a hello without the field: a producer from before the hello carried it
     ctx = zmq.Context()
@@ -337,7 +340,7 @@ def test_a_producer_of_another_wire_version_is_refused_at_the_handshake(procs, t
     assert isinstance(answer, messages.Refuse), answer
     assert answer.reason.startswith("wire version mismatch: the producer speaks wire version 2 or older (its "
                                     f"hello names none), the trainer speaks wire version {WIRE_VERSION}")  # fmt: skip
-    assert metric(mport, "lmpipe_trainer_handshake_refusals_total", reason="wire_version") == 2
+    assert metric(mport, "lmpipe_trainer_handshake_refusals_total", reason="wire_version") > refusals
     assert metric(mport, "lmpipe_trainer_handshake_refusals_total", reason="config_mismatch") == 0
     assert metric(mport, "lmpipe_trainer_batches_rejected_total", reason="bad_version") == 0, "no batch came"
     assert train.poll() is None, "a refused producer does not take the trainer down"
