@@ -61,7 +61,7 @@ from lmpipe.shared.messages import ALIVE_SECONDS, HOLDER_SILENCE, STOP_GRACE
 from lmpipe.shared.metrics import TrainerMetrics
 from lmpipe.shared.security import start_zap
 from lmpipe.shared.sockets import TRAINER_CONTROL, TRAINER_DATA, endpoints, open_socket
-from lmpipe.shared.wire import WireError, decode
+from lmpipe.shared.wire import WIRE_VERSION, WireError, decode
 
 log = logging.getLogger("lmpipe.trainer")
 
@@ -241,6 +241,7 @@ class Receiver(threading.Thread):
         self._all_said_bye: asyncio.Event | None = None
         for w in range(len(table)):
             metrics.stream_resets.labels(str(w))
+        self._publish()  # every open shard is unserved until producers come (the ShardsUnserved alert)
 
     @property
     def error(self) -> BaseException | None:
@@ -580,7 +581,7 @@ class Receiver(threading.Thread):
             self._stopped.add(p.identity)
             self._send(
                 p.identity,
-                messages.Refuse(f"the trainer stopped shard {worker}: {reason}. {ADVICE}", retry=False),
+                messages.Refuse(f"the trainer stopped shard {worker}: {reason}. {ADVICE}"),
             )
             self._leave(p, f"stopped with shard {worker}")
 
@@ -686,7 +687,7 @@ class Receiver(threading.Thread):
             self._reject(exc.reason, exc.detail)
             self.metrics.refusals.labels("malformed").inc()
             # a producer of another version learns why instead of retrying forever
-            self._send(identity, messages.Refuse(f"malformed control message: {exc.detail}", retry=False))
+            self._send(identity, messages.Refuse(f"malformed control message: {exc.detail}"))
             return
         if self._stopping is not None and self._stopping.is_set():
             if isinstance(msg, messages.Bye):
@@ -704,6 +705,8 @@ class Receiver(threading.Thread):
     def _hello(self, identity: bytes, hello: messages.Hello, fd: int = -1) -> None:
         now = time.monotonic()
         where = _printable(f"{hello.host}:{hello.pid}", 80)
+        if hello.wire != WIRE_VERSION:  # its batches would all be rejected: say so now, not after the first
+            return self._refuse(identity, where, _version_skew(hello.wire), "wire_version")
         if identity in self._stopped:
             failed = [w for w in self.table.workers if w.failed]
             why = failed[0].failed if failed else "stopped"
@@ -841,7 +844,16 @@ class Receiver(threading.Thread):
         self.metrics.refuse(code)  # a REFUSAL_REASONS code; also counted as a rejected message (handshake)
         # once a minute per peer: a misconfigured producer exits, but a buggy or hostile one may not
         self._quiet(logging.ERROR, f"refuse {where}", "refused producer at %s: %s", where, _printable(reason))
-        self._send(identity, messages.Refuse(reason, retry=False))
+        self._send(identity, messages.Refuse(reason))
+
+
+def _version_skew(wire: int) -> str:
+    """The refusal of a producer of another wire version, naming both."""
+    theirs = f"wire version {wire}" if wire else "wire version 2 or older (its hello names none)"
+    return (
+        f"wire version mismatch: the producer speaks {theirs}, the trainer speaks wire version "
+        f"{WIRE_VERSION}; run the same lmpipe version on both sides"
+    )
 
 
 def _taken(moved: dict[int, tuple[Producer, str]], p: Producer) -> str:

@@ -13,8 +13,8 @@ keeps them and builds their batches round robin. The loop polls both sockets, so
 `stop` is seen even while a batch waits to be sent. The hello is repeated every second, names the shards
 held and doubles as a heartbeat. When the control connection drops (the trainer died), the producer holds
 its batches until a trainer welcomes it again, instead of streaming into a session that is gone; the
-hello goes out as soon as the connection is back. A producer the trainer keeps refusing with "retry"
-gives up after GIVE_UP_SECONDS and exits 2.
+hello goes out as soon as the connection is back. A producer the trainer refuses (another wire version,
+another config, a stopped shard) exits 2 with the reason at once: a refusal is never retried.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
 from lmpipe.shared.batch import Batch, Cursor, token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
-from lmpipe.shared.messages import GIVE_UP_SECONDS, HELLO_EVERY
+from lmpipe.shared.messages import HELLO_EVERY
 from lmpipe.shared.metrics import ProducerMetrics, serve, short_hash
 from lmpipe.shared.security import check_connect
 from lmpipe.shared.sockets import (
@@ -52,7 +52,7 @@ from lmpipe.shared.sockets import (
     open_socket,
 )
 from lmpipe.shared.tokenizer import load_tokenizer
-from lmpipe.shared.wire import WireError
+from lmpipe.shared.wire import WIRE_VERSION, WireError
 
 log = logging.getLogger("lmpipe.producer")
 
@@ -99,8 +99,6 @@ class Producer:
         self._bye_due = False
         self.interrupted = False
         self._held = False  # the control connection dropped: send nothing until welcomed again
-        self._refused_since: float | None = None
-        self._retry_logged = 0.0
         self._parent = os.getppid()
         self.metrics.info.info(
             {
@@ -141,6 +139,7 @@ class Producer:
                 session=self.session,
                 rejoin=self._held,
                 holding=self.holdings.held() if self.session else [],
+                wire=WIRE_VERSION,
             )
         )
 
@@ -206,7 +205,7 @@ class Producer:
                     ctrl.send(self._hello(), zmq.NOBLOCK)
                 last_hello = now
                 watch.stalled(now)  # connected, never authenticated: say why instead of waiting
-                waiting = (not self.session or self._held) and self._refused_since is None
+                waiting = not self.session or self._held
                 if waiting and now - waiting_logged > 10:
                     log.info("waiting for the trainer at %s (%.0f s)", self.endpoints.control, now - started)
                     waiting_logged = now
@@ -288,7 +287,6 @@ class Producer:
             log.warning("ignoring malformed control message: %s", exc)
             return None
         if isinstance(msg, (messages.Assign, messages.Welcome)):
-            self._refused_since = None
             held, self._held = self._held, False
             if msg.session != self.session:  # joined, or the trainer restarted: nothing carries over
                 how = "joined" if not self.session else "trainer restarted; rejoined"
@@ -305,19 +303,8 @@ class Producer:
         if isinstance(msg, messages.Welcome):
             return self._welcomed(msg)
         if isinstance(msg, messages.Refuse):
-            self.metrics.handshakes.labels("retry" if msg.retry else "refuse").inc()
-            if not msg.retry:
-                raise Refused(msg.reason)
-            now = time.monotonic()
-            if self._refused_since is None:
-                self._refused_since = now
-            waited = now - self._refused_since
-            if waited > GIVE_UP_SECONDS:
-                raise Refused(f"{msg.reason} (still refused after {waited:.0f} s; giving up)")
-            if now - self._retry_logged >= 5:
-                log.info("trainer asks to retry: %s (gives up after %.0f s)", msg.reason, GIVE_UP_SECONDS)
-                self._retry_logged = now
-            return None
+            self.metrics.handshakes.labels("refuse").inc()
+            raise Refused(msg.reason)
         if isinstance(msg, messages.Stop):
             self._bye_due = True  # sent once the data socket is closed (run)
             log.info("trainer says stop: %s", msg.reason or "run finished")

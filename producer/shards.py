@@ -38,6 +38,8 @@ from lmpipe.shared.files import sha256_file
 
 FORMAT_VERSION = 2  # 2: shards may hold mask-k.bin; a set without masks is still written as version 1
 META = "meta.json"
+REMAKE = "restore it or run `lmpipe prepare` again"  # what a damaged meta.json's message ends with
+_FILE_KEYS = ("tokens", "index", "rids")  # every shard's files; "mask" too in a shard with a masked document
 
 
 class ShardError(ValueError):
@@ -159,11 +161,11 @@ class ShardSet:
         self.path = Path(path)
         meta_file = self.path / META
         try:
-            self.meta = json.loads(meta_file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            text = meta_file.read_bytes()
+        except OSError as exc:
             raise ShardError(f"{meta_file}: unreadable ({exc})") from None
+        self.meta, dtype = _load_meta(text, meta_file)
         m = self.meta
-        dtype = _check_meta(m, meta_file)
         self.tokens: list[np.ndarray] = []  # memmaps, or an empty array for an empty shard
         self.masks: list[np.ndarray | None] = []  # per shard: uint8 memmap, or None (every token trained)
         offsets, rids = [], []
@@ -246,12 +248,81 @@ def _sizes(sh: dict[str, Any], dtype: np.dtype) -> dict[str, int]:
     }
 
 
-def _check_meta(m: dict[str, Any], meta_file: Path | str) -> np.dtype:
+def _load_meta(text: str | bytes, meta_file: Path | str) -> tuple[dict[str, Any], np.dtype]:
+    """meta.json parsed and checked, and its token dtype; anything else is one ShardError naming the file."""
+    try:
+        m = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # not JSON (truncated, hand-edited), not UTF-8, too deep
+        raise ShardError(f"{meta_file}: unreadable ({exc}); {REMAKE}") from None
+    return m, _check_meta(m, meta_file)
+
+
+def _json_kind(v: Any) -> str:
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(v), "a number")
+
+
+def _shown(m: dict[str, Any], key: str) -> str:
+    """A field's value for a message: "missing", or its JSON kind and a short repr."""
+    if key not in m:
+        return "missing"
+    text = repr(m[key])
+    return text if len(text) <= 40 else f"{_json_kind(m[key])} ({text[:30]}...)"
+
+
+def _count(v: Any) -> bool:
+    return type(v) is int and v >= 0  # type(): no bools
+
+
+def _check_meta(m: Any, meta_file: Path | str) -> np.dtype:
+    """Every field the readers use has its type and a possible value, before any is used: a hand-edited
+    meta.json is a ShardError naming the file and the field, never a KeyError or TypeError later."""
+
+    def bad(what: str) -> ShardError:
+        return ShardError(f"{meta_file}: {what}; {REMAKE}")
+
+    if not isinstance(m, dict):
+        raise bad(f"{_json_kind(m)}, not a JSON object")
     version = m.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if type(version) is not int or version < 1:
+        raise bad(f"format_version is {_shown(m, 'format_version')}, not a version number")
+    if version > FORMAT_VERSION:
         raise ShardError(f"{meta_file}: format_version {version!r}; this lmpipe reads up to {FORMAT_VERSION}")
     if m.get("dtype") not in ("uint16", "int32"):
-        raise ShardError(f"{meta_file}: dtype {m.get('dtype')!r} is not uint16 or int32")
+        raise bad(f"dtype is {_shown(m, 'dtype')}, not uint16 or int32")
+    for key in ("vocab_size", "documents", "tokens"):
+        if not _count(m.get(key)):
+            raise bad(f"{key} is {_shown(m, key)}, not a count")
+    if m["vocab_size"] == 0:
+        raise bad("vocab_size is 0")
+    for key in ("tokenizer_hash", "created"):
+        if not isinstance(m.get(key), str):
+            raise bad(f"{key} is {_shown(m, key)}, not a string")
+    shards = m.get("shards")
+    if not isinstance(shards, list):
+        raise bad(f"shards is {_shown(m, 'shards')}, not a list of shards")
+    if not shards:
+        raise bad("shards is empty")
+    for k, sh in enumerate(shards):
+        if not isinstance(sh, dict):
+            raise bad(f"shards[{k}] is {_json_kind(sh)}, not an object")
+        for key in ("documents", "tokens"):
+            if not _count(sh.get(key)):
+                raise bad(f"shards[{k}].{key} is {_shown(sh, key)}, not a count")
+        files = sh.get("files")
+        if not isinstance(files, dict) or not set(_FILE_KEYS) <= files.keys():
+            raise bad(f"shards[{k}].files does not name its {'/'.join(_FILE_KEYS)} files")
+        for n, f in files.items():
+            name = f.get("name") if isinstance(f, dict) else None
+            # a plain name in this directory: a hand-edited path must not reach files elsewhere
+            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+                raise bad(f"shards[{k}].files.{n}.name is {name!r}, not a file name in this directory")
+            if not isinstance(f.get("sha256"), str):
+                raise bad(f"shards[{k}].files.{n}.sha256 is {f.get('sha256')!r}, not a checksum")
+    for key in ("documents", "tokens"):
+        total = sum(sh[key] for sh in shards)
+        if total != m[key]:
+            raise bad(f"{key} is {m[key]}, but its shards hold {total}")
     return np.dtype(m["dtype"]).newbyteorder("<")
 
 
@@ -282,11 +353,8 @@ class _RemoteShards:
         self.shards, self.r = shards, remote
         base = str(shards.path)
         meta_url = f"{base}/{META}"
-        try:
-            shards.meta = m = json.loads(remote.read_all(meta_url))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ShardError(f"{meta_url}: unreadable ({exc})") from None
-        self.dtype = _check_meta(m, meta_url)
+        shards.meta, self.dtype = _load_meta(remote.read_all(meta_url), meta_url)
+        m = shards.meta
         self.vocab_size = int(m["vocab_size"])
         sizes = {u.rsplit("/", 1)[-1]: size for u, size, _ in remote.ls(base)}
         self.token_urls: list[str] = []

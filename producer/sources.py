@@ -15,6 +15,8 @@ JSONL: one object per line with a `text` string, or pre-tokenized `ids` (a list 
 train on only some tokens (fine-tuning), a `prompt` and a `completion` string (the loss is taken on the
 completion and the end-of-text token after it) or `ids` with a `loss_mask` of 0/1 per id (1: the model is
 trained to predict that token). A record with a mask is a document like any other; see Record.loss_mask.
+A record with Hugging Face's per-token `labels` and no text is a bad record (`bad_mask`) that names those two
+forms, as a table's `labels` column is warned about (formats.py): never its ids trained in full unsaid.
 Compressed text/JSONL, Parquet, Arrow and Hugging Face `save_to_disk` folders: see formats.py; any of
 them, and shards, can be a URL (s3://bucket/prefix, any fsspec URL): see remote.py.
 """
@@ -129,6 +131,12 @@ def _text_records(
         yield flush()
 
 
+LABELS_HINT = (
+    '"labels" is not read: write {"ids": [...], "loss_mask": [...]} (loss_mask 0 where labels is -100, '
+    'else 1) or {"prompt": "...", "completion": "..."}'
+)
+
+
 def _jsonl_records(
     path: Path | DataFile, first_rid: int, max_line_bytes: int, vocab_size: int | None
 ) -> Iterator[Record]:
@@ -169,6 +177,8 @@ def _jsonl_records(
                 rec.text = obj["text"]
                 if not rec.text.strip():
                     rec.bad = ("empty", "empty text")
+            elif "labels" in obj:  # Hugging Face's targets: training every id instead would be silent harm
+                rec.bad = ("bad_mask", LABELS_HINT)
             elif isinstance(obj.get("ids"), list):
                 ids = obj["ids"]
                 limit = vocab_size or (1 << 31)

@@ -1,10 +1,11 @@
 """Control-channel messages (producer DEALER <-> trainer ROUTER), one place for every type.
 
-Each message is a single msgpack map with a `type`. Producers say `hello` when they start and repeat it
-every HELLO_EVERY seconds as a heartbeat, naming the shards they hold; the trainer answers `assign` (the
+Each message is a single msgpack map with a `type`. Producers say `hello` when they start (with their wire
+version: the trainer refuses another at once) and repeat it every HELLO_EVERY seconds as a heartbeat,
+naming the shards they hold; the trainer answers `assign` (the
 whole set of shards this producer holds now, possibly none: it stands by), one `welcome` per shard to
-start or restart (session, shard, cursor, next sequence number, lease), `refuse` (with a reason, and
-whether retrying can help) or `stop`, which a producer acknowledges with `bye`. A hello that names an old
+start or restart (session, shard, cursor, next sequence number, lease), `refuse` (with the reason; the
+producer exits, as nothing it could retry would be answered otherwise) or `stop`, which a producer acknowledges with `bye`. A hello that names an old
 session is answered like a new producer's: that is how a restarted trainer sends producers back to its
 checkpointed cursors. A hello whose shards differ from the trainer's assignment is answered with what
 differs, so a lost message heals at the next heartbeat; both answers are idempotent. `unpack` checks
@@ -28,9 +29,6 @@ ALIVE_SECONDS = 5.0  # a producer not heard from for this long no longer counts 
 # A worker id stays with its holder until its control connection closes, which ZMTP heartbeats force
 # 30-32 s after a peer falls silent (shared/sockets.py); a holder silent this long loses it in any case.
 HOLDER_SILENCE = 40.0
-# A producer refused with retry=True (its id is held, all ids are taken) retries this long, then exits:
-# long enough for a dead predecessor's id to be freed (HOLDER_SILENCE), short enough not to hang.
-GIVE_UP_SECONDS = HOLDER_SILENCE + ALIVE_SECONDS
 # How long a stopping trainer waits for every live producer's `bye`; a hello that arrives meanwhile is
 # answered with `stop` again. Longer than TCP's retransmission back-off after a short partition.
 STOP_GRACE = 20.0
@@ -45,6 +43,9 @@ class Hello:
     session: str = ""
     rejoin: bool = False  # lost the control connection: asks for a welcome even in the same session
     holding: list[int] = field(default_factory=list)  # shards held in `session`
+    # the producer's wire.WIRE_VERSION; 0: absent, a producer from before the hello carried it (version 2 or
+    # older). The trainer refuses any version but its own here, before a batch is built.
+    wire: int = 0
 
 
 @dataclass
@@ -75,7 +76,6 @@ class Welcome:
 @dataclass
 class Refuse:
     reason: str
-    retry: bool = False
 
 
 @dataclass

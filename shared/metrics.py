@@ -48,10 +48,10 @@ REJECT_REASONS = (
     "bad_frames", "oversized", "bad_batch", "bad_worker", "bad_control", "handshake",
 )  # fmt: skip
 STALE_REASONS = ("old_session", "duplicate", "gap", "not_holder")
-# Why the trainer turned a producer's hello away. `busy` is the only one the producer retries (its worker
-# id is held by a live connection, or every id is taken); the others make it exit 2.
-REFUSAL_REASONS = ("bad_worker_id", "config_mismatch", "worker_stopped", "malformed", "busy")
-HANDSHAKE_RESULTS = ("welcome", "refuse", "retry")
+# Why the trainer turned a producer's hello away; each makes the producer exit 2 (nothing is retried). Since
+# the trainer assigns shards, no worker id can be taken or held: `bad_worker_id` and `busy` are gone.
+REFUSAL_REASONS = ("config_mismatch", "wire_version", "worker_stopped", "malformed")
+HANDSHAKE_RESULTS = ("welcome", "refuse")
 CACHES = ("causal_mask",)
 GPU_MEMORY_KINDS = ("allocated", "reserved", "peak")
 UNASSIGNED = "unassigned"  # the producer's `worker` label before the trainer gave it an id (--worker -1)
@@ -152,7 +152,7 @@ class ProducerMetrics:
         )
         self._handshakes = Counter(
             "lmpipe_producer_handshakes",
-            "Answers to this producer's hello: welcome, refuse (it exits) or retry (its id is busy)",
+            "Answers to this producer's hello: welcome, or refuse (it exits)",
             [*w, "result"],
             registry=r,
         )
@@ -374,7 +374,7 @@ class TrainerMetrics:
         )
         self.refusals = Counter(
             "lmpipe_trainer_handshake_refusals",
-            "Hellos turned away, by reason (busy: retried by the producer; the others make it exit)",
+            "Hellos turned away, by reason (each makes the producer exit)",
             ["reason"],
             registry=r,
         )
@@ -405,13 +405,12 @@ class TrainerMetrics:
         self.rejected_count += 1
 
     def refuse(self, reason: str) -> None:
-        """A hello turned away; `reason` is one of REFUSAL_REASONS. Refusals that make a producer exit also
-        count among rejected messages (reason `handshake`), but the summary tells them apart from malformed
-        ones: a producer with other settings sent nothing broken."""
+        """A hello turned away; `reason` is one of REFUSAL_REASONS. It also counts among rejected messages
+        (reason `handshake`), but the summary tells refusals apart from malformed messages: a producer with
+        other settings sent nothing broken."""
         self.refusals.labels(reason).inc()
-        if reason != "busy":
-            self.rejected.labels("handshake").inc()
-            self.refused_count += 1
+        self.rejected.labels("handshake").inc()
+        self.refused_count += 1
 
     def checkpointed(self, step: int, unix_time: float) -> None:
         self.checkpoint_step.set(step)

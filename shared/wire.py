@@ -18,7 +18,9 @@ import numpy as np
 
 # 2: batches may carry `loss_mask` (uint8 [B, L], 1 where a token is trained as a target); a version-1
 # trainer would train on masked tokens, so it must refuse them rather than ignore the array.
-WIRE_VERSION = 2
+# 3: the producer's hello names its version (messages.Hello.wire) and the trainer refuses any other at the
+# handshake, before a batch is sent; a hello without it comes from version 2 or older.
+WIRE_VERSION = 3
 
 # name -> little-endian numpy dtype. Anything else is refused before it is read.
 DTYPES: dict[str, np.dtype] = {

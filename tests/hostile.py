@@ -29,6 +29,7 @@ import zmq
 
 from lmpipe.shared import messages
 from lmpipe.shared.batch import Batch, Cursor, end_frames
+from lmpipe.shared.wire import WIRE_VERSION
 
 
 class Hostile:
@@ -139,6 +140,7 @@ class Hostile:
                 pid=os.getpid(),
                 host="attacker",
                 session=self.session,
+                wire=WIRE_VERSION,
             )  # fmt: skip
         )
         answers: list[str] = []

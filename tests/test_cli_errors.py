@@ -31,6 +31,7 @@ class Ctx:
     tmp: Path
     port: int
     checkpoint: Path
+    shards: Path  # a good prepared shard set (lmpipe prepare), to copy and damage
     env: dict[str, str] = field(default_factory=dict)
     hold: list[Any] = field(default_factory=list)
 
@@ -65,6 +66,31 @@ def json_array(c: Ctx) -> list[str]:
     records = [{"prompt": f"Q{i}?", "completion": f" A{i}"} for i in range(3)]
     (c.tmp / "sft.json").write_text(json.dumps(records, indent=2))
     return ["--data", str(c.tmp / "sft.json")]
+
+
+def hf_labels(c: Ctx) -> list[str]:
+    """Records tokenized the Hugging Face way: `labels` (-100 where untrained) beside the ids."""
+    records = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"ids": [8, 9], "labels": [-100, 9]}]
+    (c.tmp / "hf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return ["--data", str(c.tmp / "hf.jsonl")]
+
+
+def shards_with_meta(change: Callable[[dict], Any] | bytes) -> Callable[[Ctx], list[str]]:
+    """The prepared shards, their meta.json hand-edited: `change` returns the new JSON value (or edits the
+    map in place and returns None), or is the file's new bytes."""
+
+    def make(c: Ctx) -> list[str]:
+        d = c.tmp / "shards"
+        shutil.copytree(c.shards, d)
+        if isinstance(change, bytes):
+            (d / "meta.json").write_bytes(change)
+        else:
+            meta = json.loads((d / "meta.json").read_text())
+            new = change(meta)
+            (d / "meta.json").write_text(json.dumps(meta if new is None else new))
+        return ["run", "--data", str(d)]
+
+    return make
 
 
 def resume_state_without(key: str) -> Callable[[Ctx], list[str]]:
@@ -167,6 +193,38 @@ CASES = [
         "sft.json:1: a JSON array, not JSON Lines: write one object per line",
     ),
     (
+        "jsonl-hf-labels",
+        lambda c: ["run", *hf_labels(c)],
+        'hf.jsonl:1: "labels" is not read: write {"ids": [...], "loss_mask": [...]}',
+    ),
+    # a hand-edited or damaged shard meta.json: tracebacks before (AttributeError, KeyError, TypeError)
+    ("meta-array", shards_with_meta(lambda m: [m]), "shards/meta.json: an array, not a JSON object; restore"),
+    ("meta-number", shards_with_meta(lambda m: 5), "shards/meta.json: a number, not a JSON object"),
+    ("meta-truncated", shards_with_meta(b'{"format_version": 1, "dty'), "shards/meta.json: unreadable ("),
+    ("meta-not-utf8", shards_with_meta(b'{"dtype": "\xff"}'), "shards/meta.json: unreadable ("),
+    ("meta-no-shards", shards_with_meta(lambda m: m.pop("shards") and None), "shards is missing, not a list"),
+    ("meta-shard-not-object", shards_with_meta(lambda m: m.update(shards=[3])), "shards[0] is a number"),
+    (
+        "meta-shard-count-string",
+        shards_with_meta(lambda m: m["shards"][0].update(tokens="many")),
+        "shards[0].tokens is 'many', not a count",
+    ),
+    (
+        "meta-file-outside-the-directory",
+        shards_with_meta(lambda m: m["shards"][0]["files"]["tokens"].update(name="../../etc/passwd")),
+        "shards[0].files.tokens.name is '../../etc/passwd', not a file name in this directory",
+    ),
+    (
+        "meta-counts-disagree",
+        shards_with_meta(lambda m: m.update(tokens=m["tokens"] + 1)),
+        "but its shards hold",
+    ),
+    (
+        "meta-vocab-bool",
+        shards_with_meta(lambda m: m.update(vocab_size=True)),
+        "vocab_size is True, not a count",
+    ),
+    (
         "empty-corpus-prepare",
         lambda c: ["prepare", *empty_corpus(c), "--out", str(c.tmp / "s")],
         "no documents in",
@@ -208,9 +266,23 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """A real shard set of a small corpus, prepared by the real command."""
+    from lmpipe.producer import builtin_corpus
+
+    d = tmp_path_factory.mktemp("shards")
+    (d / "c.txt").write_text("\n\n".join(builtin_corpus.document(3, i) for i in range(40)) + "\n")
+    out = subprocess.run([sys.executable, "-m", "lmpipe", "prepare", "--data", str(d / "c.txt"), "--out",
+                          str(d / "shards")], env=lmpipe_env(), cwd=REPO, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return d / "shards"
+
+
 @pytest.mark.parametrize("name,argv,expect", CASES)
-def test_usage_mistake_is_one_line_and_status_2(tmp_path, port, checkpoint, name, argv, expect):
-    c = Ctx(tmp_path, port, checkpoint)
+def test_usage_mistake_is_one_line_and_status_2(tmp_path, port, checkpoint, shards, name, argv, expect):
+    c = Ctx(tmp_path, port, checkpoint, shards)
     args = argv(c) if callable(argv) else argv
     if args[0] in ("run", "train", "produce") and "--port" not in args:
         args += ["--port", str(port)]  # never a port another test is using

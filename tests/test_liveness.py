@@ -162,12 +162,12 @@ values = st.recursive(
     ),
     max_leaves=12,
 )
-HELLO_FIELDS = ["worker", "fingerprint", "pid", "host", "session", "rejoin", "holding"]
+HELLO_FIELDS = ["worker", "fingerprint", "pid", "host", "session", "rejoin", "holding", "wire"]
 control_maps = st.fixed_dictionaries(
     {"type": st.sampled_from([*messages.TYPES, "bogus"])},
     optional={
         f: values
-        for f in [*HELLO_FIELDS, "cursor", "reason", "retry", "next_seq", "force", "shards", "total", "lease"]
+        for f in [*HELLO_FIELDS, "cursor", "reason", "next_seq", "force", "shards", "total", "lease"]
     },
 )
 
@@ -257,9 +257,10 @@ def test_a_junk_corpus_ends_with_a_clear_message_and_a_nonzero_exit(procs, tmp_p
 
 @pytest.mark.slow
 def test_a_batch_rejected_every_time_stops_its_producer_then_the_run(procs, tmp_path, port, tok):
-    """Producer 1 speaks a newer wire version (a version skew): its batches are rejected whatever the
+    """Producer 1 has a bug: its batches' pad counts are one too many, so they are rejected whatever the
     cursor. It is stopped with the reason on both sides and its shard with it; producer 0 trains the other
-    shard to the end; then no producer can make progress and the trainer exits 2 saying what to change."""
+    shard to the end; then no producer can make progress and the trainer exits 2 saying what to change.
+    (A wire version skew no longer gets this far: the handshake refuses it, see the next test.)"""
     common = ["--port", str(port), "--producers", "2", "--builtin-docs", "60", "--epochs", "1",
               "--seq-len", "64", "--batch-size", "4", "--metrics-port", "-1"]  # fmt: skip
     log = tmp_path / "docs.jsonl"
@@ -277,14 +278,15 @@ def test_a_batch_rejected_every_time_stops_its_producer_then_the_run(procs, tmp_
         name="trainer",
     )
     p0 = procs.start("produce", *common, "--worker", "0", name="producer0")
-    newer = "import sys, lmpipe.shared.wire as w; w.WIRE_VERSION += 1; from lmpipe.cli import main; sys.exit(main())"
-    p1 = start_python(procs, newer, "produce", *common, "--worker", "1", name="producer1")
+    buggy = ("import sys, lmpipe.shared.batch as b; b.Batch.pad_tokens = property(lambda s: s.rows * s.width - s.real_tokens + 1); "
+             "from lmpipe.cli import main; sys.exit(main())")  # fmt: skip
+    p1 = start_python(procs, buggy, "produce", *common, "--worker", "1", name="producer1")
     assert p1.wait(timeout=60) == 2, procs.log(p1)
     assert "its batch seq 1 is rejected every time it is sent" in procs.log(p1)
     failed = int(re.search(r"the trainer stopped shard (\d+)", procs.log(p1)).group(1))
     assert train.wait(timeout=90) == 2, procs.log(train)
     text = procs.log(train)
-    assert f"no producer can make progress: shard {failed}:" in text and "bad_version" in text
+    assert f"no producer can make progress: shard {failed}:" in text and "token counts do not add up" in text
     assert "same lmpipe version" in text and "Traceback" not in text
     assert text.count("asking it to resend") <= 3, "one resend, not a storm"
     assert p0.wait(timeout=10) == 0
@@ -296,6 +298,57 @@ def test_a_batch_rejected_every_time_stops_its_producer_then_the_run(procs, tmp_
     )
     # the stopped shard's documents: whatever producer 0 sent of it before producer 1 took it, at most once
     assert all(sum(n for _, n in v) <= lengths[d] for d, v in pieces.items() if d % 2 == failed)
+
+
+@pytest.mark.slow
+def test_a_producer_of_another_wire_version_is_refused_at_the_handshake(procs, tmp_path, port):
+    """An older producer (wire version 2, and one whose hello names no version at all) is refused at its
+    first hello, both versions named on both sides: it exits 2 with one line, before any batch reaches the
+    trainer, which goes on and trains with a producer of its own version."""
+    mport = free_ports(1)
+    common = ["--port", str(port), "--producers", "1", "--builtin-docs", "60", "--seq-len", "64",
+              "--batch-size", "4"]  # fmt: skip
+    train = procs.start("train", *common, "--steps", "3", "--metrics-port", str(mport), name="trainer")
+    procs.wait_for(train, "listening on")
+    older = f"import sys, lmpipe.shared.wire as w; w.WIRE_VERSION = {WIRE_VERSION - 1}; from lmpipe.cli import main; sys.exit(main())"
+    old = start_python(procs, older, "produce", *common, "--metrics-port", "-1", name="old")
+    assert old.wait(timeout=60) == 2, procs.log(old)
+    want = (f"wire version mismatch: the producer speaks wire version {WIRE_VERSION - 1}, the trainer speaks "
+            f"wire version {WIRE_VERSION}; run the same lmpipe version on both sides")  # fmt: skip
+    refused = [ln for ln in procs.log(old).splitlines() if "refused" in ln]
+    assert len(refused) == 1 and refused[0].endswith(f"trainer refused this producer: {want}"), procs.log(old)
+    assert "Traceback" not in procs.log(old) and "retry" not in procs.log(old)
+    procs.wait_for(train, want)
+    # one per hello refused: a producer may have sent a second (at connect, and once connected) before it
+    # read the answer to its first
+    refusals = metric(mport, "lmpipe_trainer_handshake_refusals_total", reason="wire_version")
+    assert refusals >= 1
+
+    # a hello without the field: a producer from before the hello carried it
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoints(PipelineConfig(port=port)).control)  # as this user: past the transport
+        dealer.send(
+            msgpack.packb({"type": "hello", "worker": -1, "fingerprint": {}, "pid": 1, "host": "old"})
+        )
+        assert dealer.poll(30_000), "the trainer answers a hello without a version"
+        answer = messages.unpack(dealer.recv())
+    finally:
+        ctx.destroy(0)
+    assert isinstance(answer, messages.Refuse), answer
+    assert answer.reason.startswith("wire version mismatch: the producer speaks wire version 2 or older (its "
+                                    f"hello names none), the trainer speaks wire version {WIRE_VERSION}")  # fmt: skip
+    assert metric(mport, "lmpipe_trainer_handshake_refusals_total", reason="wire_version") > refusals
+    assert metric(mport, "lmpipe_trainer_handshake_refusals_total", reason="config_mismatch") == 0
+    assert metric(mport, "lmpipe_trainer_batches_rejected_total", reason="bad_version") == 0, "no batch came"
+    assert train.poll() is None, "a refused producer does not take the trainer down"
+
+    prod = procs.start("produce", *common, "--metrics-port", "-1", name="producer")
+    assert train.wait(timeout=120) == 0, procs.log(train)
+    assert prod.wait(timeout=30) == 0, procs.log(prod)
+    assert "Traceback" not in procs.log(train)
 
 
 @pytest.mark.slow
@@ -339,7 +392,7 @@ control_frames = st.one_of(
     st.lists(st.binary(max_size=64), min_size=1, max_size=4),
     st.builds(lambda m: [msgpack.packb(m, use_bin_type=True)], control_maps),
     st.builds(
-        lambda w, fp: [messages.pack(messages.Hello(worker=w, fingerprint=fp))],
+        lambda w, fp: [messages.pack(messages.Hello(worker=w, fingerprint=fp, wire=WIRE_VERSION))],
         st.integers(-5, 5),
         st.dictionaries(
             st.text(max_size=10),

@@ -92,6 +92,14 @@ def test_prompt_completion_and_masked_ids_records_become_masked_documents(tmp_pa
         ({"text": "t", "loss_mask": [1]}, "bad_mask", 'needs an "ids" list'),
         ({"ids": [1, 10**9], "loss_mask": [1, 1]}, "bad_ids", "ids must be integers"),
         ({"title": "neither"}, "missing_text", '"prompt" and "completion"'),
+        # Hugging Face's targets (-100: not trained) are not read: never every id trained unsaid
+        (
+            {"ids": [1, 2, 3], "labels": [-100, 2, 3]},
+            "bad_mask",
+            '"labels" is not read: write {"ids": [...], '
+            '"loss_mask": [...]} (loss_mask 0 where labels is -100, else 1) or {"prompt": "...", "completion"',
+        ),
+        ({"input_ids": [1, 2], "labels": [1, 2]}, "bad_mask", '"labels" is not read'),
     ]
     lines = (
         [json.dumps(r) for r in good[:2]]
@@ -108,7 +116,7 @@ def test_prompt_completion_and_masked_ids_records_become_masked_documents(tmp_pa
     assert [(r, w) for r, w, _ in reported] == [(r, f"{path}:{3 + i}") for i, (_, r, _) in enumerate(bad)]
     for (_, _, detail), (_, _, want) in zip(reported, bad):
         assert want in detail
-    assert [d.doc_id for d in docs] == [0, 1, 11, 12]
+    assert [d.doc_id for d in docs] == [0, 1, 2 + len(bad), 3 + len(bad)]
     eos = tok.eos_id
 
     enc = tok.tokenizer.encode_batch([good[0]["prompt"], good[0]["completion"]], add_special_tokens=False)

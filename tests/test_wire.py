@@ -144,9 +144,13 @@ def test_end_message_round_trip():
 
 def test_control_messages_round_trip_and_reject_garbage():
     hello = messages.Hello(
-        worker=1, fingerprint={"tokenizer": "abc", "seq_len": 128}, pid=7, host="h", holding=[0, 5]
-    )
+        worker=1, fingerprint={"tokenizer": "abc", "seq_len": 128}, pid=7, host="h", holding=[0, 5],
+        wire=WIRE_VERSION,
+    )  # fmt: skip
     assert messages.unpack(messages.pack(hello)) == hello
+    # an older producer's hello has no `wire`: it decodes, as version 0, for the trainer to refuse by name
+    old = messages.unpack(msgpack.packb({"type": "hello", "worker": 1, "fingerprint": {}}))
+    assert isinstance(old, messages.Hello) and old.wire == 0
     w = messages.Welcome("sess", 1, Cursor(0, 5, 3, 0).to_dict(), 12, shards=16)
     assert messages.unpack(messages.pack(w)) == w
     a = messages.Assign("sess", [1, 4], 16, 3)
@@ -159,6 +163,10 @@ def test_control_messages_round_trip_and_reject_garbage():
             "shard numbers",
         ),
         (msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "holding": [-1]}), "shard numbers"),
+        (
+            msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "wire": "3"}),
+            "hello.wire has type str",
+        ),
         (msgpack.packb({"type": "assign", "session": "s", "shards": [], "total": 0}), "impossible number"),
         (
             msgpack.packb({"type": "welcome", "session": "s", "worker": 3, "shards": 2}),

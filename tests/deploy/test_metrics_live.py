@@ -268,16 +268,17 @@ def test_handshake_refusals_are_counted_by_a_short_reason(procs, tmp_path):
                         "--batch-size", "4", "--seq-len", "64", "--worker", "2", name="other")  # fmt: skip
     procs.wait_for(other, "the trainer assigned shards", timeout=60)
     refusals = scrape(mport).by_label("lmpipe_trainer_handshake_refusals_total", "reason")
-    assert refusals == {
-        "config_mismatch": 1,
-        "bad_worker_id": 0,
+    # one per hello refused: the wrong producer may send a second before it reads the first answer
+    n = refusals["config_mismatch"]
+    assert n in (1, 2) and refusals == {
+        "config_mismatch": n,
+        "wire_version": 0,
         "worker_stopped": 0,
         "malformed": 0,
-        "busy": 0,
     }, refusals
     trainer.terminate()
     assert trainer.wait(timeout=60) == 0, procs.log(trainer)[-3000:]
     (summary,) = [ln for ln in procs.log(trainer).splitlines() if "summary:" in ln]
-    assert summary.endswith("dropped: 0 malformed, 0 stale | refused: 1 producer hello(s)"), (
+    assert summary.endswith(f"dropped: 0 malformed, 0 stale | refused: {n:.0f} producer hello(s)"), (
         "a producer with other settings sent nothing malformed"
     )
