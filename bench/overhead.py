@@ -14,6 +14,7 @@ Writes bench/results/overhead-<date>.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from bench.trainbench import (
     pipeline_config,
     train_config,
 )
+from lmpipe.consumer import inputs
 from lmpipe.consumer.inputs import build_inputs, document_causal_mask_mod
 from lmpipe.consumer.step import lr_at
 from lmpipe.consumer.trainer import Trainer
@@ -38,8 +40,26 @@ from lmpipe.consumer.trainer import Trainer
 VARIANTS = [
     ("eager (no compile)", {"compile": False}),
     ("compile (default mode)", {"compile": True}),
+    # the step as it was before document_block_mask: "halved" measured in this run, not across runs
+    ("compile, block mask from create_block_mask (before)", {"compile": True}),
     ("compile + CUDA graphs (reduce-overhead)", {"compile": True, "compile_mode": "reduce-overhead"}),
 ]
+
+
+@contextlib.contextmanager
+def create_block_mask_builder():
+    """Build every batch's block mask with FlexAttention's create_block_mask, as the trainer did before."""
+    saved = inputs.document_block_mask
+
+    def old(seg: torch.Tensor, block: int = 128):
+        B, L = seg.shape
+        return create_block_mask(inputs.document_causal_mask_mod(seg), B, None, L, L, device=seg.device)
+
+    inputs.document_block_mask = old
+    try:
+        yield
+    finally:
+        inputs.document_block_mask = saved
 
 
 def profile(pcfg, tcfg, warmup: int, steps: int) -> tuple[list[list], str]:
@@ -115,10 +135,11 @@ def main() -> None:
             if fed == "pipeline" and args.skip_pipeline:
                 continue
             tcfg = train_config(args, **over)
-            if fed == "synthetic":
-                r = measure_synthetic(pipeline_config(shards, tok, args), tcfg, args.warmup)
-            else:
-                r = measure_pipeline(pipeline_config(shards, tok, args), tcfg, args.warmup)
+            with create_block_mask_builder() if "(before)" in name else contextlib.nullcontext():
+                if fed == "synthetic":
+                    r = measure_synthetic(pipeline_config(shards, tok, args), tcfg, args.warmup)
+                else:
+                    r = measure_pipeline(pipeline_config(shards, tok, args), tcfg, args.warmup)
             base.setdefault(fed, r.step_ms)
             rows.append([name, fed, r.step_ms, base[fed] / r.step_ms, r.tokens_per_second, 100 * r.data_wait])
             print(f"{name}, {fed}: {r.step_ms:.2f} ms/step, {r.tokens_per_second:,.0f} tok/s", flush=True)
