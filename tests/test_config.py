@@ -231,3 +231,19 @@ def test_imports_follow_the_layering():
                     ):
                         wrong.append(f"{top}/{path.name} imports {name}")
     assert not wrong, wrong
+
+
+def test_tests_share_helpers_not_test_modules_or_benchmarks():
+    """What several tests need lives in a helpers module (tests/helpers.py, tests/deploy/*.py without the
+    test_ prefix): a test module imports no other test module and nothing from bench/."""
+    import ast
+
+    wrong = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in names:
+                if name.split(".")[0] == "bench" or name.split(".")[-1].startswith("test_"):
+                    wrong.append(f"{path.relative_to(REPO)} imports {name}")
+    assert not wrong, wrong
