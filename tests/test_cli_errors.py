@@ -149,6 +149,11 @@ CASES = [
     ("device-nonsense", ["run", "--device", "nonsense"], "--device nonsense"),
     ("log-every-0", ["run", "--log-every", "0"], "--log-every 0"),
     ("export-garbage-state", export_garbage(False), "state.pt"),
+    (
+        "export-no-checkpoint",
+        lambda c: ["export", "/nonexistent", "--out", str(c.tmp / "m.safetensors")],
+        "/nonexistent: no checkpoint",
+    ),
     ("export-garbage-state-matching-checksum", export_garbage(True), "state.pt: cannot be loaded"),
     (
         "resume-state-lacks-keys",
