@@ -335,6 +335,26 @@ def test_producers_beyond_the_shards_stand_by_and_one_takes_over_when_a_holder_d
     assert all(p.wait(timeout=10) == 0 for p in ps if p is not victim)
 
 
+@pytest.mark.slow
+def test_an_auto_and_an_explicit_worker_started_before_the_trainer_both_serve(procs, tmp_path, port, tok):
+    """Issue 8's race: `produce --worker -1`, then `--worker 0` 0.3 s later, then the trainer with
+    --producers 2. The auto producer took id 0 and the explicit one was refused forever; the trainer waited
+    for id 1. Worker numbers now only name producers in logs: both join, and the epoch ends exactly once."""
+    common = ["--port", str(port), "--producers", "2", "--builtin-docs", "200", "--epochs", "1",
+              "--seq-len", "64", "--batch-size", "4", "--metrics-port", "-1"]  # fmt: skip
+    log = tmp_path / "docs.jsonl"
+    auto = procs.start("produce", *common, "--worker", "-1", name="auto")
+    time.sleep(0.3)
+    explicit = procs.start("produce", *common, "--worker", "0", name="explicit")
+    train = procs.start(
+        "train", *common, "--steps", "0", "--threads", "1", "--doc-log", str(log), name="trainer"
+    )
+    assert procs.wait(train, 120) == 0, procs.log(train)
+    assert procs.log(train).count("joined from") == 2, procs.log(train)
+    assert procs.wait(auto, 10) == 0 and procs.wait(explicit, 10) == 0
+    assert_exactly_once(read_doc_log(log), builtin_lengths(tok, 200))
+
+
 control_frames = st.one_of(
     st.lists(st.binary(max_size=64), min_size=1, max_size=4),
     st.builds(lambda m: [msgpack.packb(m, use_bin_type=True)], control_maps),
