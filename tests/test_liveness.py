@@ -121,11 +121,12 @@ def test_doc_split_line_makes_every_line_a_document_and_lone_shares_are_warned(t
     with caplog.at_level("WARNING", logger="lmpipe.producer"):
         one = tmp_path / "one.txt"
         one.write_text("\n".join(lines) + "\n")
-        for w in range(2):
-            list(DocStream(Corpus([str(one)]), tok, w, 2).docs(0))
+        for w in range(4):
+            list(DocStream(Corpus([str(one)]), tok, w, 4).docs(0))
     text = caplog.text
-    assert "shard 0 of 2 owns a single document" in text and "--doc-split line" in text
-    assert "shard 1 of 2 owns no documents" in text
+    assert "shard 0 of 4 owns a single document" in text and "--doc-split line" in text
+    assert "shard 1 of 4 owns no documents" in text
+    assert text.count("owns no documents") == 1, "empty shards of one corpus are said once, not 3 times"
 
 
 def test_a_binary_file_is_refused_by_name(tmp_path):
