@@ -120,7 +120,7 @@ class Procs:
 
 
 def run_lmpipe(tmp: Path, name: str, *args: str, nproc: int = 0, timeout: float = 240) -> tuple[int, str]:
-    """`lmpipe ARGS` as a process, under torchrun with `nproc` ranks when nproc > 0; returns (exit code, output)."""
+    """`lmpipe ARGS` as a process, under torchrun with `nproc` ranks when nproc > 0: (exit code, output)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd = [sys.executable, *(launcher if nproc else []), "-m", "lmpipe", *args]
     out = tmp / f"{name}.log"
