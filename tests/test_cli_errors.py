@@ -23,7 +23,7 @@ import torch
 
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.sockets import endpoints
-from tests.conftest import REPO, lmpipe_env
+from tests.helpers import REPO, lmpipe_env
 
 
 @dataclass

@@ -36,8 +36,7 @@ from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.security import generate_keys
 from lmpipe.shared.sockets import default_runtime_dir
 from tests import hostile
-from tests.conftest import Procs
-from tests.helpers import free_ports, wait_until
+from tests.helpers import Procs, free_ports, wait_until
 
 pytestmark = pytest.mark.slow
 
