@@ -261,12 +261,15 @@ def cmd_export(ns, g: GlobalOptions, opts: ExportOptions) -> int:
     from pathlib import Path
 
     _need_torch()
-    from lmpipe.consumer.checkpoint import export_safetensors, resolve_resume
+    from lmpipe.consumer.checkpoint import CheckpointManager, export_safetensors
 
-    path = resolve_resume(ns.checkpoint, None)
-    assert (
-        path is not None and opts.out is not None
-    )  # a named checkpoint resolves or raises; --out is required
+    given = Path(ns.checkpoint)  # a checkpoint, or a --checkpoint-dir: its latest
+    path = given if (given / "header.json").is_file() else CheckpointManager(given).latest()
+    if path is None:
+        raise SettingsError(
+            f"{ns.checkpoint}: no checkpoint there (name one, or a --checkpoint-dir holding some)"
+        )
+    assert opts.out is not None  # a required setting
     meta = export_safetensors(path, Path(opts.out))
     print(f"wrote {opts.out} from {path} (step {meta['step']})")
     return 0

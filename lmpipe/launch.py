@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmpipe.consumer.config import TrainConfig
@@ -124,6 +125,26 @@ def first_document(corpus: Corpus, *, text: bool = False) -> Record:
     raise SettingsError(
         f"--data: no {what} in {corpus.describe()} (every record is empty or malformed{first_bad})"
     )
+
+
+def check_writable(flag: str, path: str | None, *, directory: bool = False) -> None:
+    """A place the run writes to only later (checkpoints, the summary, the doc-log) can be written: a
+    mistake there is found now, not when the first checkpoint or the summary is due after hours of work."""
+    if not path:
+        return
+    p = Path(path)
+    if directory and p.exists() and not p.is_dir():
+        raise SettingsError(f"{flag} {path}: exists and is not a directory")
+    if not directory and p.is_dir():
+        raise SettingsError(f"{flag} {path}: is a directory; name a file")
+    # a checkpoint directory is made with its parents; a file needs its folder
+    base = p if directory else p.parent
+    while directory and not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise SettingsError(f"{flag} {path}: {base} is not an existing directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise SettingsError(f"{flag} {path}: {base} is not writable by this user")
 
 
 def check_device(name: str) -> None:
@@ -240,6 +261,9 @@ def train(
     if local_producers:
         first_document(open_corpus(cfg, tok.vocab_size))
     check_device(tcfg.device)
+    check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
+    check_writable("--doc-log", tcfg.doc_log)
+    check_writable("--summary-json", opts.summary_json)
 
     from lmpipe.consumer.report import print_status
     from lmpipe.consumer.trainer import Trainer

@@ -24,6 +24,9 @@ from lmpipe.producer.sources import Corpus, Record
 from lmpipe.shared.tokenizer import TokenizerInfo
 
 log = logging.getLogger("lmpipe.producer")
+# corpora an empty shard was reported for: a producer holding 15 empty shards of a one-document corpus
+# says so once, not in 15 lines that bury the hint
+_SAID_EMPTY: set[str] = set()
 
 
 @dataclass
@@ -89,17 +92,27 @@ class DocStream:
         self._share_checked = True
         if n > 1:
             return
+        corpus = self.corpus.describe()[:200]
+        if n == 0 and corpus in _SAID_EMPTY:  # a producer holding many empty shards says it once
+            log.debug(
+                "shard %d of %d owns no documents of %s", self.worker_global, self.total_workers, corpus
+            )
+            return
+        if n == 0:
+            _SAID_EMPTY.add(corpus)
         hints = ["the corpus has fewer documents than shards"] if n == 0 and self.total_workers > 1 else []
         if not self.corpus.random_access and self.corpus.doc_split == "blank":
             hints.append(
                 "plain text without blank lines is one document: for one per line, use --doc-split line"
             )
+        if n == 0:
+            hints.append("said once: other empty shards of it are not named")
         log.warning(
             "shard %d of %d owns %s of %s%s",
             self.worker_global,
             self.total_workers,
             "no documents" if n == 0 else "a single document (nothing to shuffle)",
-            self.corpus.describe()[:200],
+            corpus,
             "".join(f"; {h}" for h in hints),
         )
 

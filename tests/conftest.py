@@ -1,7 +1,6 @@
 """Fixtures only: the built-in tokenizer, free ports, real lmpipe processes; the CUDA skip hook.
 
-The helpers they are built on live in tests/helpers.py; REPO, WIKITEXT, Procs and lmpipe_env are re-exported
-here for tests that import them from tests.conftest.
+The helpers they are built on live in tests/helpers.py, which is where tests import them from.
 """
 
 from __future__ import annotations
@@ -10,9 +9,7 @@ import pytest
 import torch
 
 from lmpipe.shared.tokenizer import load_tokenizer
-from tests.helpers import REPO, WIKITEXT, Procs, free_port_pair, lmpipe_env
-
-__all__ = ["REPO", "WIKITEXT", "Procs", "lmpipe_env"]
+from tests.helpers import Procs, free_port_pair
 
 torch.set_num_threads(2)
 

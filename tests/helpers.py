@@ -119,6 +119,27 @@ class Procs:
                 p.wait()
 
 
+def run_lmpipe(tmp: Path, name: str, *args: str, nproc: int = 0, timeout: float = 240) -> tuple[int, str]:
+    """`lmpipe ARGS` as a process, under torchrun with `nproc` ranks when nproc > 0: (exit code, output)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd = [sys.executable, *(launcher if nproc else []), "-m", "lmpipe", *args]
+    out = tmp / f"{name}.log"
+    with open(out, "wb") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=lmpipe_env(),
+                             start_new_session=True)  # fmt: skip
+        try:
+            rc = p.wait(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return rc, out.read_text(errors="replace")
+
+
+def rank_logs(tmp: Path, stem: str) -> list[Path]:
+    return sorted(tmp.glob(f"{stem}.rank*.jsonl"))
+
+
 def wait_until(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

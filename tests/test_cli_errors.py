@@ -23,7 +23,7 @@ import torch
 
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.sockets import endpoints
-from tests.conftest import REPO, lmpipe_env
+from tests.helpers import REPO, lmpipe_env
 
 
 @dataclass
@@ -154,6 +154,11 @@ def env(var: str, value: str, *argv: str) -> Callable[[Ctx], list[str]]:
     return make
 
 
+def touch(c: Ctx, name: str) -> list[str]:
+    (c.tmp / name).write_text("not a directory")
+    return []
+
+
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 # (id, argv or a function of the context giving it, text the one line must contain)
@@ -170,6 +175,11 @@ CASES = [
     ("device-nonsense", ["run", "--device", "nonsense"], "--device nonsense"),
     ("log-every-0", ["run", "--log-every", "0"], "--log-every 0"),
     ("export-garbage-state", export_garbage(False), "state.pt"),
+    (
+        "export-no-checkpoint",
+        lambda c: ["export", "/nonexistent", "--out", str(c.tmp / "m.safetensors")],
+        "/nonexistent: no checkpoint",
+    ),
     ("export-garbage-state-matching-checksum", export_garbage(True), "state.pt: cannot be loaded"),
     (
         "resume-state-lacks-keys",
@@ -250,6 +260,14 @@ CASES = [
     ("loss-scale", ["train", "--loss-scale", "static:0"], "--loss-scale static:0"),
     ("fp8-on-cpu", ["train", "--device", "cpu", "--precision", "fp8"], "--precision fp8 needs a GPU"),
     ("tokenizer-without-out", ["tokenizer", "train"], "--out"),
+    # paths written only later (the first checkpoint, the summary): refused before any training
+    (
+        "checkpoint-dir-is-a-file",
+        lambda c: ["run", "--checkpoint-dir", str(c.tmp / "f"), *touch(c, "f")],
+        "--checkpoint-dir",
+    ),
+    ("summary-json-in-missing-folder", ["run", "--summary-json", "/nonexistent/s.json"], "--summary-json"),
+    ("doc-log-is-a-folder", lambda c: ["train", "--doc-log", str(c.tmp)], "is a directory"),
 ]
 
 

@@ -14,7 +14,7 @@ from lmpipe.options import GlobalOptions, ProduceOptions, ReportOptions
 from lmpipe.producer.batching import BatchSpec
 from lmpipe.shared.config import PipelineConfig, pipeline_argv
 from lmpipe.shared.settings import SettingsError, from_args, specs, to_argv
-from tests.conftest import REPO, lmpipe_env
+from tests.helpers import REPO, lmpipe_env
 
 
 @pytest.fixture
@@ -230,4 +230,22 @@ def test_imports_follow_the_layering():
                         or (top != "lmpipe" and name in ("lmpipe", "lmpipe.cli"))
                     ):
                         wrong.append(f"{top}/{path.name} imports {name}")
+    assert not wrong, wrong
+
+
+def test_tests_share_helpers_not_test_modules_or_benchmarks():
+    """What several tests need lives in a helpers module (tests/helpers.py, tests/deploy/*.py without the
+    test_ prefix): a test module imports no other test module, no conftest (fixtures only) and nothing
+    from bench/."""
+    import ast
+
+    wrong = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in names:
+                last = name.split(".")[-1]
+                if name.split(".")[0] == "bench" or last.startswith("test_") or last == "conftest":
+                    wrong.append(f"{path.relative_to(REPO)} imports {name}")
     assert not wrong, wrong

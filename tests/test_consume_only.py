@@ -18,6 +18,8 @@ from tests.helpers import (
     builtin_lengths,
     doc_log_entries,
     doc_pieces,
+    rank_logs,
+    run_lmpipe,
     steps_logged,
     trained_pieces,
     wait_until,
@@ -100,9 +102,7 @@ def test_consume_only_copies_to_the_gpu_on_the_copy_stream(procs, tmp_path, port
 
 def test_two_ranks_consume_every_document_once_and_the_summary_counts_the_job(tmp_path, port, tok):
     """Under torchrun the summary's tokens are the job's; its batch count was rank 0's alone."""
-    from tests.test_distributed import lmpipe, rank_logs
-
-    rc, out = lmpipe(tmp_path, "ddp", "run", *COMMON, "--consume-only", "--steps", "0", "--port", str(port),
+    rc, out = run_lmpipe(tmp_path, "ddp", "run", *COMMON, "--consume-only", "--steps", "0", "--port", str(port),
                      "--doc-log", str(tmp_path / "docs.jsonl"), nproc=2)  # fmt: skip
     assert rc == 0, out[-3000:]
     entries = [e for p in rank_logs(tmp_path, "docs") for e in doc_log_entries(p)]

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,13 +20,14 @@ from lmpipe.consumer.distributed import Dist
 from lmpipe.consumer.inputs import build_inputs
 from lmpipe.consumer.model import IGNORE
 from lmpipe.consumer.step import StepRunner
-from tests.conftest import REPO, lmpipe_env
 from tests.helpers import (
     assert_exactly_once,
     builtin_lengths,
     doc_log_entries,
     doc_pieces,
+    rank_logs,
     read_doc_log,
+    run_lmpipe,
     tiny_model,
 )
 
@@ -94,30 +92,9 @@ def tiny_model_params() -> list[torch.Tensor]:
     return [p.detach() for p in tiny_model(seed=3).parameters()]
 
 
-def lmpipe(tmp: Path, name: str, *args: str, nproc: int = 0, timeout: float = 240) -> tuple[int, str]:
-    """`lmpipe ARGS`, under torchrun with `nproc` ranks when nproc > 0; returns (exit code, output)."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd = [sys.executable, *(launcher if nproc else []), "-m", "lmpipe", *args]
-    out = tmp / f"{name}.log"
-    with open(out, "wb") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=lmpipe_env(),
-                             start_new_session=True)  # fmt: skip
-        try:
-            rc = p.wait(timeout=timeout)
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return rc, out.read_text(errors="replace")
-
-
-def rank_logs(tmp: Path, stem: str) -> list[Path]:
-    return sorted(tmp.glob(f"{stem}.rank*.jsonl"))
-
-
 @pytest.mark.slow
 def test_two_ranks_train_every_document_once_and_learn_like_one(tmp_path, port, tok):
-    rc, text = lmpipe(tmp_path, "ddp", "run", *COMMON, "--batch-size", "4", "--steps", "0", "--port", str(port),
+    rc, text = run_lmpipe(tmp_path, "ddp", "run", *COMMON, "--batch-size", "4", "--steps", "0", "--port", str(port),
                       "--doc-log", str(tmp_path / "docs.jsonl"), "--summary-json", str(tmp_path / "ddp.json"),
                       nproc=2)  # fmt: skip
     assert rc == 0, text[-3000:]
@@ -138,7 +115,7 @@ def test_two_ranks_train_every_document_once_and_learn_like_one(tmp_path, port, 
     )
 
     # one rank with the same global batch (2 x 4 rows) sees the same documents and learns as far
-    rc, text = lmpipe(tmp_path, "one", "run", *COMMON, "--batch-size", "8", "--steps", "0", "--port", str(port),
+    rc, text = run_lmpipe(tmp_path, "one", "run", *COMMON, "--batch-size", "8", "--steps", "0", "--port", str(port),
                       "--summary-json", str(tmp_path / "one.json"))  # fmt: skip
     assert rc == 0, text[-3000:]
     one = json.loads((tmp_path / "one.json").read_text())
@@ -164,18 +141,18 @@ def test_a_checkpoint_holds_every_ranks_cursors(tmp_path, port, tok):
         "--resume",
         "auto",
     ]
-    rc, text = lmpipe(tmp_path, "first", "run", *args, "--steps", "12", "--checkpoint-every", "6",
+    rc, text = run_lmpipe(tmp_path, "first", "run", *args, "--steps", "12", "--checkpoint-every", "6",
                       "--doc-log", str(tmp_path / "a.jsonl"), nproc=2)  # fmt: skip
     assert rc == 0, text[-3000:]
     state = json.loads((ck / "step-00000012" / "header.json").read_text())
     assert state["stream"]["world_size"] == 2
 
     # a different world size is refused before anything is loaded, naming the field
-    rc, text = lmpipe(tmp_path, "single", "run", *args, "--steps", "0")
+    rc, text = run_lmpipe(tmp_path, "single", "run", *args, "--steps", "0")
     assert rc == 2 and "world_size: checkpoint has 2, this run has 1" in text, text[-3000:]
     assert "Traceback" not in text
 
-    rc, text = lmpipe(tmp_path, "second", "run", *args, "--steps", "0", "--doc-log", str(tmp_path / "b.jsonl"),
+    rc, text = run_lmpipe(tmp_path, "second", "run", *args, "--steps", "0", "--doc-log", str(tmp_path / "b.jsonl"),
                       nproc=2)  # fmt: skip
     assert rc == 0 and "resumed from" in text, text[-3000:]
     entries = [e for stem in ("a", "b") for p in rank_logs(tmp_path, stem) for e in doc_log_entries(p)]
@@ -184,7 +161,7 @@ def test_a_checkpoint_holds_every_ranks_cursors(tmp_path, port, tok):
 
 def test_bf16_gradient_reduction_on_cpu_is_one_clear_error(tmp_path, port):
     # torch's bf16 compression hook needs NCCL: on gloo it would fail inside DDP with a TypeError
-    rc, text = lmpipe(tmp_path, "bf16", "run", "--device", "cpu", "--grad-reduce", "bf16", "--steps", "2",
+    rc, text = run_lmpipe(tmp_path, "bf16", "run", "--device", "cpu", "--grad-reduce", "bf16", "--steps", "2",
                       "--port", str(port), "--metrics-port", "-1", nproc=2, timeout=120)  # fmt: skip
     assert rc != 0
     assert "--grad-reduce bf16 needs CUDA GPUs (NCCL)" in text

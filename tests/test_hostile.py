@@ -30,15 +30,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import free_port_pair
 from lmpipe.producer import builtin_corpus
 from lmpipe.producer.sources import Corpus
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.security import generate_keys
 from lmpipe.shared.sockets import default_runtime_dir
 from tests import hostile
-from tests.conftest import Procs
-from tests.helpers import wait_until
+from tests.helpers import Procs, free_ports, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -138,10 +136,10 @@ class Deployment:
 
     def __init__(self, procs: Procs, tmp: Path, kind: str):
         self.procs, self.tmp, self.kind = procs, tmp, kind
-        self.port = free_port_pair()
-        self.mport = free_port_pair()
+        self.port = free_ports(2)
+        self.mport = free_ports(1 + PRODUCERS)  # the trainer's /metrics, then each producer's
         while abs(self.mport - self.port) < 4:
-            self.mport = free_port_pair()
+            self.mport = free_ports(1 + PRODUCERS)
         self.doc_log, self.summary = tmp / "docs.jsonl", tmp / "summary.json"
         out = ["--port", str(self.port), "--doc-log", str(self.doc_log), "--summary-json", str(self.summary)]
         self.net: list[str] = []

@@ -121,11 +121,12 @@ def test_doc_split_line_makes_every_line_a_document_and_lone_shares_are_warned(t
     with caplog.at_level("WARNING", logger="lmpipe.producer"):
         one = tmp_path / "one.txt"
         one.write_text("\n".join(lines) + "\n")
-        for w in range(2):
-            list(DocStream(Corpus([str(one)]), tok, w, 2).docs(0))
+        for w in range(4):
+            list(DocStream(Corpus([str(one)]), tok, w, 4).docs(0))
     text = caplog.text
-    assert "shard 0 of 2 owns a single document" in text and "--doc-split line" in text
-    assert "shard 1 of 2 owns no documents" in text
+    assert "shard 0 of 4 owns a single document" in text and "--doc-split line" in text
+    assert "shard 1 of 4 owns no documents" in text
+    assert text.count("owns no documents") == 1, "empty shards of one corpus are said once, not 3 times"
 
 
 def test_a_binary_file_is_refused_by_name(tmp_path):
@@ -386,6 +387,26 @@ def test_producers_beyond_the_shards_stand_by_and_one_takes_over_when_a_holder_d
     )
     assert_exactly_once(read_doc_log(log), builtin_lengths(tok, 600))
     assert all(p.wait(timeout=10) == 0 for p in ps if p is not victim)
+
+
+@pytest.mark.slow
+def test_an_auto_and_an_explicit_worker_started_before_the_trainer_both_serve(procs, tmp_path, port, tok):
+    """Issue 8's race: `produce --worker -1`, then `--worker 0` 0.3 s later, then the trainer with
+    --producers 2. The auto producer took id 0 and the explicit one was refused forever; the trainer waited
+    for id 1. Worker numbers now only name producers in logs: both join, and the epoch ends exactly once."""
+    common = ["--port", str(port), "--producers", "2", "--builtin-docs", "200", "--epochs", "1",
+              "--seq-len", "64", "--batch-size", "4", "--metrics-port", "-1"]  # fmt: skip
+    log = tmp_path / "docs.jsonl"
+    auto = procs.start("produce", *common, "--worker", "-1", name="auto")
+    time.sleep(0.3)
+    explicit = procs.start("produce", *common, "--worker", "0", name="explicit")
+    train = procs.start(
+        "train", *common, "--steps", "0", "--threads", "1", "--doc-log", str(log), name="trainer"
+    )
+    assert procs.wait(train, 120) == 0, procs.log(train)
+    assert procs.log(train).count("joined from") == 2, procs.log(train)
+    assert procs.wait(auto, 10) == 0 and procs.wait(explicit, 10) == 0
+    assert_exactly_once(read_doc_log(log), builtin_lengths(tok, 200))
 
 
 control_frames = st.one_of(

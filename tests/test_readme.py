@@ -53,6 +53,18 @@ def parse(argv: list[str]) -> None:
         from_args(ns, cls)
 
 
+def test_how_it_fits_together_names_every_module():
+    """A newcomer finds each module of the package in the map, with what it holds."""
+    text = section(README.read_text(), "How it fits together")
+    missing = [
+        f"{top}/{path.name}"
+        for top in ("producer", "consumer", "shared", "lmpipe")
+        for path in sorted((REPO / top).glob("*.py"))
+        if not path.name.startswith("__") and f"`{path.name}`" not in text
+    ]
+    assert not missing, f"README's How it fits together does not name {missing}"
+
+
 def test_quick_start_is_install_and_run_then_the_tests():
     text = README.read_text()
     first = bash_blocks(text)[0]

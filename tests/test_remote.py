@@ -19,12 +19,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from bench.common import free_port_pair
 from lmpipe.producer import remote
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from tests.corpora import FORMATS, builtin_docs, token_lengths, write, write_finetune_corpus
-from tests.helpers import REPO, assert_exactly_once, lmpipe_env, read_doc_log
+from tests.helpers import REPO, assert_exactly_once, free_ports, lmpipe_env, read_doc_log
 
 BUCKET = "corpora"
 MIXED = ("jsonl.gz", "jsonl.zst", "parquet", "arrow-file")  # one file each in s3://corpora/mixed/, then hf/
@@ -35,7 +34,7 @@ class S3Server:
 
     def __init__(self, root: Path, log: Path):
         self.root, self.log = root, log
-        self.port = free_port_pair()
+        self.port = free_ports(2)
         self.proc: subprocess.Popen | None = None
         self.endpoint = f"http://127.0.0.1:{self.port}"
 

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from tests.deploy.compose import load_compose
+from tests.deploy.exported import sample_names
 from tests.deploy.scrape import scrape, wait_for_scrape
 from tests.deploy.shipped import COMPOSE, render_prometheus
-from tests.deploy.test_grafana import _sample_names
 from tests.helpers import REPO, free_port_pair, free_ports, wait_until
 
 RULES = render_prometheus.RULES
@@ -94,7 +94,7 @@ def test_the_unit_tests_catch_a_broken_rule(tmp_path, alert, old, new, caught):
 
 
 def test_every_metric_and_label_the_rules_use_is_exported():
-    known = _sample_names()
+    known = sample_names()
     for rule in rules():
         expr = rule["expr"]
         metrics = set(re.findall(r"\blmpipe_[a-z0-9_]+", expr))

@@ -7,11 +7,10 @@ import json
 import re
 
 import yaml
-from prometheus_client.metrics import MetricWrapperBase
 
-from lmpipe.shared.metrics import ProducerMetrics, TrainerMetrics
 from tests.deploy.compose import load_compose, service_env
 from tests.deploy.dashboard import dashboard, dashboard_exprs, dashboard_panels
+from tests.deploy.exported import sample_names
 from tests.deploy.shipped import COMPOSE, DASHBOARD, DASHBOARD_PROVIDERS, DATASOURCES, DEPLOY
 from tests.helpers import REPO
 
@@ -57,39 +56,8 @@ def test_dashboard_panels_use_the_provisioned_datasource():
     assert len(ids) == len(set(ids)), "panel ids are unique"
 
 
-def _metric_families() -> dict[str, tuple[str, set[str]]]:
-    """Every family of shared/metrics.py: name -> (type, label names). Read from the metric objects: a
-    labelled metric without children (e.g. tokens by strategy) collects no sample to learn its labels from."""
-    out = {}
-    for holder in (ProducerMetrics(), TrainerMetrics()):
-        families = [
-            m for m in vars(holder).values() if isinstance(m, MetricWrapperBase) and not m._labelvalues
-        ]
-        ours = [f for f in holder.registry.collect() if f.name.startswith("lmpipe_")]  # not process_*
-        assert len(families) == len(ours), "every family is found"
-        for m in families:
-            out[m._name] = (m._type, set(m._labelnames))
-    return out
-
-
-def _sample_names() -> dict[str, set[str]]:
-    """Every sample name Prometheus can see -> the label names it carries."""
-    names = {}
-    for fam, (kind, labels) in _metric_families().items():
-        if kind == "counter":
-            names[f"{fam}_total"] = labels
-        elif kind == "histogram":
-            names[f"{fam}_bucket"] = labels | {"le"}
-            names[f"{fam}_sum"] = names[f"{fam}_count"] = labels
-        elif kind == "info":
-            names[f"{fam}_info"] = labels
-        else:
-            names[fam] = labels
-    return names
-
-
 def test_every_metric_the_dashboard_uses_is_exported():
-    known = _sample_names()
+    known = sample_names()
     assert "lmpipe_trainer_step_seconds_bucket" in known and "lmpipe_producer_tokens_total" in known
     used = set()
     for expr in dashboard_exprs():
