@@ -512,6 +512,8 @@ class Receiver(threading.Thread):
                 continue
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.metrics.data_disconnects.inc()
+                if self._stopping is not None and self._stopping.is_set():
+                    continue  # producers leave because the run ends: nothing to report
                 self._quiet(
                     logging.INFO,
                     "disconnect",

@@ -169,6 +169,8 @@ def _resolve_local(p: str) -> list[DataFile]:
         return [_local_file(q) for q in sorted(path.iterdir()) if q.is_file() and _wanted_in_dir(q.name)]
     if path.is_file():
         return [_local_file(path)]
+    if path.exists():  # /dev/null, a FIFO, a socket: nothing a corpus can be read from twice
+        raise ValueError(f"corpus path {p} is not a regular file or a directory")
     raise FileNotFoundError(f"corpus file not found: {p}")
 
 

@@ -289,8 +289,8 @@ class Producer:
         if isinstance(msg, (messages.Assign, messages.Welcome)):
             held, self._held = self._held, False
             if msg.session != self.session:  # joined, or the trainer restarted: nothing carries over
-                how = "joined" if not self.session else "trainer restarted; rejoined"
-                log.info("%s session %s", how, msg.session)
+                # the session id is a capability on the data socket: named in no log (SECURITY.md)
+                log.info("joined the trainer" if not self.session else "trainer restarted; rejoined it")
                 self.session = msg.session
                 self.holdings.clear()
                 self._drop_pending()

@@ -256,6 +256,7 @@ CASES = [
     ("worker-outside-producers", ["produce", "--worker", "2", "--producers", "2"], "--worker 2"),
     ("resume-auto-without-dir", ["train", "--resume", "auto"], "--resume auto needs --checkpoint-dir"),
     ("missing-corpus-file", ["run", "--data", "/nonexistent.txt"], "--data"),
+    ("corpus-not-a-file", ["run", "--data", "/dev/null"], "/dev/null is not a regular file"),
     ("missing-tokenizer", ["produce", "--tokenizer", "/nonexistent.json"], "--tokenizer"),
     ("loss-scale", ["train", "--loss-scale", "static:0"], "--loss-scale static:0"),
     ("fp8-on-cpu", ["train", "--device", "cpu", "--precision", "fp8"], "--precision fp8 needs a GPU"),

@@ -105,7 +105,7 @@ def test_curve_admits_only_authorized_producers(procs, tmp_path, port):
     assert procs.wait(other) == 2, procs.log(other)
     assert "does not accept this producer's CURVE key" in procs.log(other)
     assert procs.wait(train, 120) == 0, procs.log(train)
-    assert "joined session" in procs.log(good)
+    assert "joined the trainer" in procs.log(good)
     for p in (plain, other):
         assert "joined" not in procs.log(p) and "Traceback" not in procs.log(p)
     assert procs.log(train).count("joined from") == 1
