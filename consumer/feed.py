@@ -46,6 +46,7 @@ class DeviceFeed:
         self.copy_stream = torch.cuda.Stream() if (cuda and copy_stream) else None
         self._in_flight: list[tuple[torch.cuda.Event, HostSlot]] = []  # (copy-done event, slot)
         self._h2d_timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, done) of each copy
+        self.h2d_seconds = 0.0  # copies observed so far (the summary's per-batch copy time)
         self.health_check: Callable[[], str | None] | None = None  # a reason to stop (e.g. a dead producer)
 
     # -- taking batches ------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ class DeviceFeed:
                 None if seg is None else seg.to(torch.int32),
                 None if loss_mask is None else loss_mask.clone(),
             )
-            self.metrics.h2d.observe(time.perf_counter() - t0)
+            self._observe_h2d(time.perf_counter() - t0)
             self.receiver.release(slot)  # converted copies: the slot is free again
         else:
             stream = self.copy_stream or torch.cuda.current_stream()
@@ -182,10 +183,14 @@ class DeviceFeed:
         pending = []
         for start, done in self._h2d_timing:
             if done.query():
-                self.metrics.h2d.observe(start.elapsed_time(done) / 1e3)
+                self._observe_h2d(start.elapsed_time(done) / 1e3)
             else:
                 pending.append((start, done))
         self._h2d_timing = pending
+
+    def _observe_h2d(self, seconds: float) -> None:
+        self.h2d_seconds += seconds
+        self.metrics.h2d.observe(seconds)
 
     def release_done(self) -> None:
         keep = []

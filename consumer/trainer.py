@@ -529,12 +529,11 @@ class Trainer:
         its CPU time), in the copy to the device, and waiting for data."""
         self.feed.observe_h2d()
         n = max(batches, 1)
-        copied = self.metrics.registry.get_sample_value("lmpipe_trainer_h2d_seconds_sum") or 0.0
         out = {
             # the job's batches (the summary's tokens are the job's too); the times per batch are this rank's
             "batches": self.dist.sum([float(batches)])[0],
             "ranks": float(self.dist.world_size),
-            "copy_seconds_per_batch": copied / n,
+            "copy_seconds_per_batch": self.feed.h2d_seconds / n,
             "wait_seconds_per_batch": waited / n,
         }
         cpu = thread_cpu_seconds(self.receiver.native_id)
