@@ -94,6 +94,7 @@ class TrainConfig:
     )
     # Under torchrun, DDP all-reduces fp32 gradients; bf16 halves the bytes on the wire (torch's
     # bf16_compress_hook: each bucket cast to bf16, averaged, cast back), at bf16's 8-bit mantissa in the sum.
+    # On NVLink it is slower (0.934 vs 0.949 per GPU at 4 H200s, bench/results/ddp-*.md): for slow links.
     grad_reduce: str = setting(
         "fp32", choices=("fp32", "bf16"), help="dtype of DDP's gradient all-reduce under torchrun"
     )
