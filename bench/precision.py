@@ -47,7 +47,7 @@ def run(mode: tuple[str, str, str], data, pcfg, args) -> dict:
         if i == WARM:  # FlexAttention compiles once per dtype: keep that out of the step time
             sync()
             t0 = time.perf_counter()
-        tok, lengths, seg, n_targets, _ = data[i % len(data)]
+        tok, lengths, seg, n_targets, _, _ = data[i % len(data)]
         inp = build_inputs(tok, lengths, seg, mask_cache=trainer.mask_cache)
         loss, _ = trainer.runner.step([inp], n_targets, lr_at(i, tcfg))
         losses.append(loss / n_targets)

@@ -145,8 +145,9 @@ def device_batches(pcfg: PipelineConfig, n: int, device: torch.device):
     out = []
     for b in batches(stream, spec, dtype=token_dtype(tok.vocab_size)):
         t = torch.from_numpy(b.tokens.astype("int64")).to(device)
-        seg = None if b.seg is None else torch.from_numpy(b.seg.astype("int32")).to(device)
-        out.append((t, torch.from_numpy(b.lengths).to(device), seg, b.num_targets(), b.real_tokens))
+        seg_host = None if b.seg is None else b.seg.astype("int32")
+        seg = None if seg_host is None else torch.from_numpy(seg_host).to(device)
+        out.append((t, torch.from_numpy(b.lengths).to(device), seg, b.num_targets(), b.real_tokens, seg_host))
         if len(out) == n:
             return out
     return out
@@ -163,8 +164,10 @@ def measure_synthetic(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int, n_ba
         if i == warmup:
             sync()
             t0 = time.perf_counter()
-        tok, lengths, seg, n_targets, real = data[i % len(data)]
-        inp = build_inputs(tok, lengths, seg, attention=tcfg.attention, mask_cache=trainer.mask_cache)
+        tok, lengths, seg, n_targets, real, seg_host = data[i % len(data)]
+        # as the trainer does: the block mask from the host copy of seg
+        inp = build_inputs(tok, lengths, seg, attention=tcfg.attention, mask_cache=trainer.mask_cache,
+                           seg_host=seg_host)  # fmt: skip
         loss, _ = trainer.runner.step([inp], n_targets, lr_at(i, tcfg))
         if (i + 1) % tcfg.log_every == 0:
             float(loss)  # the trainer reads the loss at every logging interval: the same host sync here

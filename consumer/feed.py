@@ -128,9 +128,18 @@ class DeviceFeed:
     # -- host -> device ------------------------------------------------------------------------------
 
     def to_device(self, slot: HostSlot) -> ModelInputs:
+        # On CUDA the slot is released only later (release_done, this thread, once its copy is done), so
+        # its host seg stays valid while the block mask is built from it on the host.
+        seg_host = slot.views(self.rows)[2] if self.device.type == "cuda" else None
         tokens, lengths, seg, loss_mask = self.copy(slot)
         return build_inputs(
-            tokens, lengths, seg, attention=self.attention, mask_cache=self.mask_cache, loss_mask=loss_mask
+            tokens,
+            lengths,
+            seg,
+            attention=self.attention,
+            mask_cache=self.mask_cache,
+            loss_mask=loss_mask,
+            seg_host=None if seg_host is None else seg_host.numpy(),
         )
 
     def copy(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
@@ -118,6 +119,47 @@ def document_block_mask(seg: torch.Tensor, block: int = 128) -> BlockMask:
     )
 
 
+def document_block_mask_host(seg_host: np.ndarray, seg: torch.Tensor, block: int = 128) -> BlockMask:
+    """document_block_mask computed with numpy from the batch's host copy of `seg` (the pinned slot), then
+    sent to the device in one copy: the same eight block tensors, none of the ~40 small device ops and their
+    launches on the training loop's thread (bench/results/overhead-*.md). `seg` is the device copy, which
+    the mask_mod of partial blocks reads."""
+    B, L = seg_host.shape
+    nb = L // block
+    s = seg_host.reshape(B, nb, block)
+    lo, hi = s[..., 0], s[..., -1]
+    i = np.arange(nb)
+    before = (i[:, None] > i[None, :])[None]
+    shares = hi[:, None, :] >= lo[:, :, None]
+    one_doc = lo == hi
+    full = before & (one_doc[:, :, None] & one_doc[:, None, :]) & (lo[:, None, :] == lo[:, :, None])
+    partial = ((before & shares) | (i[:, None] == i[None, :])[None]) & ~full
+    parts: list[np.ndarray] = []
+    # kv side, then q side (the transposes, as BlockMask.from_kv_blocks derives them): per row of blocks the
+    # count, and the block indices with the marked ones first (a stable sort, like torch.argsort's)
+    for m in (partial, full, partial.transpose(0, 2, 1), full.transpose(0, 2, 1)):
+        parts += [m.sum(-1, dtype=np.int32), np.argsort(~m, axis=-1, kind="stable").astype(np.int32)]
+    flat = torch.from_numpy(np.concatenate([p.ravel() for p in parts])).to(seg.device, non_blocking=True)
+    views, at = [], 0
+    for p in parts:
+        views.append(flat[at : at + p.size].view(B, 1, *p.shape[1:]))
+        at += p.size
+    kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = views
+    return BlockMask(
+        seq_lengths=(L, L),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
+        BLOCK_SIZE=(block, block),
+        mask_mod=document_causal_mask_mod(seg),
+    )
+
+
 def build_inputs(
     tokens: torch.Tensor,
     lengths: torch.Tensor,
@@ -126,8 +168,10 @@ def build_inputs(
     attention: str = "auto",
     mask_cache: MaskCache | None = None,
     loss_mask: torch.Tensor | None = None,
+    seg_host: np.ndarray | None = None,
 ) -> ModelInputs:
-    """tokens/lengths/seg (and loss_mask) already on the model's device. `attention`: auto | flex | dense."""
+    """tokens/lengths/seg (and loss_mask) already on the model's device. `attention`: auto | flex | dense.
+    `seg_host`, the host copy of seg if there is one, lets the block mask be built on the host."""
     B, L = tokens.shape
     idx = tokens.long()
     targets = targets_for(idx, lengths, seg, loss_mask)
@@ -138,7 +182,9 @@ def build_inputs(
     pos = positions(seg)
     use_flex = attention == "flex" or (attention == "auto" and idx.is_cuda)
     if use_flex:
-        if L % 128 == 0:
+        if L % 128 == 0 and seg_host is not None:
+            bm = document_block_mask_host(seg_host, seg)
+        elif L % 128 == 0:
             bm = document_block_mask(seg)
         else:  # a partial last block: let FlexAttention's own builder handle the edge
             bm = create_block_mask(document_causal_mask_mod(seg), B, None, L, L, device=idx.device)

@@ -164,7 +164,7 @@ def test_the_document_block_mask_equals_flex_attentions_own_builder(seed):
     create_block_mask evaluates the mask at every position. Same dense mask, same full/partial blocks."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from lmpipe.consumer.inputs import document_block_mask, document_causal_mask_mod
+    from lmpipe.consumer.inputs import document_block_mask, document_block_mask_host, document_causal_mask_mod
 
     g = torch.Generator().manual_seed(seed)
     for trial in range(20):
@@ -183,6 +183,14 @@ def test_the_document_block_mask_equals_flex_attentions_own_builder(seed):
         assert torch.equal(ref.to_dense(), got.to_dense()), seg
         assert torch.equal(ref.kv_num_blocks, got.kv_num_blocks)
         assert torch.equal(ref.full_kv_num_blocks, got.full_kv_num_blocks)
+        # the host builder (numpy, from the pinned slot's seg) gives every tensor of the device builder,
+        # the q-side ones the backward pass reads included
+        host = document_block_mask_host(seg.numpy(), seg)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):  # fmt: skip
+            a, b = getattr(got, name), getattr(host, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert host.seq_lengths == got.seq_lengths and host.BLOCK_SIZE == got.BLOCK_SIZE
 
 
 def _masked_packed_batch(L: int, seed: int):
