@@ -1,4 +1,7 @@
-"""What the trainer tells people: the end-of-run summary, the live status line, and MFU's denominator."""
+"""What the trainer tells people: the end-of-run summary, the live status line, and MFU's denominator.
+
+No torch here: lmpipe/progress.py imports this on hosts without it (the figures are counted in
+consumer/runstats.py)."""
 
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ class Summary:
     steady_tokens: int = 0
     steady_seconds: float = 0.0
     steady_mfu: float = 0.0
-    # --consume-only: where the trainer's time went, per batch consumed (see consume_stages)
+    # --consume-only: where the trainer's time went, per batch consumed (see consumer/runstats.py)
     consume: dict[str, float] = field(default_factory=dict)
 
     @property
