@@ -10,7 +10,6 @@ pipeline alone can feed).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -25,15 +24,15 @@ import torch
 from lmpipe.consumer.build import build
 from lmpipe.consumer.checkpoint import NO_MODEL, CheckpointError, CheckpointManager, load, resolve_resume
 from lmpipe.consumer.config import TrainConfig
-from lmpipe.consumer.distributed import from_env
+from lmpipe.consumer.distributed import from_env, per_rank
 from lmpipe.consumer.feed import DeviceFeed
-from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
+from lmpipe.consumer.inputs import MaskCache, empty_inputs
 from lmpipe.consumer.model import GPT
 from lmpipe.consumer.receiver import Receiver, WorkerTable
-from lmpipe.consumer.report import Announce, Summary
+from lmpipe.consumer.report import Announce, DocLog, Summary
 from lmpipe.consumer.runstats import CompiledGraphs, Progress, RunStats
 from lmpipe.consumer.scaler import LossScaler
-from lmpipe.consumer.slots import HostSlot, SlotMeta
+from lmpipe.consumer.slots import HostSlot
 from lmpipe.consumer.step import lr_at, resolve_device, resolve_precision
 from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
@@ -50,7 +49,7 @@ class Trainer:
         check_bind(pcfg.host, pcfg.trusted_network, pcfg.curve_dir)
         self.dist = from_env(tcfg.device)
         if self.dist.enabled:
-            pcfg, tcfg = self._per_rank(pcfg, tcfg)
+            pcfg, tcfg = per_rank(pcfg, tcfg, self.dist)
         endpoints(pcfg)  # an unsafe runtime directory fails here, before the model is built
         self.pcfg, self.cfg = pcfg, tcfg
         if tcfg.threads > 0:
@@ -105,7 +104,7 @@ class Trainer:
             None  # optional callable: returns a reason to stop (e.g. a dead producer)
         )
         self.feed: DeviceFeed
-        self._doc_log = open(tcfg.doc_log, "a") if tcfg.doc_log else None  # noqa: SIM115 - closed in run()
+        self._doc_log = DocLog(tcfg.doc_log) if tcfg.doc_log else None  # closed in run()
         self.metrics.info.info(
             {
                 "model": tcfg.model,
@@ -119,25 +118,6 @@ class Trainer:
     @property
     def num_params(self) -> int:
         return self.model.num_params() if self.model is not None else 0
-
-    def _per_rank(self, pcfg: PipelineConfig, tcfg: TrainConfig) -> tuple[PipelineConfig, TrainConfig]:
-        """Rank r of R (torchrun) binds port + 2r, serves metrics after the lower ranks' trainer and
-        producers, logs its documents to its own file, and expects producers of rank r."""
-        r, world = self.dist.rank, self.dist.world_size
-        if pcfg.world_size not in (1, world) or (pcfg.world_size == world and pcfg.rank not in (0, r)):
-            raise ValueError(
-                f"--rank/--world-size {pcfg.rank}/{pcfg.world_size} disagree with torchrun's {r}/{world}; "
-                "leave them out under torchrun"
-            )
-        pcfg = replace(pcfg, rank=r, world_size=world, port=pcfg.port + 2 * r)
-        metrics = tcfg.metrics_port
-        if metrics:  # 0 (any free port) and -1/None (off) stay as they are
-            metrics += r * (pcfg.producers + 1)
-        doc_log = tcfg.doc_log
-        if doc_log:
-            path = Path(doc_log)
-            doc_log = str(path.with_name(f"{path.stem}.rank{r}{path.suffix}"))
-        return pcfg, replace(tcfg, metrics_port=metrics, doc_log=doc_log)
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
@@ -223,23 +203,6 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------
 
-    def _log_docs(self, metas: list[SlotMeta]) -> None:
-        assert self._doc_log is not None
-        rows = []
-        for m in metas:
-            pieces = [[int(a), int(b), int(c)] for a, b, c in zip(m.doc_id, m.doc_start, m.doc_len)]
-            rows.append(
-                {
-                    "worker": m.worker,
-                    "seq": m.seq,
-                    "session": m.session,
-                    "docs": pieces,
-                    "targets": m.n_targets,
-                }
-            )
-        self._doc_log.write(json.dumps({"step": self.step, "batches": rows}) + "\n")
-        self._doc_log.flush()
-
     def start(self) -> None:
         self.receiver = Receiver(
             self.pcfg,
@@ -315,7 +278,7 @@ class Trainer:
             waited = stats.start_clock(waited)
             t0 = time.perf_counter()
             if self._doc_log:
-                self._log_docs(metas)
+                self._doc_log.write(self.step, metas)
             lr = lr_at(self.step, cfg)
             first = stats.first
             if self.model is None:  # --consume-only: the copy to the device is the whole step
@@ -335,7 +298,9 @@ class Trainer:
                         self.step + 1,
                     )
             else:
-                micro = [self.feed.to_device(s) for s in slots] or [self._empty_inputs()]
+                micro = [self.feed.to_device(s) for s in slots]
+                if not micro:  # this rank's producers are done, others' are not: a step on nothing
+                    micro = [empty_inputs(self.pcfg, self.device, cfg.attention, self.mask_cache)]
                 # torch.compile traces and compiles in the first step: minutes on a large model, said as it goes
                 with (
                     Announce("compiling the model (torch.compile, first step)", log)
@@ -363,14 +328,3 @@ class Trainer:
         if self.dist.broadcast(unsaved):
             self.save_checkpoint()
         return stats.finish(self.step, self._stop_reason, self._graphs, self.receiver.native_id)
-
-    def _empty_inputs(self) -> ModelInputs:
-        """A batch with no targets, for a rank whose producers are done while other ranks still train:
-        under DDP every rank must run the backward that all-reduces the gradients (it adds zeros)."""
-        B, T = self.pcfg.batch_size, self.pcfg.seq_len
-        tokens = torch.zeros(B, T, dtype=torch.long, device=self.device)
-        lengths = torch.zeros(B, dtype=torch.int32, device=self.device)
-        seg = (
-            torch.zeros(B, T, dtype=torch.int32, device=self.device) if self.pcfg.strategy == "pack" else None
-        )
-        return build_inputs(tokens, lengths, seg, attention=self.cfg.attention, mask_cache=self.mask_cache)
