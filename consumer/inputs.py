@@ -15,6 +15,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from lmpipe.consumer.model import IGNORE, AttnSpec
+from lmpipe.shared.config import PipelineConfig
 
 
 class MaskCache:
@@ -196,3 +197,15 @@ def build_inputs(
     )
     mask = (seg[:, :, None] == seg[:, None, :]) & causal
     return ModelInputs(idx, pos, targets, AttnSpec("dense", mask=mask[:, None]))
+
+
+def empty_inputs(
+    pcfg: PipelineConfig, device: torch.device, attention: str, mask_cache: MaskCache
+) -> ModelInputs:
+    """A batch with no targets, for a rank whose producers are done while other ranks still train:
+    under DDP every rank must run the backward that all-reduces the gradients (it adds zeros)."""
+    B, T = pcfg.batch_size, pcfg.seq_len
+    tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+    lengths = torch.zeros(B, dtype=torch.int32, device=device)
+    seg = torch.zeros(B, T, dtype=torch.int32, device=device) if pcfg.strategy == "pack" else None
+    return build_inputs(tokens, lengths, seg, attention=attention, mask_cache=mask_cache)

@@ -1,7 +1,11 @@
-"""What the trainer tells people: the end-of-run summary, the live status line, and MFU's denominator."""
+"""What the trainer tells people: the end-of-run summary, the live status line, and MFU's denominator.
+
+No torch here: lmpipe/progress.py imports this on hosts without it (the figures are counted in
+consumer/runstats.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -9,6 +13,10 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lmpipe.consumer.slots import SlotMeta
 
 # Dense bf16 peak FLOP/s by card name (substring of torch.cuda.get_device_name), for MFU; the benchmarks use
 # the same table. H100/H200 SXM: 989 TFLOP/s.
@@ -48,7 +56,7 @@ class Summary:
     steady_tokens: int = 0
     steady_seconds: float = 0.0
     steady_mfu: float = 0.0
-    # --consume-only: where the trainer's time went, per batch consumed (see consume_stages)
+    # --consume-only: where the trainer's time went, per batch consumed (see consumer/runstats.py)
     consume: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -188,3 +196,30 @@ class Announce:
         self._thread.join()
         if exc[0] is None:
             self.log.info("%s: done in %s", self.what, duration(time.monotonic() - self.start))
+
+
+class DocLog:
+    """--doc-log: one JSON line per step naming the document pieces of each of its batches (shard, sequence
+    number, session), so that a run can be checked to have trained each document exactly once."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a")  # noqa: SIM115 - closed by close()
+
+    def write(self, step: int, metas: list[SlotMeta]) -> None:
+        rows = []
+        for m in metas:
+            pieces = [[int(a), int(b), int(c)] for a, b, c in zip(m.doc_id, m.doc_start, m.doc_len)]
+            rows.append(
+                {
+                    "worker": m.worker,
+                    "seq": m.seq,
+                    "session": m.session,
+                    "docs": pieces,
+                    "targets": m.n_targets,
+                }
+            )
+        self._file.write(json.dumps({"step": step, "batches": rows}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()

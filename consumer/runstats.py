@@ -1,0 +1,268 @@
+"""The trainer's bookkeeping around its loop: what each step adds (tokens, targets, padding, data wait, the
+loss on the device), what each logging interval reports (metrics, the log line or progress call, a history
+row), and the end-of-run summary. The loss is read from the device once per interval, never per step.
+
+Apart from consumer/report.py (the summary and status line themselves), which stays importable without torch:
+lmpipe/progress.py uses it on hosts without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmpipe.consumer.report import Summary, format_loss, peak_flops, thread_cpu_seconds
+
+if TYPE_CHECKING:
+    from lmpipe.consumer.config import TrainConfig
+    from lmpipe.consumer.distributed import Dist
+    from lmpipe.consumer.feed import DeviceFeed
+    from lmpipe.consumer.scaler import LossScaler
+    from lmpipe.consumer.slots import SlotMeta
+    from lmpipe.shared.metrics import TrainerMetrics
+
+log = logging.getLogger("lmpipe.trainer")
+
+Progress = Callable[[int, dict], None]
+
+
+class CompiledGraphs:
+    """torch.compile graphs compiled since this trainer was built: dynamo's counter is per process, and the
+    benchmarks build several trainers in one."""
+
+    def __init__(self) -> None:
+        self._at_start = self._seen = self._now()
+
+    @staticmethod
+    def _now() -> int:
+        return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    @property
+    def total(self) -> int:
+        return self._seen - self._at_start
+
+    def count(self, metrics: TrainerMetrics) -> None:
+        graphs = self._now()
+        if graphs > self._seen:
+            metrics.recompiles.inc(graphs - self._seen)
+            if self._seen > self._at_start:
+                log.info("torch.compile: %d graph(s) compiled so far", graphs - self._at_start)
+            self._seen = graphs
+
+
+class RunStats:
+    """One run's counts: per step (add_step), per logging interval (close_interval) and for the summary
+    (finish). `published`: the loss scaler's overflow/skip counts already in the metrics (a resumed run's)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        dist: Dist,
+        metrics: TrainerMetrics,
+        feed: DeviceFeed,
+        device: torch.device,
+        scaler: LossScaler | None,
+        published: tuple[float, float],
+        flops_per_token: float,
+        trained: bool,
+        started: float,
+        step: int,
+    ):
+        self.cfg, self.dist, self.metrics, self.feed, self.device = cfg, dist, metrics, feed, device
+        self.scaler, self.published, self.flops_per_token = scaler, published, flops_per_token
+        self.trained, self.started = trained, started  # trained: False with --consume-only
+        self.summary = Summary()
+        self.batches = 0
+        self.run_start: float | None = None
+        # the interval so far
+        self._loss = torch.zeros((), device=device)
+        self._targets = self._tokens = 0
+        self._wait = 0.0
+        self._start: float | None = None
+        self._step = step
+        self._steady: tuple[float, int] | None = None  # (time, tokens) at the end of the first interval
+
+    @property
+    def first(self) -> bool:
+        """No step taken yet (torch.compile compiles in the first)."""
+        return math.isnan(self.summary.time_to_first_step)
+
+    def start_clock(self, waited: float) -> float:
+        """The clock starts with the first batch, not with the producers' start-up: the wait for that batch
+        is not data wait (0.0 then)."""
+        if self.run_start is not None:
+            return waited
+        self.run_start = self._start = time.perf_counter()
+        return 0.0
+
+    def first_step_done(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # once: the first step's real end
+        self.summary.time_to_first_step = time.perf_counter() - self.started
+        self.metrics.first_step_seconds.set(self.summary.time_to_first_step)
+
+    def add_step(self, metas: list[SlotMeta], loss_sum: torch.Tensor, waited: float, lr: float) -> None:
+        s, m = self.summary, self.metrics
+        real = sum(x.real_tokens for x in metas)
+        n_targets = sum(x.n_targets for x in metas)
+        pad = sum(x.pad_tokens for x in metas)
+        self.batches += len(metas)
+        self._loss += loss_sum
+        self._targets += n_targets
+        self._tokens += real
+        self._wait += waited
+        s.tokens += real
+        s.targets += n_targets
+        s.pad_tokens += pad
+        s.data_wait_seconds += waited
+        m.tokens.inc(real)
+        m.loss_tokens.inc(n_targets)
+        m.padding.inc(pad)
+        m.steps.inc()
+        m.data_wait.observe(waited)
+        m.lr.set(lr)
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.log_every == 0 or step == self.cfg.steps
+
+    def close_interval(self, step: int, lr: float, norm: torch.Tensor, progress: Progress | None) -> None:
+        """Report the interval ending at `step` and start the next."""
+        summary = self.summary
+        # the one host sync of the interval (and, under torchrun, one exchange of host scalars)
+        loss_all, targets_all, tokens_all = self.dist.sum([self._loss.item(), self._targets, self._tokens])
+        if not self.trained:
+            loss = 0.0  # --consume-only: nothing is trained
+        else:  # no trained target in the whole interval: no loss to show (0 would read as perfect)
+            loss = loss_all / targets_all if targets_all else math.nan
+        now = time.perf_counter()
+        assert self._start is not None  # set with the first batch
+        dt = now - self._start
+        stats = {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float(norm),
+            "tokens_per_second": self._tokens / dt if dt > 0 else 0.0,
+            "data_wait": self._wait / dt if dt > 0 else 0.0,
+            "step_seconds": dt / max(step - self._step, 1),
+            "step": step,
+            "elapsed": now - self.started,
+            "padding_efficiency": summary.padding_efficiency,
+            "mfu": 0.0,
+            "loss_scale": self.scaler.get_scale() if self.scaler else 1.0,
+        }
+        self._publish(stats)
+        if not math.isnan(loss):
+            summary.losses.append(loss)
+        tok_s = tokens_all / dt if dt > 0 else 0.0  # every rank's
+        summary.history.append({"step": step, "elapsed": stats["elapsed"], "loss": loss,
+                                "tokens_per_second": tok_s, "data_wait": stats["data_wait"]})  # fmt: skip
+        if not self.dist.is_main:
+            pass  # rank 0 speaks for the job
+        elif progress:
+            progress(step, {**stats, "tokens_per_second": tokens_all / dt if dt > 0 else 0.0})
+        else:
+            log.info(
+                "step %d | loss %s | lr %.2e | %.0f tok/s | data wait %.1f%%",
+                step,
+                format_loss(loss),
+                lr,
+                stats["tokens_per_second"],
+                100 * stats["data_wait"],
+            )
+        if self._steady is None:
+            self._steady = (now, summary.tokens)
+        self._loss.zero_()
+        self._targets = self._tokens = 0
+        self._wait = 0.0
+        self._start, self._step = now, step
+
+    def _publish(self, stats: dict) -> None:
+        m = self.metrics
+        self.feed.observe_h2d()
+        if not math.isnan(stats["loss"]):  # an interval without a trained target leaves the last loss
+            m.loss.set(stats["loss"])
+        m.grad_norm.set(stats["grad_norm"])
+        m.loss_scale.set(stats["loss_scale"])
+        if self.scaler is not None:
+            overflows, skipped = self.scaler.counters()
+            m.overflows.inc(overflows - self.published[0])
+            m.skipped.inc(skipped - self.published[1])
+            self.published = (overflows, skipped)
+            stats["overflows"], stats["skipped"] = overflows, skipped
+        if self.device.type == "cuda":
+            m.gpu_memory.labels("allocated").set(torch.cuda.memory_allocated(self.device))
+            m.gpu_memory.labels("reserved").set(torch.cuda.memory_reserved(self.device))
+            m.gpu_memory.labels("peak").set(torch.cuda.max_memory_allocated(self.device))
+            peak = peak_flops(torch.cuda.get_device_name(self.device))
+            if peak:
+                stats["mfu"] = stats["tokens_per_second"] * self.flops_per_token / peak
+                m.mfu.set(stats["mfu"])
+
+    def close_tail(self) -> None:
+        """The loss of the steps after the last interval (every rank calls this: a collective)."""
+        loss_all, targets_all = self.dist.sum([self._loss.item(), self._targets])
+        if targets_all:
+            self.summary.losses.append(loss_all / targets_all)
+
+    def finish(
+        self, step: int, stop_reason: str, graphs: CompiledGraphs, receive_thread: int | None
+    ) -> Summary:
+        """The summary, for the whole job (every rank calls this: collectives). `receive_thread`: the receive
+        thread's native id, for --consume-only's time per stage."""
+        summary, m = self.summary, self.metrics
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        summary.steps = step
+        if self._steady is not None:
+            summary.steady_seconds = end - self._steady[0]
+            summary.steady_tokens = summary.tokens - self._steady[1]
+        if self.dist.enabled:  # the summary speaks for the whole job
+            summary.tokens, summary.pad_tokens, summary.steady_tokens, summary.targets = (
+                int(v)
+                for v in self.dist.sum(
+                    [summary.tokens, summary.pad_tokens, summary.steady_tokens, summary.targets]
+                )
+            )
+        peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else 0.0
+        if peak:  # per GPU
+            summary.steady_mfu = (
+                summary.steady_tokens_per_second / self.dist.world_size * self.flops_per_token / peak
+            )
+        summary.seconds = end - self.run_start if self.run_start else 0.0
+        summary.first_loss = summary.losses[0] if summary.losses else float("nan")
+        summary.last_loss = summary.losses[-1] if summary.losses else float("nan")
+        summary.rejected, summary.stale, summary.refused = m.rejected_count, m.stale_count, m.refused_count
+        summary.compiled_graphs = graphs.total
+        if not self.trained:
+            summary.consume = self._consume_stages(receive_thread)
+        if stop_reason:
+            summary.stopped_by = stop_reason
+        elif self.cfg.steps and step >= self.cfg.steps:
+            summary.stopped_by = "step limit"
+        else:
+            summary.stopped_by = "end of data"
+        return summary
+
+    def _consume_stages(self, receive_thread: int | None) -> dict[str, float]:
+        """--consume-only: seconds per batch in the receive thread (receive, decode, validate, fill a slot;
+        its CPU time), in the copy to the device, and waiting for data."""
+        self.feed.observe_h2d()
+        n = max(self.batches, 1)
+        out = {
+            # the job's batches (the summary's tokens are the job's too); the times per batch are this rank's
+            "batches": self.dist.sum([float(self.batches)])[0],
+            "ranks": float(self.dist.world_size),
+            "copy_seconds_per_batch": self.feed.h2d_seconds / n,
+            "wait_seconds_per_batch": self.summary.data_wait_seconds / n,
+        }
+        cpu = thread_cpu_seconds(receive_thread)
+        if cpu is not None:
+            out["receive_seconds_per_batch"] = cpu / n
+            out["receive_busy"] = cpu / (time.perf_counter() - self.started)  # the thread's whole life
+        return out
