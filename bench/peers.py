@@ -229,7 +229,8 @@ def model_config(a, **over):
     from lmpipe.consumer.config import TrainConfig
 
     cuda = a.device.startswith("cuda")
-    return TrainConfig(model=a.model, steps=0, device=a.device, compile=cuda and a.compile, lr=6e-4, warmup=10,
+    model = "tiny" if a.model == "none" else a.model  # none: --consume-only, which builds no model
+    return TrainConfig(model=model, steps=0, device=a.device, compile=cuda and a.compile, lr=6e-4, warmup=10,
                        log_every=10, metrics_port=None, **over)  # fmt: skip
 
 
