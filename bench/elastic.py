@@ -20,39 +20,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import free_port_pair, table, write_result
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Every sample of a /metrics page, keyed `name` or `name{k=v,...}` (labels sorted)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
-
-
-def total(m: dict[str, float], name: str) -> float:
-    """`name` summed over its label sets (producer series carry a `worker` label)."""
-    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
-
-
-def try_scrape(port: int) -> dict[str, float] | None:
-    try:
-        return scrape(port)
-    except OSError:
-        return None
+from bench.stages import scrape
 
 
 def window(port: int, seconds: float) -> dict[str, float]:
-    """Trained tokens/s and the share of step time spent waiting for data, over `seconds`."""
+    """Trained tokens/s and the share of step time spent waiting for data, over `seconds`. (scrape: every
+    sample summed over its labels, {} while the port does not answer.)"""
     a = scrape(port)
     t0 = time.monotonic()
     time.sleep(seconds)
@@ -117,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.before):
             produce()
         deadline = time.monotonic() + 600
-        while (m := try_scrape(tport)) is None or m.get("lmpipe_trainer_steps_total", 0) < 1:
+        while scrape(tport).get("lmpipe_trainer_steps_total", 0) < 1:
             if trainer.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the trainer did not start training (exit {trainer.poll()})")
             time.sleep(0.5)
@@ -137,13 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             while "first_batch_s" not in got:
                 if p.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"a new producer did not send a batch (exit {p.poll()})")
-                m = try_scrape(mport)
+                m = scrape(mport)
                 now = time.monotonic() - t0
-                if m is not None:
+                if m:  # serving /metrics
                     got.setdefault("metrics_up_s", now)
-                    if total(m, "lmpipe_producer_shards_held") > 0:
+                    if m.get("lmpipe_producer_shards_held", 0) > 0:
                         got.setdefault("shards_s", now)
-                    if total(m, "lmpipe_producer_batches_sent_total") > 0:
+                    if m.get("lmpipe_producer_batches_sent_total", 0) > 0:
                         got["first_batch_s"] = now
                 time.sleep(0.05)
             joined.append(got)
