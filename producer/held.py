@@ -57,6 +57,7 @@ class Holdings:
         if old is not None and old.gen is not None:
             old.gen.close()
         self.assigned.add(shard)
+        stream.hold()
         h = HeldShard(shard, stream, lease, next_seq - 1)
         h.docs_counted = stream.stats.documents
         h.gen = self._batches(h, cursor)
@@ -72,6 +73,7 @@ class Holdings:
             h = self.shards.pop(s)
             if h.gen is not None:
                 h.gen.close()
+            h.stream.release()
         return gone
 
     def clear(self) -> None:
@@ -101,3 +103,4 @@ class Holdings:
         for b in batches(h.stream, self.spec, cursor, self.epochs, dtype=self.dtype):
             h.end_cursor = b.cursor
             yield b
+        h.stream.release()  # every epoch read: no later pass keeps its records

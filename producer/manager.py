@@ -34,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from lmpipe.producer.batching import BatchSpec
 from lmpipe.producer.held import HeldShard, Holdings
+from lmpipe.producer.scan import SharedScan
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
@@ -88,6 +89,7 @@ class Producer:
             )
         self.spec = BatchSpec.of(cfg)
         self.dtype = token_dtype(self.tok.vocab_size)
+        self._scan: SharedScan | None = None  # one read of the corpus for the shards held (scan.py)
         self.holdings = Holdings(self._stream, self.spec, cfg.epochs, self.dtype)
         for m in (self.metrics.tokens, self.metrics.padding):
             m.labels(cfg.strategy)
@@ -110,6 +112,9 @@ class Producer:
         )
 
     def _stream(self, shard: int, total: int) -> DocStream:
+        shards = total * self.cfg.world_size  # a stream's key in the scan is its global shard number
+        if self._scan is None or self._scan.total != shards:  # a new split: nothing carries over
+            self._scan = SharedScan(self.corpus, shards)
         return DocStream(
             self.corpus,
             self.tok,
@@ -121,6 +126,7 @@ class Producer:
             shuffle_window=self.cfg.shuffle_window,
             on_bad=self._bad_record,
             on_tokenize=self.metrics.tokenize.observe,
+            scan=self._scan,
         )
 
     # -- bookkeeping -------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from itertools import islice
 
 import numpy as np
 
+from lmpipe.producer.scan import SharedScan
 from lmpipe.producer.sources import Corpus, Record
 from lmpipe.shared.tokenizer import TokenizerInfo
 
@@ -66,6 +67,7 @@ class DocStream:
         encode_batch: int = 512,
         on_bad: Callable[[str, str, str], None] | None = None,
         on_tokenize: Callable[[float], None] | None = None,
+        scan: SharedScan | None = None,
     ):
         if not 0 <= worker < num_workers or not 0 <= rank < world_size:
             raise ValueError(f"worker {worker} of {num_workers}, rank {rank} of {world_size}: out of range")
@@ -82,8 +84,24 @@ class DocStream:
         self.on_bad = on_bad
         self.on_tokenize = on_tokenize  # called with the seconds of each encode_batch call
         self.stats = StreamStats()
+        # the producer's one read of a streamed corpus for all the shards it holds (producer/scan.py)
+        self.scan = scan if scan is not None and not corpus.random_access else None
+        if self.scan is not None and self.scan.total != self.total_workers:
+            raise ValueError(
+                f"a scan for {self.scan.total} shards cannot serve shard {self.worker_global} of {self.total_workers}"
+            )
         self._reported = False
         self._share_checked = False
+
+    def hold(self) -> None:
+        """A producer holds this shard: the shared scan keeps its records from the next pass on."""
+        if self.scan is not None:
+            self.scan.hold(self.worker_global)
+
+    def release(self) -> None:
+        """It no longer does (given up, or done with every epoch)."""
+        if self.scan is not None:
+            self.scan.release(self.worker_global)
 
     def _check_share(self, n: int) -> None:
         """Warn once when this worker's share of the corpus is empty or a single document."""
@@ -120,7 +138,11 @@ class DocStream:
         """Good records this worker owns, reporting bad ones (only on the first pass, not every epoch)."""
         report = None if self._reported else self.on_bad
         good = 0
-        for rec in self.corpus.records(self.worker_global, self.total_workers):
+        if self.scan is not None:
+            source = self.scan.records(self.worker_global)
+        else:
+            source = self.corpus.records(self.worker_global, self.total_workers)
+        for rec in source:
             if report is not None and rec.warnings:
                 for reason, where, detail in rec.warnings:
                     report(reason, where, detail)
@@ -169,16 +191,16 @@ class DocStream:
             if not chunk:
                 return
             # (chunk index, text); a prompt/completion record encodes both, the prompt under key -1 - i
-            texts = [(i, rec.text) for i, (_, rec) in enumerate(chunk) if rec.ids is None]
+            texts = [(i, rec.text or "") for i, (_, rec) in enumerate(chunk) if rec.ids is None]
             texts += [(-1 - i, rec.prompt) for i, (_, rec) in enumerate(chunk) if rec.prompt is not None]
             encoded: dict[int, list[int]] = {}
             if texts:
                 t0 = time.perf_counter()
-                # encode_batch runs in Rust threads with the GIL released
-                encs = self.tok.tokenizer.encode_batch([t for _, t in texts], add_special_tokens=False)
+                # encoded in Rust, in threads unless TOKENIZERS_PARALLELISM=false, with the GIL released
+                ids_of = self.tok.encode_ids([t for _, t in texts])
                 if self.on_tokenize:
                     self.on_tokenize(time.perf_counter() - t0)
-                encoded = {i: e.ids for (i, _), e in zip(texts, encs)}
+                encoded = {i: ids for (i, _), ids in zip(texts, ids_of)}
             for i, (pos, rec) in enumerate(chunk):
                 ids = encoded[i] if rec.ids is None else rec.ids
                 mask = None

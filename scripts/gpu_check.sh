@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|ceiling|ablation|overhead|fp8|precision|resume|loss-memory|ddp|scaling|peers|elastic|all]
+#   scripts/gpu_check.sh [tests|ceiling|kernels|ablation|overhead|fp8|precision|resume|loss-memory|ddp|scaling|peers|elastic|all]
 #                        [extra benchmark args...]
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
 # On the team's lent GPU machine pyzmq and liger-kernel come as wheels in .whl/ (see README, Development),
@@ -40,6 +40,7 @@ case $stage in
     # every cuda-marked test, from the files that hold them (others may import CPU-only dev extras)
     tests|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m cuda $(grep -l "mark.cuda" tests/test_*.py) ;;&
     ceiling|all) run ceiling python3 -m bench.ceiling --out "$OUT" "$@" ;;&
+    kernels|all) run kernels python3 -m bench.kernels --out "$OUT" "$@" ;;&
     ablation|all) run ablation python3 -m bench.ablation --out "$OUT" "$@" ;;&
     overhead|all) run overhead python3 -m bench.overhead --out "$OUT" "$@" ;;&
     fp8|all) run fp8 python3 -m bench.fp8 --out "$OUT" "$@" ;;&
@@ -51,7 +52,7 @@ case $stage in
     peers) run peers python3 -m bench.peers --out "$OUT" "$@" ;;&
     elastic) run elastic python3 -m bench.elastic --data "$LMPIPE_WIKITEXT"/*.txt --doc-split heading \
         --seq-len 1024 --batch-size 16 --before 1 --after 4 --out "$OUT" "$@" ;;&
-    tests|ceiling|ablation|overhead|fp8|precision|resume|loss-memory|ddp|scaling|peers|elastic|all) ;;
+    tests|ceiling|kernels|ablation|overhead|fp8|precision|resume|loss-memory|ddp|scaling|peers|elastic|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

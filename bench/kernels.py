@@ -1,0 +1,127 @@
+"""Where a training step's GPU time goes, by kind of kernel (issue: MFU on GPT-2 124M).
+
+    python -m bench.kernels                      # GPT-2 124M, T=1024, 32 rows, bf16, compile, synthetic-fed
+
+torch.profiler over `--steps` synthetic-fed steps after `--warmup`; each CUDA kernel is put in one class by
+its name (matmuls, FlexAttention, the loss, the optimizer, inductor's fused elementwise and reduction
+kernels, copies), with its share of the GPU's time, and the matmuls' achieved TFLOP/s against the model's
+matmul FLOPs. Says which lever is worth pulling: a class that holds a tenth of the step can give at most a
+tenth. Writes bench/results/kernels-<date>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from bench.common import table, write_result
+from bench.trainbench import (
+    apply_smoke,
+    bench_data,
+    common_args,
+    device_batches,
+    pipeline_config,
+    train_config,
+)
+from lmpipe.consumer.inputs import build_inputs
+from lmpipe.consumer.report import peak_flops
+from lmpipe.consumer.step import lr_at
+from lmpipe.consumer.trainer import Trainer
+
+# first match wins; names as CUDA, cuBLAS, Triton (inductor) and FlexAttention give them
+CLASSES = [
+    ("matmul (cuBLAS/CUTLASS)", r"gemm|nvjet|cutlass|sm90_xmma|sm80_xmma|ampere_|splitK"),
+    ("FlexAttention", r"flex_attention|flex_decoding|triton_tem_fused"),
+    ("optimizer (fused AdamW, grad norm)", r"adam|multi_tensor|foreach|_amp_|norm_kernel"),
+    ("loss (log-softmax, cross-entropy)", r"log_softmax|nll_loss|cross_entropy|logsumexp"),
+    ("inductor fused reductions (layer norm, loss, sums)", r"triton_red|triton_per"),
+    ("inductor fused elementwise (GELU, adds, casts)", r"triton_poi"),
+    ("copies and fills", r"copy|Memcpy|Memset|fill|cat"),
+    ("NCCL", r"nccl"),
+]
+
+
+def classify(name: str) -> str:
+    return next((c for c, pat in CLASSES if re.search(pat, name, re.I)), "other")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(p)
+    p.set_defaults(model="gpt2-124m", seq_len=1024, batch_size=32, warmup=15, steps=10)
+    p.add_argument("--top", type=int, default=15, help="kernels listed by GPU time")
+    args = apply_smoke(p.parse_args())
+    tok, shards = bench_data(Path(args.work))
+    pcfg, tcfg = pipeline_config(shards, tok, args), train_config(args)
+    trainer = Trainer(pcfg, tcfg)
+    data = device_batches(pcfg, 8, trainer.device)
+    cuda = trainer.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(i: int) -> None:
+        t, lengths, seg, n_targets, _, seg_host = data[i % len(data)]
+        inp = build_inputs(t, lengths, seg, attention=tcfg.attention, mask_cache=trainer.mask_cache,
+                           seg_host=seg_host)  # fmt: skip
+        trainer.runner.step([inp], n_targets, lr_at(i, tcfg))
+
+    for i in range(args.warmup):
+        step(i)
+    sync()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            step(args.warmup + i)
+        sync()
+        wall = (time.perf_counter() - t0) / args.steps
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_class: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        per_class[classify(e.key)] += e.self_device_time_total / 1e3 / args.steps  # ms per step
+    gpu = sum(per_class.values()) or float("nan")  # nan off CUDA: no kernel times to share out
+    model, T = trainer.model, args.seq_len
+    tokens = args.batch_size * T
+    flops = model.flops_per_token(T) * tokens
+    cfg = model.config
+    attention_flops = 12 * cfg.n_layer * cfg.n_embd * T * tokens
+    peak = peak_flops(torch.cuda.get_device_name()) if cuda else 0.0
+    rows = [
+        [c, f"{ms:.2f}", f"{100 * ms / gpu:.1f}"] for c, ms in sorted(per_class.items(), key=lambda x: -x[1])
+    ]
+    rows.append(["GPU total", f"{gpu:.2f}", "100.0"])
+    mm = per_class.get(CLASSES[0][0], 0.0)
+    facts = [
+        ["wall time per step", f"{1e3 * wall:.2f} ms (GPU busy {100 * gpu / (1e3 * wall):.1f}%)"],
+        ["tokens/s", f"{tokens / wall:,.0f}"],
+        ["MFU (6N + attention, PaLM)", f"{100 * flops / wall / peak:.1f}%" if peak else "n/a"],
+        ["matmul FLOPs per step (6N)", f"{(flops - attention_flops) / 1e12:.2f} TFLOP"],
+        [
+            "matmuls' achieved rate",
+            f"{(flops - attention_flops) / (mm / 1e3) / 1e12:.0f} TFLOP/s" if mm else "n/a",
+        ],
+        ["time outside matmuls", f"{gpu - mm:.2f} ms per step ({100 * (gpu - mm) / gpu:.1f}% of GPU time)"],
+    ]
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[: args.top]
+    top_rows = [[e.key[:90], classify(e.key), e.count // args.steps, f"{e.self_device_time_total / 1e3 / args.steps:.3f}"]
+                for e in top]  # fmt: skip
+    body = (
+        f"{args.model}, T={T}, batch {args.batch_size} rows, {args.precision}, compile={args.compile}, "
+        f"attention {tcfg.attention}, fused CE={args.fused_ce}; synthetic-fed (WikiText-2 batches on the "
+        f"device), {args.warmup} untimed + {args.steps} profiled steps.\n\n"
+        + table(["", ""], facts)
+        + "\n\n## GPU time per step by kind of kernel\n\n"
+        + table(["kind", "ms per step", "% of GPU time"], rows)
+        + f"\n\n## The {args.top} kernels that take longest\n\n"
+        + table(["kernel", "kind", "calls per step", "ms per step"], top_rows)
+    )
+    print(body)
+    write_result("kernels", "Where a step's GPU time goes", body, args.out)
+
+
+if __name__ == "__main__":
+    main()
