@@ -2,8 +2,8 @@
 
     python -m bench.producer                     # WikiText-2 valid+test, pack, T=1024, 16 rows
 
-Each source runs in its own process, one after the other in this run: the bare tokenizer's
-`encode_batch` over every document (the ceiling for raw text), the producer's full path from raw text
+Each source runs in its own process, one after the other in this run: the bare tokenizer
+(`encode_ids`) over every document (the ceiling for raw text), the producer's full path from raw text
 (read, split, tokenize, shuffle, pack into batches) for one shard, the same for `--shards` shards served
 round robin as a producer serves them, with one shared read of the corpus per epoch (producer/scan.py) and
 with a read per shard (as before the shared read), and the same from shards (no tokenizing). Sockets are
@@ -38,12 +38,9 @@ def _measure(
     tokens = passes = 0
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        if mode == "tokenizer":  # the documents are already in memory: only encode_batch is timed
+        if mode == "tokenizer":  # the documents are already in memory: only encoding is timed
             for i in range(0, len(texts), 512):
-                tokens += sum(
-                    len(e.ids)
-                    for e in tok.tokenizer.encode_batch(texts[i : i + 512], add_special_tokens=False)
-                )
+                tokens += sum(len(ids) for ids in tok.encode_ids(texts[i : i + 512]))
         elif mode.startswith("split"):  # n shards, one batch each in turn (a producer's round robin)
             corpus = Corpus(files)
             scan = SharedScan(corpus, n) if mode == "split-shared" else None
@@ -104,7 +101,7 @@ def main() -> None:
         print(f"{mode}: {results[-1]['tokens_per_second']:,.0f} tokens/s", flush=True)
     bare = results[0]["tokens_per_second"]
     names = {
-        "tokenizer": "bare tokenizer (encode_batch only)",
+        "tokenizer": "bare tokenizer (encode_ids only)",
         "text": "producer from raw text (read, tokenize, shuffle, pack), 1 shard",
         "split-shared": f"the same, {args.shards} shards, one shared read of the corpus per epoch",
         "split-alone": f"the same, {args.shards} shards, a read per shard (before the shared read)",
@@ -117,7 +114,7 @@ def main() -> None:
     body = (
         f"WikiText-2 valid+test (a BPE tokenizer with 32k tokens trained on it), pack, T={args.seq_len}, "
         f"{args.batch_size} rows; one process per source, {os.cpu_count()} cores visible "
-        "(encode_batch uses all of them). No sockets: the rate at which one producer makes batches.\n\n"
+        "(the tokenizer uses all of them). No sockets: the rate at which one producer makes batches.\n\n"
         + table(["source", "tokens/s", "vs bare tokenizer", "passes"], rows)
         + f"\n\n{args.shards} shards with the shared read run at "
         f"{results[2]['tokens_per_second'] / results[1]['tokens_per_second']:.3f}x one shard's speed, and "

@@ -1,0 +1,165 @@
+"""Document-masked attention kernels side by side, on the packed batches the trainer gets (issue: MFU).
+
+    python -m bench.attention                    # GPT-2 124M's shape: 32 x 1024 tokens, 12 heads of 64, bf16
+
+FlexAttention is a sixth of a GPT-2 124M step on an H100 (bench/results/kernels-*.md). Each variant runs
+forward + backward on the same WikiText-2 packed batches (documents of ~210 tokens, so most of a row's
+causal triangle is masked), is checked against the trainer's kernel (outputs and gradients), and timed:
+- flex, 128-blocks: the trainer's FlexAttention with its block mask (consumer/inputs.py);
+- flex, 128-blocks, max-autotune: the same compiled with mode max-autotune-no-cudagraphs (tuned tiles);
+- flex, 64-blocks: a block mask of 64 x 64 blocks (less of each block masked out, more blocks);
+- varlen: torch.nn.attention.varlen (FlashAttention-2 inside torch) over the rows' document pieces, where
+  torch has it;
+- SDPA causal: plain causal attention ignoring documents, the work a row would cost without the mask.
+Writes bench/results/attention-<date>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from bench.common import table, write_result
+from bench.trainbench import bench_data, device_batches, pipeline_config
+from lmpipe.consumer.inputs import document_block_mask_host
+
+
+def cu_seqlens(seg_host: np.ndarray) -> tuple[np.ndarray, int]:
+    """Start of every document piece in the flattened [B * L] tokens, and B * L at the end; the longest."""
+    B, L = seg_host.shape
+    new = np.ones((B, L), dtype=bool)
+    new[:, 1:] = seg_host[:, 1:] != seg_host[:, :-1]
+    starts = np.flatnonzero(new.ravel())
+    cu = np.append(starts, B * L).astype(np.int32)
+    return cu, int(np.diff(cu).max())
+
+
+def varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    causal = (
+        {"is_causal": True}
+        if "is_causal" in inspect.signature(varlen_attn).parameters
+        else {"window_size": (-1, 0)}
+    )
+
+    def run(q, k, v, cu, max_len):  # q, k, v: [B, L, H, D] -> [B, L, H, D]
+        B, L, H, D = q.shape
+        flat = [t.reshape(B * L, H, D) for t in (q, k, v)]
+        return varlen_attn(*flat, cu, cu, max_len, max_len, **causal).view(B, L, H, D)
+
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=12, help="calls per training step (one per layer)")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--work", default="/tmp/lmpipe-bench")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.attention needs a CUDA GPU")
+    dev = torch.device("cuda")
+    tok, shards = bench_data(Path(a.work))
+    args = argparse.Namespace(seq_len=a.seq_len, batch_size=a.batch_size, producers=1)
+    batches = device_batches(pipeline_config(shards, tok, args), 4, dev)
+    B, L, H, D = a.batch_size, a.seq_len, a.heads, a.head_dim
+    g = torch.Generator(device=dev).manual_seed(0)
+    qkv = torch.randn(B, L, 3 * H * D, device=dev, dtype=torch.bfloat16, generator=g)
+    grad_out = torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16, generator=g)
+
+    def qkv_views(x):  # as the model makes them: one projection, split, heads second
+        return [t.view(B, L, H, D).transpose(1, 2) for t in x.split(H * D, dim=2)]
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    flex_tuned = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    vl = varlen_fn()
+
+    def make(name: str):
+        """(prepare(batch) -> state, call(q, k, v, state) -> out [B, H, L, D])"""
+        if name.startswith("flex"):
+            block = 64 if "64" in name else 128
+            fn = flex_tuned if "autotune" in name else flex
+            return (
+                lambda bt: document_block_mask_host(bt[5], bt[2], block),
+                lambda q, k, v, bm: fn(q, k, v, block_mask=bm),
+            )
+        if name.startswith("varlen"):
+            assert vl is not None
+
+            def prep(bt):
+                cu, m = cu_seqlens(bt[5])
+                return torch.from_numpy(cu).to(dev), m
+
+            def call(q, k, v, st):
+                out = vl(*(t.transpose(1, 2) for t in (q, k, v)), *st)
+                return out.transpose(1, 2)
+
+            return prep, call
+        return (lambda bt: None), (lambda q, k, v, _: sdpa(q, k, v, is_causal=True))
+
+    names = ["flex, 128-blocks (the trainer's)", "flex, 128-blocks, max-autotune", "flex, 64-blocks"]
+    names += ["varlen (FlashAttention-2 in torch)"] if vl is not None else []
+    names += ["SDPA causal, no document mask (reference work)"]
+    ref: list[tuple[torch.Tensor, torch.Tensor]] = []
+    rows = []
+    for name in names:
+        try:
+            prep, call = make(name)
+            states = [prep(bt) for bt in batches]
+
+            def once(i: int, keep: bool = False, call=call, states=states):
+                x = qkv.detach().requires_grad_()
+                out = call(*qkv_views(x), states[i % len(states)])
+                out.backward(grad_out)
+                return (out.detach(), x.grad) if keep else None
+
+            got = once(0, keep=True)
+            for i in range(3):  # compile, autotune, warm up
+                once(i)
+            if not ref:
+                ref.append(got)
+            err = max((got[0] - ref[0][0]).abs().max().item(), (got[1] - ref[0][1]).abs().max().item())
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(a.iters):
+                once(i)
+            torch.cuda.synchronize()
+            ms = 1e3 * (time.perf_counter() - t0) / a.iters
+            rows.append([name, f"{ms:.3f}", f"{ms * a.layers:.2f}", f"{err:.3g}"])
+        except Exception as exc:  # a variant this torch cannot run is reported, not fatal
+            rows.append([name, "failed", "", f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"])
+        print(rows[-1], flush=True)
+    base = float(rows[0][1]) if rows[0][1] != "failed" else float("nan")
+    for r in rows:
+        r.insert(3, f"{base / float(r[1]):.2f}" if r[1] != "failed" else "")
+    docs = np.mean([len(cu_seqlens(bt[5])[0]) - 1 for bt in batches]) / B
+    body = (
+        f"B={B}, T={L}, {H} heads of {D}, bf16, forward + backward per call, {a.iters} timed calls after 4 "
+        f"untimed; WikiText-2 packed batches ({docs:.1f} document pieces a row). torch {torch.__version__}. "
+        "max |diff|: against the first row, over the output and the gradient of the fused q/k/v "
+        "projection (SDPA causal differs by design: it ignores documents).\n\n"
+        + table(
+            ["kernel", "ms per call", f"ms per step ({a.layers} layers)", "speed vs flex", "max |diff|"], rows
+        )
+    )
+    print(body)
+    write_result("attention", "Document-masked attention kernels side by side", body, a.out)
+
+
+if __name__ == "__main__":
+    main()
