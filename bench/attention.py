@@ -29,6 +29,19 @@ from bench.common import table, write_result
 from bench.trainbench import bench_data, device_batches, pipeline_config
 from lmpipe.consumer.inputs import document_block_mask_host
 
+# FlexAttention tile sizes to try (kernel_options; fwd_/bwd_ name one direction's). "bwd 32/64/64/32":
+# what max-autotune picked for the backward on an H100 (bench/results/attention-*.md); "gym": the options
+# PyTorch's attention-gym benchmark uses for document masks.
+KERNEL_OPTIONS: dict[str, dict] = {
+    "bwd 32/64/64/32": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                        "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "fwd 64x64 + bwd 32/64/64/32": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 32,
+                                    "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                                    "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "gym": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 32, "fwd_num_warps": 8, "fwd_num_stages": 4,
+            "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64},
+}  # fmt: skip
+
 
 def cu_seqlens(seg_host: np.ndarray) -> tuple[np.ndarray, int]:
     """Start of every document piece in the flattened [B * L] tokens, and B * L at the end; the longest."""
@@ -89,14 +102,13 @@ def main() -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     vl = varlen_fn()
 
-    def make(name: str):
+    def make(name: str, block: int = 128, tuned: bool = False, options: dict | None = None):
         """(prepare(batch) -> state, call(q, k, v, state) -> out [B, H, L, D])"""
         if name.startswith("flex"):
-            block = 64 if "64" in name else 128
-            fn = flex_tuned if "autotune" in name else flex
+            fn = flex_tuned if tuned else flex
             return (
                 lambda bt: document_block_mask_host(bt[5], bt[2], block),
-                lambda q, k, v, bm: fn(q, k, v, block_mask=bm),
+                lambda q, k, v, bm: fn(q, k, v, block_mask=bm, kernel_options=options),
             )
         if name.startswith("varlen"):
             assert vl is not None
@@ -112,14 +124,21 @@ def main() -> None:
             return prep, call
         return (lambda bt: None), (lambda q, k, v, _: sdpa(q, k, v, is_causal=True))
 
-    names = ["flex, 128-blocks (the trainer's)", "flex, 128-blocks, max-autotune", "flex, 64-blocks"]
-    names += ["varlen (FlashAttention-2 in torch)"] if vl is not None else []
-    names += ["SDPA causal, no document mask (reference work)"]
+    variants: list[tuple[str, dict]] = [
+        ("flex, 128-blocks (the trainer's)", {}),
+        ("flex, 128-blocks, max-autotune", {"tuned": True}),
+        *[(f"flex, 128-blocks, {k}", {"options": o}) for k, o in KERNEL_OPTIONS.items()],
+        ("flex, 64-blocks, max-autotune", {"block": 64, "tuned": True}),
+        *[(f"flex, 64-blocks, {k}", {"block": 64, "options": o}) for k, o in KERNEL_OPTIONS.items()
+          if "fwd_BLOCK_M" in o and all(v <= 64 for n, v in o.items() if "BLOCK" in n)],
+    ]  # fmt: skip
+    variants += [("varlen (FlashAttention-2 in torch)", {})] if vl is not None else []
+    variants += [("SDPA causal, no document mask (reference work)", {})]
     ref: list[tuple[torch.Tensor, torch.Tensor]] = []
     rows = []
-    for name in names:
+    for name, kw in variants:
         try:
-            prep, call = make(name)
+            prep, call = make(name, **kw)
             states = [prep(bt) for bt in batches]
 
             def once(i: int, keep: bool = False, call=call, states=states):
