@@ -32,6 +32,14 @@ VARIANTS: list[tuple] = [
         {},
         {"compile_mode": "max-autotune-no-cudagraphs"},
     ),
+    # the same, with matmuls left to cuBLAS (which max-autotune picks anyway): what tuned FlexAttention tiles
+    # buy, without minutes of matmul autotuning (bench/results/attention-*.md)
+    (
+        "max-autotune for FlexAttention only (matmuls: cuBLAS)",
+        {},
+        {"compile_mode": "max-autotune-no-cudagraphs"},
+        {"max_autotune_gemm_backends": "ATEN"},
+    ),
     ("fp8 matmuls in the blocks (torchao float8)", {}, {"precision": "fp8"}),
     # gpt-fast's and modded-nanogpt's setting: inductor tunes each generated kernel's launch parameters
     ("coordinate-descent tuning (inductor)", {}, {}, {"coordinate_descent_tuning": True}),
