@@ -14,8 +14,15 @@ from lmpipe.shared.settings import at_least, between, positive, setting, validat
 MODELS = ("tiny", "small", "gpt2-124m", "gpt2-350m")  # consumer/model.PRESETS (tests/test_config.py)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")
 # torch.compile modes: "reduce-overhead" adds CUDA graphs (launch overhead: small models), "max-autotune"
-# tries Triton matmul templates (long compiles). bench/results/ablation-*.md measures each.
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+# tries Triton matmul templates (long compiles), "autotune-attention" (ours) tunes only FlexAttention's tiles
+# and leaves the matmuls to cuBLAS. bench/results/ablation-*.md measures each.
+COMPILE_MODES = (
+    "default",
+    "reduce-overhead",
+    "max-autotune-no-cudagraphs",
+    "max-autotune",
+    "autotune-attention",
+)
 ATTENTIONS = ("auto", "flex", "dense")
 TRAINING, CHECKPOINTS = "training", "checkpoints"
 
@@ -90,7 +97,10 @@ class TrainConfig:
     grad_checkpointing: bool = setting(False, help="recompute activations in backward")
     compile: bool = setting(False, help="torch.compile the model")
     compile_mode: str = setting(
-        "default", choices=COMPILE_MODES, help="torch.compile mode (reduce-overhead: CUDA graphs)"
+        "default",
+        choices=COMPILE_MODES,
+        help="torch.compile mode (reduce-overhead: CUDA graphs; autotune-attention: FlexAttention's tiles "
+        "tuned at the first step, matmuls left to cuBLAS)",
     )
     # Under torchrun, DDP all-reduces fp32 gradients; bf16 halves the bytes on the wire (torch's
     # bf16_compress_hook: each bucket cast to bf16, averaged, cast back), at bf16's 8-bit mantissa in the sum.

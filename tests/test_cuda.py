@@ -164,8 +164,12 @@ def test_fp16_dynamic_scaling_end_to_end(procs, tmp_path, port):
 
 @pytest.mark.parametrize(
     "extra",
-    [["--compile", "--compile-mode", "reduce-overhead"], ["--precision", "fp8", "--compile"]],
-    ids=["cuda-graphs", "fp8"],
+    [
+        ["--compile", "--compile-mode", "reduce-overhead"],
+        ["--precision", "fp8", "--compile"],
+        ["--compile", "--compile-mode", "autotune-attention"],
+    ],
+    ids=["cuda-graphs", "fp8", "autotune-attention"],
 )
 def test_cuda_graphs_and_fp8_train(procs, tmp_path, port, extra):
     summary = tmp_path / "s.json"

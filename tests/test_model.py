@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 import torch
 
+from lmpipe.consumer.build import AUTOTUNE_ATTENTION, build
 from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.distributed import Dist
 from lmpipe.consumer.inputs import MaskCache, build_inputs, positions, targets_for
 from lmpipe.consumer.model import GPT, IGNORE, AttnSpec, preset
 from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer
 from lmpipe.producer.batching import BatchSpec, batches
+from lmpipe.shared.config import PipelineConfig
 from tests.helpers import ListStream, tiny_model
 
 
@@ -238,3 +241,32 @@ def test_flex_attention_trains_like_dense_at_any_row_width(L):
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("default", {"mode": None}),
+        ("reduce-overhead", {"mode": "reduce-overhead"}),
+        ("autotune-attention", {"options": AUTOTUNE_ATTENTION}),
+    ],
+)
+def test_compile_modes_reach_torch_compile(monkeypatch, mode, expected):
+    """--compile-mode autotune-attention is max-autotune's options with the matmuls left to cuBLAS."""
+    seen: dict = {}
+
+    def compile_spy(model, **kw):
+        seen.update(kw)
+        return model
+
+    monkeypatch.setattr(torch, "compile", compile_spy)
+    tcfg = TrainConfig(model="tiny", compile=True, compile_mode=mode, metrics_port=None)
+    build(PipelineConfig(seq_len=64), tcfg, 512, torch.device("cpu"), "fp32", None, Dist())
+    assert {k: v for k, v in seen.items() if k != "dynamic"} == expected
+    assert seen["dynamic"] is False
+    if mode == "autotune-attention":
+        assert AUTOTUNE_ATTENTION["max_autotune_gemm_backends"] == "ATEN"
+        assert (
+            torch._inductor.list_mode_options("max-autotune-no-cudagraphs").items()
+            <= {k: v for k, v in AUTOTUNE_ATTENTION.items() if k != "max_autotune_gemm_backends"}.items()
+        )
