@@ -5,7 +5,8 @@ packing and consumer.
     python -m bench.peers --workers 1,4,8 --loaders lmpipe,dataloader
 
 Loaders (N = workers = producers, one core each, TOKENIZERS_PARALLELISM=false everywhere):
-- lmpipe: N producer processes from raw text into `lmpipe train --consume-only` (in process);
+- lmpipe: N producer processes from raw text (forked, as `lmpipe run` starts them) into the trainer's
+  consume-only loop (in process);
 - lmpipe-shards: the same from shards written by `lmpipe prepare` (tokenized once);
 - dataloader: torch.utils.data.DataLoader, N workers, an IterableDataset that runs lmpipe's own reading,
   tokenization and packing (DocStream + batches) in each worker, pinned memory on CUDA;
@@ -44,7 +45,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from bench.common import WIKITEXT, free_port_pair, stop, table, write_result
-from bench.stages import peak_rss, start_producers
+from bench.stages import peak_rss
 from bench.trainbench import bench_data
 
 LOADERS = ("lmpipe", "lmpipe-shards", "dataloader", "torchdata", "streaming")
@@ -241,6 +242,7 @@ def import_loader(name: str) -> None:
     """The loader's modules, imported before the clock starts: time to first batch is the loader's own."""
     if name.startswith("lmpipe"):
         import lmpipe.consumer.trainer  # noqa: F401
+        import lmpipe.producer.manager  # noqa: F401  # what its forked producers run
     elif name == "torchdata":
         import torchdata.stateful_dataloader  # noqa: F401
     elif name == "streaming":
@@ -289,14 +291,18 @@ def child_throughput(a) -> dict:
 
 def lmpipe_throughput(a, t0: float) -> dict:
     from lmpipe.consumer.trainer import Trainer
-    from lmpipe.shared.config import PipelineConfig, pipeline_argv
+    from lmpipe.launch import fork_producers
+    from lmpipe.shared.config import PipelineConfig
+    from lmpipe.shared.tokenizer import load_tokenizer
 
     data = [a.shards] if a.loader == "lmpipe-shards" else a.text
     pcfg = PipelineConfig(data=data, tokenizer=a.tok, strategy="pack", seq_len=a.seq_len, batch_size=a.batch_size,
                           producers=a.workers, port=free_port_pair(), shuffle_window=1000)  # fmt: skip
     tcfg = model_config(a, consume_only=a.model == "none")
+    # as `lmpipe run` does: the tokenizer loaded by its checks, producers forked before the trainer starts
+    load_tokenizer(pcfg.tokenizer)
+    procs = fork_producers(pcfg, -1, 0.0, "WARNING")
     trainer = Trainer(pcfg, tcfg)
-    procs = start_producers(pipeline_argv(pcfg), [-1] * a.workers)
     reg = trainer.metrics.registry
     marks: dict[str, tuple] = {}
 
@@ -311,7 +317,7 @@ def lmpipe_throughput(a, t0: float) -> dict:
                 marks["a"] = at
         elif now - marks["a"][0] >= a.seconds:
             marks["b"] = at
-            marks["memory"] = (tree_peak_rss(os.getpid()) + sum(peak_rss(p.pid) for p in procs),)
+            marks["memory"] = (tree_peak_rss(os.getpid()),)  # the forked producers are in the tree
             trainer.request_stop("measured")
 
     try:

@@ -7,8 +7,10 @@ No torch here: `lmpipe --help` and the parsers stay quick and producers never lo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import at_least, between, positive, setting, validate
 
 MODELS = ("tiny", "small", "gpt2-124m", "gpt2-350m")  # consumer/model.PRESETS (tests/test_config.py)
@@ -164,3 +166,25 @@ class TrainConfig:
         if self.resume == "auto" and not self.checkpoint_dir:
             out.append("--resume auto needs --checkpoint-dir")
         return out
+
+
+def per_rank(
+    pcfg: PipelineConfig, tcfg: TrainConfig, rank: int, world: int
+) -> tuple[PipelineConfig, TrainConfig]:
+    """Rank r of R (torchrun) binds port + 2r, serves metrics after the lower ranks' trainer and
+    producers, logs its documents to its own file, and expects producers of rank r. No torch: the
+    launcher starts a rank's producers before it imports torch (lmpipe/launch.py)."""
+    if pcfg.world_size not in (1, world) or (pcfg.world_size == world and pcfg.rank not in (0, rank)):
+        raise ValueError(
+            f"--rank/--world-size {pcfg.rank}/{pcfg.world_size} disagree with torchrun's {rank}/{world}; "
+            "leave them out under torchrun"
+        )
+    pcfg = replace(pcfg, rank=rank, world_size=world, port=pcfg.port + 2 * rank)
+    metrics = tcfg.metrics_port
+    if metrics:  # 0 (any free port) and -1/None (off) stay as they are
+        metrics += rank * (pcfg.producers + 1)
+    doc_log = tcfg.doc_log
+    if doc_log:
+        path = Path(doc_log)
+        doc_log = str(path.with_name(f"{path.stem}.rank{rank}{path.suffix}"))
+    return pcfg, replace(tcfg, metrics_port=metrics, doc_log=doc_log)

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from lmpipe.consumer.config import TrainConfig
-from lmpipe.shared.config import PipelineConfig
 
 
 @dataclass
@@ -96,23 +92,3 @@ def from_env(device: str) -> Dist:
     )
     host = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     return Dist(rank, world, local_rank, host)
-
-
-def per_rank(pcfg: PipelineConfig, tcfg: TrainConfig, d: Dist) -> tuple[PipelineConfig, TrainConfig]:
-    """Rank r of R (torchrun) binds port + 2r, serves metrics after the lower ranks' trainer and
-    producers, logs its documents to its own file, and expects producers of rank r."""
-    r, world = d.rank, d.world_size
-    if pcfg.world_size not in (1, world) or (pcfg.world_size == world and pcfg.rank not in (0, r)):
-        raise ValueError(
-            f"--rank/--world-size {pcfg.rank}/{pcfg.world_size} disagree with torchrun's {r}/{world}; "
-            "leave them out under torchrun"
-        )
-    pcfg = replace(pcfg, rank=r, world_size=world, port=pcfg.port + 2 * r)
-    metrics = tcfg.metrics_port
-    if metrics:  # 0 (any free port) and -1/None (off) stay as they are
-        metrics += r * (pcfg.producers + 1)
-    doc_log = tcfg.doc_log
-    if doc_log:
-        path = Path(doc_log)
-        doc_log = str(path.with_name(f"{path.stem}.rank{r}{path.suffix}"))
-    return pcfg, replace(tcfg, metrics_port=metrics, doc_log=doc_log)

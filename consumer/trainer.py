@@ -23,8 +23,8 @@ import torch
 
 from lmpipe.consumer.build import build
 from lmpipe.consumer.checkpoint import NO_MODEL, CheckpointError, CheckpointManager, load, resolve_resume
-from lmpipe.consumer.config import TrainConfig
-from lmpipe.consumer.distributed import from_env, per_rank
+from lmpipe.consumer.config import TrainConfig, per_rank
+from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache, empty_inputs
 from lmpipe.consumer.model import GPT
@@ -49,7 +49,7 @@ class Trainer:
         check_bind(pcfg.host, pcfg.trusted_network, pcfg.curve_dir)
         self.dist = from_env(tcfg.device)
         if self.dist.enabled:
-            pcfg, tcfg = per_rank(pcfg, tcfg, self.dist)
+            pcfg, tcfg = per_rank(pcfg, tcfg, self.dist.rank, self.dist.world_size)
         endpoints(pcfg)  # an unsafe runtime directory fails here, before the model is built
         self.pcfg, self.cfg = pcfg, tcfg
         if tcfg.threads > 0:

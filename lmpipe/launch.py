@@ -1,8 +1,8 @@
 """Starting lmpipe's processes: `lmpipe train` and `lmpipe run` (one path), and `lmpipe produce`.
 
 Each first checks what it cheaply can (ports, keys, tokenizer, corpus, device), so that a usage mistake
-is one line before a model is built or a process started. `lmpipe run` then starts N producers as real
-processes (`python -m lmpipe.producer`) talking to the trainer through the same sockets `lmpipe train` +
+is one line before a model is built or a process started. `lmpipe run` then forks N producer processes
+(before it imports torch: fork_producers) talking to the trainer through the same sockets `lmpipe train` +
 `lmpipe produce` use (by default Unix sockets in a directory private to this user; TCP with --curve-dir
 or --trusted-network; shared/sockets.py), and trains in this process. They share this process group, so
 Ctrl-C reaches all of them; on SIGTERM, or when training ends, the trainer tells them to stop and this
@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -29,10 +30,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmpipe.consumer.config import TrainConfig
-from lmpipe.options import GlobalOptions, ProduceOptions, ReportOptions
+from lmpipe.consumer.config import TrainConfig, per_rank
+from lmpipe.options import ProduceOptions, ReportOptions
 from lmpipe.shared.config import PipelineConfig
-from lmpipe.shared.settings import SettingsError, to_argv
+from lmpipe.shared.settings import SettingsError
 
 if TYPE_CHECKING:
     from lmpipe.producer.sources import Corpus, Record
@@ -148,11 +149,11 @@ def check_writable(flag: str, path: str | None, *, directory: bool = False) -> N
 
 
 def check_device(name: str) -> None:
-    import torch
-
     kind, _, index = name.partition(":")
     if kind in ("auto", "cpu"):
         return
+    import torch  # only here: `lmpipe run` forks its producers after these checks, best before torch loads
+
     if kind == "mps":
         available, count = torch.backends.mps.is_available(), 1
     else:
@@ -199,37 +200,77 @@ def report(summary, path: str | None) -> None:
             json.dump(summary.to_dict(), f, indent=1)
 
 
-def producer_argv(cfg: PipelineConfig, worker: int, metrics_port: int, linger_s: float, log_level: str):
-    opts = ProduceOptions(
-        worker=worker, metrics_port=metrics_port, metrics_linger=linger_s, exit_with_parent=True
-    )
-    return [
-        sys.executable,
-        "-m",
-        "lmpipe.producer",
-        *to_argv(cfg),
-        *to_argv(opts),
-        *to_argv(GlobalOptions(log_level=log_level)),
-    ]
+class LocalProducer:
+    """A producer process forked by this launcher, with the parts of subprocess.Popen's interface the
+    launcher uses (pid, poll, returncode, wait, terminate, kill)."""
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess):
+        self.proc = proc
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode  # -N when a signal N ended it, as Popen's
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"producer {self.pid}", timeout or 0.0)
+        return self.proc.exitcode
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
 
 
-def spawn_producers(
+def _producer_main(cfg: PipelineConfig, opts: ProduceOptions, log_level: str) -> None:
+    """A forked producer: what `lmpipe produce` does, with its errors as that command reports them."""
+    from lmpipe.shared.log import setup
+
+    setup(f"producer {opts.worker}", log_level)
+    try:
+        code = produce(cfg, opts)
+    except (SettingsError, ValueError, OSError) as exc:
+        log.error("%s", exc)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def fork_producers(
     cfg: PipelineConfig, metrics_base: int | None, linger_s: float, log_level: str
-) -> list[subprocess.Popen]:
-    # Every setting goes as a flag; LMPIPE_* variables are dropped so nothing else reaches the children.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMPIPE_")}
-    env.setdefault("TOKENIZERS_PARALLELISM", "true")
+) -> list[LocalProducer]:
+    """`lmpipe run`'s producers, forked from this process before it imports torch or starts a thread: they
+    begin with lmpipe's modules and the tokenizer the checks loaded (a DataLoader worker's head start),
+    where a new interpreter spends about 0.4 s importing and loading them. They connect to the trainer
+    as any producer does, retrying until it listens."""
+    from lmpipe.producer import manager  # noqa: F401  # imported once here, for every child
+
+    ctx = multiprocessing.get_context("fork")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")  # the trainer never tokenizes before a fork
     procs = []
     for i in range(cfg.producers):
         if metrics_base is None or metrics_base < 0:
             port = -1
         else:
             port = 0 if metrics_base == 0 else metrics_base + 1 + i
-        procs.append(subprocess.Popen(producer_argv(cfg, i, port, linger_s, log_level), env=env))
+        opts = ProduceOptions(worker=i, metrics_port=port, metrics_linger=linger_s, exit_with_parent=True)
+        proc = ctx.Process(target=_producer_main, args=(cfg, opts, log_level), name=f"lmpipe-producer-{i}")
+        proc.start()
+        procs.append(LocalProducer(proc))
     return procs
 
 
-def reap(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+def reap(procs: list[LocalProducer], grace: float = 5.0) -> None:
     """Wait for producers that were told to stop; terminate, then kill, the ones that do not."""
     deadline = time.monotonic() + grace
     for p in procs:
@@ -264,18 +305,23 @@ def train(
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     check_writable("--doc-log", tcfg.doc_log)
     check_writable("--summary-json", opts.summary_json)
+    procs: list[LocalProducer] = []
+    if local_producers:  # forked now, before torch is imported (fork_producers says why)
+        # under torchrun the trainer is one rank: its producers get that rank's share, port and metrics ports
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        pcfg, rank_tcfg = per_rank(cfg, tcfg, rank, world) if world > 1 else (cfg, tcfg)
+        procs = fork_producers(pcfg, rank_tcfg.metrics_port, opts.metrics_linger, log_level)
+    try:
+        from lmpipe.consumer.report import print_status
+        from lmpipe.consumer.trainer import Trainer
 
-    from lmpipe.consumer.report import print_status
-    from lmpipe.consumer.trainer import Trainer
-
-    trainer = Trainer(cfg, tcfg)
+        trainer = Trainer(cfg, tcfg)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        reap(procs)
+        raise
     stop_on_signals(trainer)
-    # under torchrun the trainer is one rank: its producers get that rank's share, port and metrics ports
-    procs = (
-        spawn_producers(trainer.pcfg, trainer.cfg.metrics_port, opts.metrics_linger, log_level)
-        if local_producers
-        else []
-    )
     if procs:
         log.info("started %d producer process(es): pids %s", len(procs), " ".join(str(p.pid) for p in procs))
 

@@ -6,7 +6,8 @@ keep a 16th of it: measured, a fifth of a producer's time on WikiText-2. Here a 
 once and deals each record to a queue per shard. Every shard this producer holds is enrolled in a pass
 when the pass starts, so a shard that begins reading later (its first batch, its next epoch, a restart
 at a cursor) takes its records from its queue; the first shard to start its next epoch starts the next
-pass, and the others are enrolled in it for when they get there.
+pass, and the others are enrolled in it for when they get there, even while they are still an epoch or
+more behind (a shard reads the oldest pass it is enrolled in).
 
 A shard reads exactly what `Corpus.records(shard, n)` gives it, in the same order, so documents, cursors
 and batches do not change. Queues are bounded: when a pass holds more than `budget` bytes (a shard far
@@ -93,9 +94,9 @@ class SharedScan:
         for p in self.passes:  # enrolled when it started, not read yet: its queue holds every record so far
             if shard in p.queues and shard not in p.readers:
                 return p
-        enrolled = {s for p in self.passes for s in p.queues if s not in p.readers}
+        # every held shard, also one still behind in an older pass: it reads this one when it gets here
         p = _Pass(self.corpus.records(0, 1))
-        for s in (self.held - enrolled) | {shard}:
+        for s in self.held | {shard}:
             p.queues[s] = deque()
         self.passes.append(p)
         self.passes_started += 1

@@ -8,9 +8,10 @@ the tokenizer's canonical serialization during the handshake.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -36,10 +37,18 @@ class TokenizerInfo:
 
 
 def load_tokenizer(path: str | Path | None = None) -> TokenizerInfo:
-    """Load a tokenizer.json (the built-in one when `path` is None) and find its end-of-text token."""
+    """Load a tokenizer.json (the built-in one when `path` is None) and find its end-of-text token. Loaded
+    once per process and file version: the launcher's checks load it, and the producers it forks reuse it."""
     p = Path(path) if path else BUILTIN_PATH
     if not p.is_file():
         raise FileNotFoundError(f"tokenizer file not found: {p}")
+    st = p.stat()
+    return replace(_load(str(p.resolve()), st.st_mtime_ns, st.st_size), path=str(p))
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime_ns: int, size: int) -> TokenizerInfo:
+    p = Path(path)
     try:
         tok = Tokenizer.from_file(str(p))
     except Exception as exc:

@@ -91,8 +91,9 @@ def test_shared_scan_gives_each_shard_its_own_batches_and_reads_the_corpus_once_
     assert sum(len(v) for v in alone.values()) > 10 * SHARDS
     assert same(alone, shared)
     assert alone_reads == SHARDS * EPOCHS
-    # a random serving order lets epochs drift apart, so a few passes more than EPOCHS may start
-    assert shared_reads <= EPOCHS + 2, shared_reads
+    # a random serving order lets epochs drift apart: a shard an epoch behind is enrolled in the newer
+    # pass as well, so there is still one read of the corpus per epoch
+    assert shared_reads == EPOCHS, shared_reads
 
 
 def test_round_robin_reads_the_corpus_once_an_epoch(corpus_files, tok):
@@ -137,11 +138,3 @@ def test_a_shard_given_up_leaves_no_queue(corpus_files, tok):
     holdings.keep_only([0])
     assert set(scan.passes[0].queues) == {0}
     assert scan.held == {0}
-
-
-def test_encode_ids_are_the_tokenizers_own_ids(corpus_files, tok):
-    texts = [r.text for r in Corpus(corpus_files).records() if r.text]
-    texts += ["", "  ", "naïve café — 漢字 🙂", "x" * 5000]
-    assert tok.encode_ids(texts) == [
-        e.ids for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)
-    ]
