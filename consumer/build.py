@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -24,7 +24,7 @@ log = logging.getLogger("lmpipe.trainer")
 # cuBLAS (ATen), which full max-autotune picks anyway after minutes of tuning; what is tuned is
 # FlexAttention's tiles, about 20 s at the first step. 1.03x on GPT-2 124M on an H100 and an H200
 # (bench/results/ablation-*.md).
-AUTOTUNE_ATTENTION: dict[str, str | int | bool] = {
+AUTOTUNE_ATTENTION: dict[str, Any] = {
     "max_autotune": True,
     "coordinate_descent_tuning": True,
     "max_autotune_gemm_backends": "ATEN",
