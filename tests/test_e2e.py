@@ -97,6 +97,21 @@ def test_signal_stops_every_process_quickly(procs, port, sig):
     assert "summary:" in procs.log(p)
 
 
+def test_run_stops_loudly_when_its_producer_is_killed(procs, port):
+    """`lmpipe run`'s producers are processes it forked: one killed by a signal is named with its exit
+    status and the run fails, instead of waiting for data that cannot come."""
+    p = procs.start(
+        "run", "--steps", "0", "--producers", "1", "--port", str(port), "--metrics-port", "-1",
+        "--log-every", "5", name="run",
+    )  # fmt: skip
+    procs.wait_for(p, "step 10")
+    pid = int(procs.log(p).split("pids ")[1].split("\n")[0].split()[0])
+    os.kill(pid, signal.SIGKILL)
+    assert procs.wait(p, timeout=60) == 1, procs.log(p)
+    assert "producer 0 exited with code -9" in procs.log(p)
+    assert "producer exit codes: [-9]" in procs.log(p)
+
+
 def test_bad_corpus_records_are_skipped_and_the_run_goes_on(procs, tmp_path, port):
     txt, jl = write_bad_corpus(tmp_path)
     summary = tmp_path / "s.json"
