@@ -21,17 +21,14 @@ import torch
 
 from bench.common import table, write_result
 from bench.trainbench import (
+    SyntheticSteps,
     apply_smoke,
     bench_data,
     common_args,
-    device_batches,
     pipeline_config,
     train_config,
 )
-from lmpipe.consumer.inputs import build_inputs
 from lmpipe.consumer.report import peak_flops
-from lmpipe.consumer.step import lr_at
-from lmpipe.consumer.trainer import Trainer
 
 # first match wins; names as CUDA, cuBLAS, Triton (inductor) and FlexAttention give them
 CLASSES = [
@@ -58,16 +55,8 @@ def main() -> None:
     args = apply_smoke(p.parse_args())
     tok, shards = bench_data(Path(args.work))
     pcfg, tcfg = pipeline_config(shards, tok, args), train_config(args)
-    trainer = Trainer(pcfg, tcfg)
-    data = device_batches(pcfg, 8, trainer.device)
-    cuda = trainer.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def step(i: int) -> None:
-        t, lengths, seg, n_targets, _, seg_host = data[i % len(data)]
-        inp = build_inputs(t, lengths, seg, attention=tcfg.attention, mask_cache=trainer.mask_cache,
-                           seg_host=seg_host)  # fmt: skip
-        trainer.runner.step([inp], n_targets, lr_at(i, tcfg))
+    step = SyntheticSteps(pcfg, tcfg, 8)
+    trainer, sync, cuda = step.trainer, step.sync, step.trainer.device.type == "cuda"
 
     for i in range(args.warmup):
         step(i)

@@ -23,10 +23,10 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from bench.common import table, write_result
 from bench.trainbench import (
+    SyntheticSteps,
     apply_smoke,
     bench_data,
     common_args,
-    device_batches,
     measure_pipeline,
     measure_synthetic,
     pipeline_config,
@@ -34,8 +34,6 @@ from bench.trainbench import (
 )
 from lmpipe.consumer import inputs
 from lmpipe.consumer.inputs import build_inputs, document_causal_mask_mod
-from lmpipe.consumer.step import lr_at
-from lmpipe.consumer.trainer import Trainer
 
 VARIANTS = [
     ("eager (no compile)", {"compile": False}),
@@ -66,16 +64,8 @@ def create_block_mask_builder():
 
 def profile(pcfg, tcfg, warmup: int, steps: int) -> tuple[list[list], str]:
     """Wall vs GPU time per step and the host operators that cost most, over `steps` synthetic steps."""
-    trainer = Trainer(pcfg, tcfg)
-    data = device_batches(pcfg, 16, trainer.device)
-    cuda = trainer.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    def step(i: int) -> None:
-        tok, lengths, seg, n_targets, _, seg_host = data[i % len(data)]
-        inp = build_inputs(tok, lengths, seg, attention=tcfg.attention, mask_cache=trainer.mask_cache,
-                           seg_host=seg_host)  # fmt: skip
-        trainer.runner.step([inp], n_targets, lr_at(i, tcfg))
+    step = SyntheticSteps(pcfg, tcfg)
+    data, sync, cuda = step.data, step.sync, step.trainer.device.type == "cuda"
 
     for i in range(warmup):
         step(i)

@@ -153,27 +153,40 @@ def device_batches(pcfg: PipelineConfig, n: int, device: torch.device):
     return out
 
 
+class SyntheticSteps:
+    """A trainer never started (no sockets; the same model, optimizer and step) and its step on real batches
+    already on the device, the block mask built from the host copy of seg as the trainer builds it."""
+
+    def __init__(self, pcfg: PipelineConfig, tcfg: TrainConfig, n_batches: int = 16):
+        self.trainer, self.tcfg = Trainer(pcfg, tcfg), tcfg
+        self.data = device_batches(pcfg, n_batches, self.trainer.device)
+        cuda = self.trainer.device.type == "cuda"
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def __call__(self, i: int) -> tuple[torch.Tensor, int]:
+        """Step i (on batch i mod n): (its loss, on the device; its real tokens)."""
+        tok, lengths, seg, n_targets, real, seg_host = self.data[i % len(self.data)]
+        inp = build_inputs(tok, lengths, seg, attention=self.tcfg.attention, mask_cache=self.trainer.mask_cache,
+                           seg_host=seg_host)  # fmt: skip
+        loss, _ = self.trainer.runner.step([inp], n_targets, lr_at(i, self.tcfg))
+        return loss, real
+
+
 def measure_synthetic(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int, n_batches: int = 16) -> Result:
     _reset()
-    trainer = Trainer(pcfg, tcfg)  # never started: no sockets, the same model/optimizer/step
-    flops = trainer.model.flops_per_token(pcfg.seq_len)
-    data = device_batches(pcfg, n_batches, trainer.device)
-    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    step = SyntheticSteps(pcfg, tcfg, n_batches)
+    flops = step.trainer.model.flops_per_token(pcfg.seq_len)
     tokens, t0 = 0, 0.0
     for i in range(tcfg.steps):
         if i == warmup:
-            sync()
+            step.sync()
             t0 = time.perf_counter()
-        tok, lengths, seg, n_targets, real, seg_host = data[i % len(data)]
-        # as the trainer does: the block mask from the host copy of seg
-        inp = build_inputs(tok, lengths, seg, attention=tcfg.attention, mask_cache=trainer.mask_cache,
-                           seg_host=seg_host)  # fmt: skip
-        loss, _ = trainer.runner.step([inp], n_targets, lr_at(i, tcfg))
+        loss, real = step(i)
         if (i + 1) % tcfg.log_every == 0:
             float(loss)  # the trainer reads the loss at every logging interval: the same host sync here
         if i >= warmup:
             tokens += real
-    sync()
+    step.sync()
     seconds = time.perf_counter() - t0
     tps = tokens / seconds
     res = Result(
@@ -183,7 +196,7 @@ def measure_synthetic(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int, n_ba
         mfu(tps, flops),
         _peak(),
     )
-    del trainer
+    del step
     return res
 
 

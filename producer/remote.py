@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import io
 import logging
+import os
 import time
 from collections.abc import Callable
 from functools import cache
@@ -189,6 +190,11 @@ def filesystem(proto: str) -> Any:
         raise MissingExtra(f"reading {proto}:// URLs: {_one_line(exc)} ({extra})") from None
     except ValueError as exc:
         raise ValueError(f"{proto}:// is not a protocol fsspec knows ({_one_line(exc)})") from None
+
+
+# A forked process (`lmpipe run`'s producers) makes its own: fsspec's async filesystems refuse to be used
+# across a fork ("This class is not fork-safe"), and fsspec resets its own loop and instance cache there.
+os.register_at_fork(after_in_child=filesystem.cache_clear)
 
 
 class Remote:
