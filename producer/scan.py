@@ -49,7 +49,6 @@ class SharedScan:
         self.corpus, self.total, self.budget = corpus, total, budget
         self.held: set[int] = set()  # shards enrolled in every new pass
         self.passes: list[_Pass] = []
-        self.passes_started = 0  # how many times the corpus was read from its start (tests, logs)
 
     def hold(self, shard: int) -> None:
         self.held.add(shard)
@@ -99,7 +98,6 @@ class SharedScan:
         for s in self.held | {shard}:
             p.queues[s] = deque()
         self.passes.append(p)
-        self.passes_started += 1
         return p
 
     def _read_one(self, p: _Pass) -> None:
