@@ -26,7 +26,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -256,7 +255,9 @@ def fork_producers(
     from lmpipe.producer import manager  # noqa: F401  # imported once here, for every child
 
     ctx = multiprocessing.get_context("fork")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")  # the trainer never tokenizes before a fork
+    # producers tokenize in threads, as when they were spawned; said outright, the tokenizers library does
+    # not warn about the fork (this process never tokenizes before it)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     procs = []
     for i in range(cfg.producers):
         if metrics_base is None or metrics_base < 0:
@@ -294,9 +295,12 @@ def train(
     cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions, *, local_producers: bool, log_level: str
 ) -> int:
     """`lmpipe train` (producers come from elsewhere) and `lmpipe run` (local_producers: started here)."""
-    # under torchrun, rank r binds port + 2r (consumer/distributed.py)
-    rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
-    check_ports(replace(cfg, port=cfg.port + 2 * rank))
+    # under torchrun this process is rank r of R: it binds port + 2r, and its producers get that rank's
+    # share, port and metrics ports (per_rank, which the trainer applies too)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    rank_cfg, rank_tcfg = per_rank(cfg, tcfg, rank, world) if world > 1 else (cfg, tcfg)
+    check_ports(rank_cfg)
     check_keys(cfg, server=True)
     tok = check_tokenizer(cfg)
     if local_producers:
@@ -307,10 +311,7 @@ def train(
     check_writable("--summary-json", opts.summary_json)
     procs: list[LocalProducer] = []
     if local_producers:  # forked now, before torch is imported (fork_producers says why)
-        # under torchrun the trainer is one rank: its producers get that rank's share, port and metrics ports
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        pcfg, rank_tcfg = per_rank(cfg, tcfg, rank, world) if world > 1 else (cfg, tcfg)
-        procs = fork_producers(pcfg, rank_tcfg.metrics_port, opts.metrics_linger, log_level)
+        procs = fork_producers(rank_cfg, rank_tcfg.metrics_port, opts.metrics_linger, log_level)
     try:
         from lmpipe.consumer.report import print_status
         from lmpipe.consumer.trainer import Trainer
