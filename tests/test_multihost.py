@@ -174,11 +174,13 @@ def test_three_producer_hosts_feed_one_trainer(bed, tmp_path, tok):
 
 
 def test_a_partitioned_host_rejoins_and_every_document_is_trained_once(bed, tmp_path, tok):
-    docs, cut_seconds = 1200, 20
+    # Each host's share (~160k tokens in batches of 4 KiB+) must outlast what its link buffers while cut: the
+    # kernel's socket buffers at both ends (128 KiB each, ~30 batches) plus ZeroMQ's queues. With 1200 docs
+    # (48k tokens a host) the cut host could hand its whole share to its buffers and finish while cut.
+    docs, cut_seconds = 4000, 20
     log, summary = tmp_path / "docs.jsonl", tmp_path / "summary.json"
-    trainer, producers = start_job(
-        bed, tmp_path, job(docs), ["--steps", "0", "--doc-log", str(log), "--summary-json", str(summary)]
-    )
+    trainer_args = ["--steps", "0", "--doc-log", str(log), "--summary-json", str(summary)]
+    trainer, producers = start_job(bed, tmp_path, job(docs, seq_len=128, batch=8), trainer_args)
     shards = {host: shards_of(bed, p) for host, p in producers.items()}
     cut_host, w = "p2", shards["p2"]
     others = [h for h in shards if h != cut_host]
@@ -215,7 +217,7 @@ def test_a_partitioned_host_rejoins_and_every_document_is_trained_once(bed, tmp_
     )
     print(f"partition: {len(during)} steps ({fed} fed by the other hosts) in {cut_seconds} s, "
           f"producers connected {min(connected):.0f}; sends resumed {time.monotonic() - t_restore:.1f} s "
-          f"after the link came back")  # fmt: skip
+          f"after the link came back; the cut host had sent {sample(mid[1], sent):.0f} batches when cut")  # fmt: skip
     assert trainer.wait(timeout=120) == 0, bed.log(trainer)
     for p in producers.values():
         assert exit_code(p, 15) == 0, bed.log(p)[-3000:]
