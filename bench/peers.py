@@ -291,16 +291,15 @@ def child_throughput(a) -> dict:
 
 def lmpipe_throughput(a, t0: float) -> dict:
     from lmpipe.consumer.trainer import Trainer
-    from lmpipe.launch import fork_producers
+    from lmpipe.launch import check_tokenizer, fork_producers
     from lmpipe.shared.config import PipelineConfig
-    from lmpipe.shared.tokenizer import load_tokenizer
 
     data = [a.shards] if a.loader == "lmpipe-shards" else a.text
     pcfg = PipelineConfig(data=data, tokenizer=a.tok, strategy="pack", seq_len=a.seq_len, batch_size=a.batch_size,
                           producers=a.workers, port=free_port_pair(), shuffle_window=1000)  # fmt: skip
     tcfg = model_config(a, consume_only=a.model == "none")
     # as `lmpipe run` does: the tokenizer loaded by its checks, producers forked before the trainer starts
-    load_tokenizer(pcfg.tokenizer)
+    check_tokenizer(pcfg)
     procs = fork_producers(pcfg, -1, 0.0, "WARNING")
     trainer = Trainer(pcfg, tcfg)
     reg = trainer.metrics.registry

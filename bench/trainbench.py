@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.config import PipelineConfig, pipeline_argv
+from lmpipe.shared.files import SHARD_META
 from lmpipe.shared.tokenizer import load_tokenizer, train_tokenizer
 
 
@@ -58,7 +60,8 @@ def bench_data(work: Path, vocab: int = 32768) -> tuple[str, str]:
         texts = [r.text for r in Corpus(files).records() if r.bad is None]
         train_tokenizer(texts, vocab).save(str(tok_path))
     shards = work / f"wt2-shards-{vocab}"
-    if not is_shard_dir(shards):
+    # shards from before meta.json recorded the tokenizer's facts are made again: runs parse no tokenizer
+    if not is_shard_dir(shards) or "tokenizer" not in json.loads((shards / SHARD_META).read_text()):
         tok = load_tokenizer(tok_path)
         prepare(DocStream(Corpus(files), tok, shuffle_window=0), shards, force=True, progress=False)
     return str(tok_path), str(shards)

@@ -60,7 +60,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = tcfg.tf32
             torch.backends.cudnn.allow_tf32 = tcfg.tf32
-        self.tok = load_tokenizer(pcfg.tokenizer)
+        self.tok = load_tokenizer(pcfg.tokenizer, pcfg.data)  # facts from shards, if prepared with it
         if tcfg.vocab_size and tcfg.vocab_size < self.tok.vocab_size:
             raise ValueError(
                 f"--vocab-size {tcfg.vocab_size} is smaller than the tokenizer's {self.tok.vocab_size}"

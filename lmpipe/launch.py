@@ -99,7 +99,7 @@ def check_tokenizer(cfg: PipelineConfig) -> TokenizerInfo:
     from lmpipe.shared.tokenizer import load_tokenizer
 
     try:
-        return load_tokenizer(cfg.tokenizer)
+        return load_tokenizer(cfg.tokenizer, cfg.data)
     except (OSError, ValueError) as exc:
         raise SettingsError(f"--tokenizer: {exc}") from None
 

@@ -79,7 +79,7 @@ class Producer:
         self.worker = opts.worker
         self.metrics = ProducerMetrics(cfg.strategy)  # every series labelled with its --worker number
         self.metrics.bind(self.worker)
-        self.tok = load_tokenizer(cfg.tokenizer)
+        self.tok = load_tokenizer(cfg.tokenizer, cfg.data)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
         shards = self.corpus.shards
         if shards is not None and shards.meta["tokenizer_hash"] != self.tok.hash:

@@ -9,7 +9,9 @@ A shard directory holds `meta.json` and, per shard k,
                 records): uint8 0/1 per token, laid out as tokens-k.bin; a shard without it trains every
                 token. Such a set is format version 2, so an older reader refuses it instead of training on
                 the prompts.
-meta.json records the format version, dtype, vocabulary size, tokenizer hash, counts, and a sha256 per file.
+meta.json records the format version, dtype, vocabulary size, tokenizer hash, counts, and a sha256 per file;
+also the tokenizer's facts (ids of end-of-text and pad, its file's sha256), so that a run given the same file
+need not parse it (shared/tokenizer.py; older shard sets without them work, the file is parsed).
 Opening a shard set checks all of it (sizes, offsets, checksums, ids inside the vocabulary) before a
 document is served; a mismatch names the file and what is wrong.
 
@@ -34,10 +36,11 @@ import numpy as np
 
 from lmpipe.producer.remote import Remote, is_url
 from lmpipe.shared.batch import token_dtype
+from lmpipe.shared.files import SHARD_META as META
 from lmpipe.shared.files import sha256_file
+from lmpipe.shared.tokenizer import FACTS
 
 FORMAT_VERSION = 2  # 2: shards may hold mask-k.bin; a set without masks is still written as version 1
-META = "meta.json"
 REMAKE = "restore it or run `lmpipe prepare` again"  # what a damaged meta.json's message ends with
 _FILE_KEYS = ("tokens", "index", "rids")  # every shard's files; "mask" too in a shard with a masked document
 
@@ -131,6 +134,7 @@ def prepare(stream, out: str | Path, *, shard_tokens: int = 1 << 26, source: str
         "dtype": dtype.name,
         "vocab_size": tok.vocab_size,
         "tokenizer_hash": tok.hash,
+        "tokenizer": tok.facts(),  # so that a run from these shards need not parse the tokenizer
         "documents": docs,
         "tokens": tokens,
         "source": source,
@@ -298,6 +302,12 @@ def _check_meta(m: Any, meta_file: Path | str) -> np.dtype:
     for key in ("tokenizer_hash", "created"):
         if not isinstance(m.get(key), str):
             raise bad(f"{key} is {_shown(m, key)}, not a string")
+    rec = m.get("tokenizer")  # optional: shard sets before these facts were recorded lack it
+    if rec is not None:
+        if not isinstance(rec, dict) or any(type(rec.get(k)) is not t for k, t in FACTS.items()):
+            raise bad(f"tokenizer is {_shown(m, 'tokenizer')}, not the tokenizer's {'/'.join(FACTS)}")
+        if (rec["hash"], rec["vocab_size"]) != (m["tokenizer_hash"], m["vocab_size"]):
+            raise bad("tokenizer disagrees with tokenizer_hash or vocab_size")
     shards = m.get("shards")
     if not isinstance(shards, list):
         raise bad(f"shards is {_shown(m, 'shards')}, not a list of shards")

@@ -235,6 +235,16 @@ CASES = [
         "vocab_size is True, not a count",
     ),
     (
+        "meta-tokenizer-facts-bad",
+        shards_with_meta(lambda m: m["tokenizer"].update(eos_id="0")),
+        "shards/meta.json: tokenizer is a",
+    ),
+    (
+        "meta-tokenizer-facts-disagree",
+        shards_with_meta(lambda m: m["tokenizer"].update(hash="0" * 16)),
+        "tokenizer disagrees with tokenizer_hash",
+    ),
+    (
         "empty-corpus-prepare",
         lambda c: ["prepare", *empty_corpus(c), "--out", str(c.tmp / "s")],
         "no documents in",
