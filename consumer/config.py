@@ -13,7 +13,7 @@ from pathlib import Path
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import at_least, between, positive, setting, validate
 
-MODELS = ("tiny", "small", "gpt2-124m", "gpt2-350m")  # consumer/model.PRESETS (tests/test_config.py)
+MODELS = ("tiny", "small", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m")  # consumer/model.PRESETS (tests/test_config.py)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")
 # torch.compile modes: "reduce-overhead" adds CUDA graphs (launch overhead: small models), "max-autotune"
 # tries Triton matmul templates (long compiles), "autotune-attention" (ours) tunes only FlexAttention's tiles

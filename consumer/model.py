@@ -38,6 +38,8 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(block_size=512, n_layer=6, n_head=6, n_embd=384),
     "gpt2-124m": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "gpt2-350m": GPTConfig(block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-774m": GPTConfig(block_size=1024, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-1558m": GPTConfig(block_size=1024, n_layer=48, n_head=25, n_embd=1600),
 }
 
 
