@@ -59,6 +59,7 @@ def build(
         model.fused_ce = fused_linear_cross_entropy()
         if model.fused_ce is None:
             log.warning("--fused-ce: liger-kernel is not installed (pip install 'lmpipe[fused]'); plain loss")
+    model.loss_kernel = tcfg.loss_kernel and device.type == "cuda" and model.fused_ce is None
     optimizer = make_optimizer(model, tcfg, device)
     scaler = make_scaler(tcfg.loss_scale, device) if precision == "fp16" else None
     if scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):

@@ -13,7 +13,14 @@ from pathlib import Path
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import at_least, between, positive, setting, validate
 
-MODELS = ("tiny", "small", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1558m")  # consumer/model.PRESETS (tests/test_config.py)
+MODELS = (
+    "tiny",
+    "small",
+    "gpt2-124m",
+    "gpt2-350m",
+    "gpt2-774m",
+    "gpt2-1558m",
+)  # consumer/model.PRESETS (tests/test_config.py)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")
 # torch.compile modes: "reduce-overhead" adds CUDA graphs (launch overhead: small models), "max-autotune"
 # tries Triton matmul templates (long compiles), "autotune-attention" (ours) tunes only FlexAttention's tiles
@@ -88,6 +95,11 @@ class TrainConfig:
     fused_ce: bool = setting(
         False,
         help="liger-kernel's fused linear + cross-entropy on CUDA: far less memory, one host sync a step",
+    )
+    # One pass over the logits instead of two (consumer/loss.py): GPT-2 124M, 32 rows, H100: see the ablation
+    loss_kernel: bool = setting(
+        True,
+        help="CUDA: the LM head's cross-entropy in one Triton pass over the logits (--no-loss-kernel: torch's)",
     )
     vocab_size: int = setting(
         0, check=at_least(0), help="model vocabulary (0: the tokenizer's, rounded up to a multiple of 64)"

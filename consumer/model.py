@@ -136,6 +136,7 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.grad_checkpointing = False
         self.fused_ce = None  # set to fused_linear_cross_entropy() to never materialise the logits
+        self.loss_kernel = False  # CUDA: the LM head's loss in one pass over the logits (consumer/loss.py)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -176,6 +177,14 @@ class GPT(nn.Module):
                 dt = torch.get_autocast_dtype(h.device.type)
                 h, w = h.to(dt), w.to(dt)
             return None, _fused_ce(self.fused_ce, w, h.reshape(-1, h.size(-1)), targets.reshape(-1))
+        if targets is not None and self.loss_kernel and h.is_cuda:
+            from lmpipe.consumer.loss import head_loss  # Triton: imported where it runs
+
+            w = self.lm_head.weight
+            if torch.is_autocast_enabled(h.device.type):
+                dt = torch.get_autocast_dtype(h.device.type)
+                h, w = h.to(dt), w.to(dt)
+            return None, head_loss(h.reshape(-1, h.size(-1)), w, targets.reshape(-1), IGNORE)
         logits = self.lm_head(h)
         if targets is None:
             return logits, None

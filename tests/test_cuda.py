@@ -111,6 +111,31 @@ def test_fused_cross_entropy_matches_the_plain_loss():
     assert rel < 2e-2, f"relative error of the gradient {rel:.2e} (bf16 operands: 1e-3 to 1e-2 expected)"
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_loss_kernel_matches_torchs_cross_entropy(compiled):
+    # a vocabulary that is not a multiple of the kernel's block, ignored targets, a row all ignored
+    plain, kern = model(vocab=5000), model(vocab=5000)
+    kern.loss_kernel = True
+    x = torch.randint(0, 5000, (4, 256), device=DEV)
+    pos = torch.arange(256, device=DEV).expand(4, 256)
+    t = torch.randint(0, 5000, (4, 256), device=DEV)
+    t[:, -5:] = -100
+    t[2] = -100
+    losses = []
+    for m in (plain, kern):
+        m.train()
+        step = torch.compile(m) if compiled else m
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = step(x, pos, AttnSpec("causal"), t)
+        (loss * 0.37).backward()  # an upstream gradient other than 1, as the loss normalisation gives
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=5e-3, atol=0)
+    for a, b in ((plain.lm_head.weight.grad, kern.lm_head.weight.grad),  # tied: the embedding's too
+                 (plain.transformer.h[0].mlp.c_fc.weight.grad, kern.transformer.h[0].mlp.c_fc.weight.grad)):  # fmt: skip
+        rel = (a - b).norm() / a.norm()
+        assert rel < 2e-2, f"relative error of the gradient {rel:.2e} (bf16 operands: 1e-3 to 1e-2 expected)"
+
+
 def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
     from lmpipe.consumer.slots import HostSlot
     from lmpipe.producer.batching import BatchSpec, batches

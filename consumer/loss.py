@@ -1,0 +1,73 @@
+"""The LM head and its cross-entropy with one pass over the logits (CUDA, Triton).
+
+torch.compile's cross-entropy reads the [tokens, vocab] logits twice a step: in the forward pass (an online
+softmax) and in the backward pass (the softmax again, minus the one-hot), and writes their gradient; for
+GPT-2 124M at 32 x 1024 tokens that is 4.9 ms of a 66 ms step on an H100, at well under the memory's speed
+(bench/results/kernels-*.md). Here one kernel, in the forward pass, takes each row's log-sum-exp and, while
+the row is still in cache, overwrites the logits with their gradient (softmax - one-hot). The backward pass
+is then two matmuls and a scale: the upstream gradient is one scalar, so it multiplies the matmuls' small
+outputs, not the logits. This is liger-kernel's cross-entropy idea without its chunking, which needs a host
+sync a step (`--fused-ce`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 8192  # vocabulary entries a program reads at a time (bench.loss: best of 2k-32k x 8-32 warps)
+WARPS = 8
+
+
+@triton.jit
+def _ce_rows(logits, stride, targets, losses, vocab, ignore, BLOCK: tl.constexpr):
+    """Per row: loss = logsumexp(x) - x[target] (0 where target == ignore); x := softmax(x) - one-hot
+    (0 where ignored), in place."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    target = tl.load(targets + row)
+    valid = target != ignore
+    m = float("-inf")
+    s = 0.0
+    for off in range(0, vocab, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    lse = m + tl.log(s)
+    picked = tl.load(base + target, mask=valid, other=0.0).to(tl.float32)
+    tl.store(losses + row, tl.where(valid, lse - picked, 0.0))
+    for off in range(0, vocab, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+        g = tl.where(valid, g, 0.0)
+        tl.store(base + cols, g.to(logits.dtype.element_ty), mask=cols < vocab)
+
+
+class _HeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ignore: int) -> torch.Tensor:
+        logits = h @ w.t()
+        losses = torch.empty(logits.size(0), device=logits.device, dtype=torch.float32)
+        _ce_rows[(logits.size(0),)](
+            logits, logits.stride(0), targets, losses, logits.size(1), ignore, BLOCK=BLOCK, num_warps=WARPS
+        )
+        ctx.save_for_backward(h, w, logits)  # logits now hold d(loss)/d(logits)
+        return losses.sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, w, dlogits = ctx.saved_tensors
+        g = grad.to(h.dtype)
+        return (dlogits @ w) * g, (dlogits.t() @ h) * g, None, None
+
+
+@torch.compiler.disable  # an opaque kernel for dynamo: the compiled model ends at the final layer norm
+def head_loss(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ignore: int) -> torch.Tensor:
+    """sum over rows with targets != ignore of cross_entropy(h @ w.T, targets): h [N, C], w [V, C], targets
+    [N] (int64), h and w of one dtype (the matmul's). The logits' gradient is made now and kept in their
+    place, so memory is what keeping the logits for backward takes."""
+    return _HeadLoss.apply(h.contiguous(), w, targets.contiguous(), ignore)
