@@ -48,7 +48,7 @@ VARIANTS: list[tuple] = [
     ("no fused AdamW (foreach)", {}, {"fused_adamw": False}),
     ("dense mask instead of FlexAttention", {}, {"attention": "dense"}),
     ("fused linear cross-entropy on (liger; one host sync a step)", {}, {"fused_ce": True}),
-    ("torch's cross-entropy (two passes over the logits), not the loss kernel", {}, {"loss_kernel": False}),
+    ("the one-pass loss kernel (--loss-kernel)", {}, {"loss_kernel": True}),
     ("no TF32", {}, {"tf32": False}),
     ("padding (pad) instead of packing", {"strategy": "pad"}, {}),
     (

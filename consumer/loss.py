@@ -7,7 +7,7 @@ GPT-2 124M at 32 x 1024 tokens that is 4.9 ms of a 66 ms step on an H100, at wel
 the row is still in cache, overwrites the logits with their gradient (softmax - one-hot). The backward pass
 is then two matmuls and a scale: the upstream gradient is one scalar, so it multiplies the matmuls' small
 outputs, not the logits. This is liger-kernel's cross-entropy idea without its chunking, which needs a host
-sync a step (`--fused-ce`).
+sync a step (`--fused-ce`). Opt-in (`--loss-kernel`): see bench/results/ablation-h100-*.md for why.
 """
 
 from __future__ import annotations

@@ -111,8 +111,13 @@ def test_fused_cross_entropy_matches_the_plain_loss():
     assert rel < 2e-2, f"relative error of the gradient {rel:.2e} (bf16 operands: 1e-3 to 1e-2 expected)"
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_loss_kernel_matches_torchs_cross_entropy(compiled):
+@pytest.mark.parametrize(
+    "compiled,dtype,tol",
+    [(False, torch.bfloat16, 2e-2), (True, torch.bfloat16, 2e-2), (True, None, 1e-4)],
+    ids=["eager-bf16", "compiled-bf16", "compiled-fp32"],
+)
+def test_loss_kernel_matches_torchs_cross_entropy(compiled, dtype, tol, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 means fp32 here
     # a vocabulary that is not a multiple of the kernel's block, ignored targets, a row all ignored
     plain, kern = model(vocab=5000), model(vocab=5000)
     kern.loss_kernel = True
@@ -125,15 +130,16 @@ def test_loss_kernel_matches_torchs_cross_entropy(compiled):
     for m in (plain, kern):
         m.train()
         step = torch.compile(m) if compiled else m
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
             _, loss = step(x, pos, AttnSpec("causal"), t)
         (loss * 0.37).backward()  # an upstream gradient other than 1, as the loss normalisation gives
         losses.append(loss.detach())
-    torch.testing.assert_close(losses[0], losses[1], rtol=5e-3, atol=0)
+    torch.testing.assert_close(losses[0], losses[1], rtol=tol / 4, atol=0)
     for a, b in ((plain.lm_head.weight.grad, kern.lm_head.weight.grad),  # tied: the embedding's too
                  (plain.transformer.h[0].mlp.c_fc.weight.grad, kern.transformer.h[0].mlp.c_fc.weight.grad)):  # fmt: skip
         rel = (a - b).norm() / a.norm()
-        assert rel < 2e-2, f"relative error of the gradient {rel:.2e} (bf16 operands: 1e-3 to 1e-2 expected)"
+        print(f"relative gradient difference {rel:.2e}")
+        assert rel < tol, f"relative error of the gradient {rel:.2e} (bf16 operands: 1e-3 to 1e-2 expected)"
 
 
 def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
