@@ -113,6 +113,17 @@ def open_corpus(cfg: PipelineConfig, vocab_size: int | None = None) -> Corpus:
         raise SettingsError(f"--data: {exc}") from None
 
 
+def check_corpus(cfg: PipelineConfig, tok: TokenizerInfo) -> None:
+    """The corpus opens, has a document, and, if it is prepared shards, was made with this tokenizer: a
+    mistake is one line now, not a producer that stops after the trainer has started."""
+    from lmpipe.producer.shards import check_prepared_with
+
+    corpus = open_corpus(cfg, tok.vocab_size)
+    if corpus.shards is not None:
+        check_prepared_with(corpus.shards, tok)
+    first_document(corpus)
+
+
 def first_document(corpus: Corpus, *, text: bool = False) -> Record:
     """The corpus's first good record (with text, if `text`): an empty corpus is a usage mistake."""
     first_bad = ""
@@ -304,7 +315,7 @@ def train(
     check_keys(cfg, server=True)
     tok = check_tokenizer(cfg)
     if local_producers:
-        first_document(open_corpus(cfg, tok.vocab_size))
+        check_corpus(cfg, tok)
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     check_writable("--doc-log", tcfg.doc_log)
@@ -353,8 +364,7 @@ def produce(cfg: PipelineConfig, opts: ProduceOptions) -> int:
     if opts.worker >= cfg.producers:
         raise SettingsError(f"--worker {opts.worker} must be below --producers {cfg.producers}")
     check_keys(cfg, server=False)
-    tok = check_tokenizer(cfg)
-    first_document(open_corpus(cfg, tok.vocab_size))
+    check_corpus(cfg, check_tokenizer(cfg))
     p = Producer(
         cfg,
         ProducerOptions(

@@ -35,6 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 from lmpipe.producer.batching import BatchSpec
 from lmpipe.producer.held import HeldShard, Holdings
 from lmpipe.producer.scan import SharedScan
+from lmpipe.producer.shards import check_prepared_with
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
@@ -81,12 +82,8 @@ class Producer:
         self.metrics.bind(self.worker)
         self.tok = load_tokenizer(cfg.tokenizer, cfg.data)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
-        shards = self.corpus.shards
-        if shards is not None and shards.meta["tokenizer_hash"] != self.tok.hash:
-            raise ValueError(
-                f"{shards.path} was prepared with tokenizer {shards.meta['tokenizer_hash']}, "
-                f"this producer uses {self.tok.hash} ({self.tok.path}); pass the same --tokenizer or prepare again"
-            )
+        if self.corpus.shards is not None:
+            check_prepared_with(self.corpus.shards, self.tok)
         self.spec = BatchSpec.of(cfg)
         self.dtype = token_dtype(self.tok.vocab_size)
         self._scan: SharedScan | None = None  # one read of the corpus for the shards held (scan.py)

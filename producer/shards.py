@@ -38,7 +38,7 @@ from lmpipe.producer.remote import Remote, is_url
 from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.files import SHARD_META as META
 from lmpipe.shared.files import sha256_file
-from lmpipe.shared.tokenizer import FACTS
+from lmpipe.shared.tokenizer import FACTS, TokenizerInfo
 
 FORMAT_VERSION = 2  # 2: shards may hold mask-k.bin; a set without masks is still written as version 1
 REMAKE = "restore it or run `lmpipe prepare` again"  # what a damaged meta.json's message ends with
@@ -151,6 +151,16 @@ def prepare(stream, out: str | Path, *, shard_tokens: int = 1 << 26, source: str
         shutil.rmtree(out)
     tmp.rename(out)
     return meta
+
+
+def check_prepared_with(shards: ShardSet, tok: TokenizerInfo) -> None:
+    """Shards are read with the tokenizer that made them: another one's ids would mean other tokens."""
+    made_by = shards.meta["tokenizer_hash"]
+    if made_by != tok.hash:
+        raise ShardError(
+            f"{shards.path} was prepared with tokenizer {made_by}, this run uses {tok.hash} ({tok.path}); "
+            "pass the same --tokenizer or prepare again"
+        )
 
 
 class ShardSet:

@@ -319,6 +319,13 @@ def test_producer_refuses_shards_from_another_tokenizer(procs, tmp_path, port, t
     )
     assert p.wait(timeout=60) == 2
     assert "was prepared with tokenizer" in procs.log(p)
+    # `lmpipe run` says so in its checks: one line, before a producer is started or the trainer built
+    r = procs.start(
+        "run", "--data", str(tmp_path / "sh"), "--tokenizer", str(other), "--port", str(port), name="run"
+    )
+    assert r.wait(timeout=60) == 2
+    text = procs.log(r)
+    assert "was prepared with tokenizer" in text and len(text.splitlines()) == 1 and "[producer" not in text, text
 
 
 def test_ranks_and_workers_partition_the_corpus(tok):
