@@ -38,7 +38,7 @@ from lmpipe.producer.remote import Remote, is_url
 from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.files import SHARD_META as META
 from lmpipe.shared.files import sha256_file
-from lmpipe.shared.tokenizer import FACTS, TokenizerInfo
+from lmpipe.shared.tokenizer import FACTS, TokenizerInfo, facts_well_formed
 
 FORMAT_VERSION = 2  # 2: shards may hold mask-k.bin; a set without masks is still written as version 1
 REMAKE = "restore it or run `lmpipe prepare` again"  # what a damaged meta.json's message ends with
@@ -314,7 +314,7 @@ def _check_meta(m: Any, meta_file: Path | str) -> np.dtype:
             raise bad(f"{key} is {_shown(m, key)}, not a string")
     rec = m.get("tokenizer")  # optional: shard sets before these facts were recorded lack it
     if rec is not None:
-        if not isinstance(rec, dict) or any(type(rec.get(k)) is not t for k, t in FACTS.items()):
+        if not facts_well_formed(rec):
             raise bad(f"tokenizer is {_shown(m, 'tokenizer')}, not the tokenizer's {'/'.join(FACTS)}")
         if (rec["hash"], rec["vocab_size"]) != (m["tokenizer_hash"], m["vocab_size"]):
             raise bad("tokenizer disagrees with tokenizer_hash or vocab_size")

@@ -31,6 +31,11 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
 FACTS = {"file_sha256": str, "hash": str, "vocab_size": int, "eos_id": int, "pad_id": int}
 
 
+def facts_well_formed(rec: Any) -> bool:
+    """A mapping holding every fact, each of its type (type(): a bool is not an id)."""
+    return isinstance(rec, dict) and all(type(rec.get(k)) is t for k, t in FACTS.items())
+
+
 @dataclass
 class TokenizerInfo:
     path: str
@@ -99,9 +104,7 @@ def _recorded(data: Sequence[str]) -> dict[str, Any] | None:
         rec = json.loads((Path(data[0]) / SHARD_META).read_bytes()).get("tokenizer")
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
-    ok = isinstance(rec, dict) and rec.keys() == FACTS.keys()
-    ok = ok and all(type(rec[k]) is t for k, t in FACTS.items())  # type(): no bools
-    return rec if ok else None
+    return rec if facts_well_formed(rec) and rec.keys() == FACTS.keys() else None
 
 
 @functools.lru_cache(maxsize=8)

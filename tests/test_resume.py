@@ -325,7 +325,9 @@ def test_producer_refuses_shards_from_another_tokenizer(procs, tmp_path, port, t
     )
     assert r.wait(timeout=60) == 2
     text = procs.log(r)
-    assert "was prepared with tokenizer" in text and len(text.splitlines()) == 1 and "[producer" not in text, text
+    assert (
+        "was prepared with tokenizer" in text and len(text.splitlines()) == 1 and "[producer" not in text
+    ), text
 
 
 def test_ranks_and_workers_partition_the_corpus(tok):
