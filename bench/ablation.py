@@ -48,7 +48,7 @@ VARIANTS: list[tuple] = [
     ("no fused AdamW (foreach)", {}, {"fused_adamw": False}),
     ("dense mask instead of FlexAttention", {}, {"attention": "dense"}),
     ("fused linear cross-entropy on (liger; one host sync a step)", {}, {"fused_ce": True}),
-    ("the one-pass loss kernel (--loss-kernel)", {}, {"loss_kernel": True}),
+    ("torch's cross-entropy, not the one-pass loss kernel (--no-loss-kernel)", {}, {"loss_kernel": False}),
     ("no TF32", {}, {"tf32": False}),
     ("padding (pad) instead of packing", {"strategy": "pad"}, {}),
     (

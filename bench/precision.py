@@ -1,6 +1,8 @@
-"""Precision: fp32, fp16 without scaling, fp16 static, fp16 dynamic, bf16 on WikiText-2.
+"""Precision: fp32, fp16 without scaling, fp16 static, fp16 dynamic, bf16 on WikiText-2, and the one-pass
+loss kernel (--loss-kernel) against torch's cross-entropy in fp32 and bf16.
 
     python -m bench.precision                    # GPT-2 124M, T=1024, 300 steps each, eager
+    python -m bench.precision --only bf16 fp32   # the modes whose names contain one of these
 
 Same data order, same init, same schedule for every mode; reports the loss averaged over the last 20
 steps, time per step, loss-scaler overflows, and plots the loss curves (bench/results/precision-<date>.png).
@@ -24,20 +26,22 @@ from lmpipe.consumer.trainer import Trainer
 
 WARM = 10  # untimed steps per mode
 
-MODES = [
-    ("fp32", "fp32", "dynamic"),
-    ("fp16, no scaling", "fp16", "none"),
-    ("fp16, static 1024", "fp16", "static:1024"),
-    ("fp16, dynamic", "fp16", "dynamic"),
-    ("bf16", "bf16", "dynamic"),
+MODES = [  # name, precision, loss scaling, --loss-kernel
+    ("fp32", "fp32", "dynamic", False),
+    ("fp16, no scaling", "fp16", "none", False),
+    ("fp16, static 1024", "fp16", "static:1024", False),
+    ("fp16, dynamic", "fp16", "dynamic", False),
+    ("bf16", "bf16", "dynamic", False),
+    ("fp32, loss kernel", "fp32", "dynamic", True),  # CUDA only: the kernel is Triton
+    ("bf16, loss kernel", "bf16", "dynamic", True),
 ]
 
 
-def run(mode: tuple[str, str, str], data, pcfg, args) -> dict:
-    name, precision, scale = mode
+def run(mode: tuple[str, str, str, bool], data, pcfg, args) -> dict:
+    name, precision, scale, loss_kernel = mode
     tcfg = TrainConfig(
         model=args.model, steps=args.steps, lr=args.lr, warmup=20, precision=precision, loss_scale=scale,
-        vocab_size=args.vocab_size, compile=False, seed=1234,
+        vocab_size=args.vocab_size, compile=args.compile, seed=1234, loss_kernel=loss_kernel,
     )  # fmt: skip
     trainer = Trainer(pcfg, tcfg)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
@@ -77,6 +81,10 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=50304)
     p.add_argument("--work", default="/tmp/lmpipe-bench")
     p.add_argument("--out", default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (default: eager)")
+    p.add_argument(
+        "--only", nargs="+", default=None, metavar="TEXT", help="modes whose names contain one of these"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, few steps: checks the script")
     args = p.parse_args()
     if args.smoke:
@@ -85,7 +93,14 @@ def main() -> None:
     tok, shards = bench_data(Path(args.work))
     pcfg = pipeline_config(shards, tok, args)
     data = device_batches(pcfg, args.steps, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    modes = MODES if torch.cuda.is_available() or not args.smoke else [m for m in MODES if m[1] != "fp16"]
+    cuda = torch.cuda.is_available()
+    modes = [m for m in MODES if cuda or (m[1] != "fp16" and not m[3])]
+    if args.only:
+        modes = [m for m in modes if any(t in m[0] for t in args.only)]
+    if not modes:
+        raise SystemExit(
+            f"--only {' '.join(args.only)}: no such mode (modes: {', '.join(m[0] for m in MODES)})"
+        )
     results = [run(m, data, pcfg, args) for m in modes]
     for r in results:
         print(
@@ -100,7 +115,7 @@ def main() -> None:
     rows = [[r["mode"], r["loss"], r["step_ms"], int(r["overflows"])] for r in results]
     body = (
         f"{args.model}, T={args.seq_len}, batch {args.batch_size} rows, packed WikiText-2, {args.steps} steps, "
-        f"lr {args.lr} with 20 warmup steps, eager (no compile). Loss: mean of the last 20 steps; "
+        f"lr {args.lr} with 20 warmup steps, {'compiled' if args.compile else 'eager (no compile)'}. Loss: mean of the last 20 steps; "
         f"ms/step: steps {WARM + 1} to {args.steps} (the first compile FlexAttention for the mode's dtype).\n\n"
         + table(["precision", "loss", "ms/step", "scaler overflows"], rows)
         + (f"\n\n![loss curves]({png.name})" if png else "")

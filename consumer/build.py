@@ -3,6 +3,7 @@ it, and the step runner over them (consumer/step.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Any, cast
@@ -54,12 +55,22 @@ def build(
     model = GPT(mcfg).to(device)
     model.grad_checkpointing = tcfg.grad_checkpointing
     if precision == "fp8":
-        log.info("fp8: %d linear layers use torchao float8 matmuls", to_float8(model))
+        if n_fp8 := to_float8(model):
+            log.info("fp8: %d linear layers use torchao float8 matmuls", n_fp8)
+        else:
+            log.warning("fp8: no linear layer of --model %s is large enough for float8 to pay; it trains in bf16",
+                        tcfg.model)  # fmt: skip
     if tcfg.fused_ce and device.type == "cuda":
         model.fused_ce = fused_linear_cross_entropy()
         if model.fused_ce is None:
             log.warning("--fused-ce: liger-kernel is not installed (pip install 'lmpipe[fused]'); plain loss")
-    model.loss_kernel = tcfg.loss_kernel and device.type == "cuda" and model.fused_ce is None
+    model.loss_kernel = (
+        tcfg.loss_kernel
+        and device.type == "cuda"
+        and precision != "fp16"  # the kernel's unscaled softmax - one-hot would underflow in fp16
+        and model.fused_ce is None
+        and importlib.util.find_spec("triton") is not None
+    )
     optimizer = make_optimizer(model, tcfg, device)
     scaler = make_scaler(tcfg.loss_scale, device) if precision == "fp16" else None
     if scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):

@@ -97,11 +97,12 @@ class TrainConfig:
         help="liger-kernel's fused linear + cross-entropy on CUDA: far less memory, one host sync a step",
     )
     # One pass over the logits instead of two (consumer/loss.py): 1.017x on GPT-2 124M at 32 rows on an H100
-    # (bench/results/ablation-h100-*.md). Off by default until a long run shows loss parity: its gradients
-    # match torch's (tests), but a 2-GPU run of 60 steps ended 1.8% above torch's loss.
+    # (bench/results/ablation-h100-*.md), and the loss after 300 steps within 0.05% of torch's in fp32 and
+    # bf16 (bench/results/loss-kernel-parity-h100-*.md)
     loss_kernel: bool = setting(
-        False,
-        help="CUDA: the LM head's cross-entropy in one Triton pass over the logits (opt-in; 1.017x on GPT-2)",
+        True,
+        help="CUDA, bf16/fp32: the LM head's cross-entropy in one Triton pass over the logits "
+        "(--no-loss-kernel: torch's two passes)",
     )
     vocab_size: int = setting(
         0, check=at_least(0), help="model vocabulary (0: the tokenizer's, rounded up to a multiple of 64)"

@@ -7,7 +7,8 @@ GPT-2 124M at 32 x 1024 tokens that is 4.9 ms of a 66 ms step on an H100, at wel
 the row is still in cache, overwrites the logits with their gradient (softmax - one-hot). The backward pass
 is then two matmuls and a scale: the upstream gradient is one scalar, so it multiplies the matmuls' small
 outputs, not the logits. This is liger-kernel's cross-entropy idea without its chunking, which needs a host
-sync a step (`--fused-ce`). Opt-in (`--loss-kernel`): see bench/results/ablation-h100-*.md for why.
+sync a step (`--fused-ce`). On by default on CUDA in bf16 and fp32 (`--no-loss-kernel`: torch's); in fp16
+torch's runs, since softmax - one-hot, kept unscaled by the loss scale, would underflow there.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h, w, dlogits = ctx.saved_tensors
-        g = grad.to(h.dtype)
-        return (dlogits @ w) * g, (dlogits.t() @ h) * g, None, None
+        # The scalar scales the small operands, not the logits-sized one: each product is then rounded to
+        # bf16 once, as torch's (grad * (softmax - one-hot)) @ w is; scaling the products after rounding
+        # them doubles their rounding error.
+        return dlogits @ (w * grad), dlogits.t() @ (h * grad), None, None
 
 
 @torch.compiler.disable  # an opaque kernel for dynamo: the compiled model ends at the final layer norm

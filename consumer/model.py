@@ -171,20 +171,19 @@ class GPT(nn.Module):
         """Returns (logits, summed loss over targets != IGNORE). Logits are None when targets are given,
         so training never keeps the [B, L, vocab] tensor around longer than the loss needs it."""
         h = self.hidden(idx, pos, attn)
-        if targets is not None and self.fused_ce is not None:
+        kernel = self.loss_kernel and h.is_cuda
+        if targets is not None and (self.fused_ce is not None or kernel):
+            # the head's matmul and loss in one fused function, which autocast does not reach
             w = self.lm_head.weight
             if torch.is_autocast_enabled(h.device.type):  # LayerNorm left h in fp32; match the matmuls
                 dt = torch.get_autocast_dtype(h.device.type)
                 h, w = h.to(dt), w.to(dt)
-            return None, _fused_ce(self.fused_ce, w, h.reshape(-1, h.size(-1)), targets.reshape(-1))
-        if targets is not None and self.loss_kernel and h.is_cuda:
+            h, t = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+            if self.fused_ce is not None:
+                return None, _fused_ce(self.fused_ce, w, h, t)
             from lmpipe.consumer.loss import head_loss  # Triton: imported where it runs
 
-            w = self.lm_head.weight
-            if torch.is_autocast_enabled(h.device.type):
-                dt = torch.get_autocast_dtype(h.device.type)
-                h, w = h.to(dt), w.to(dt)
-            return None, head_loss(h.reshape(-1, h.size(-1)), w, targets.reshape(-1), IGNORE)
+            return None, head_loss(h, w, t, IGNORE)
         logits = self.lm_head(h)
         if targets is None:
             return logits, None

@@ -36,9 +36,12 @@ run() {  # name, command...
     echo "=== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
 }
 
+test_args=()  # `tests -k loss_kernel` selects tests; `all`'s extra arguments are the benchmarks'
+[ "$stage" = tests ] && test_args=("$@")
+
 case $stage in
     # every cuda-marked test, from the files that hold them (others may import CPU-only dev extras)
-    tests|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m cuda $(grep -l "mark.cuda" tests/test_*.py) ;;&
+    tests|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m cuda $(grep -l "mark.cuda" tests/test_*.py) "${test_args[@]}" ;;&
     ceiling|all) run ceiling python3 -m bench.ceiling --out "$OUT" "$@" ;;&
     kernels|all) run kernels python3 -m bench.kernels --out "$OUT" "$@" ;;&
     ablation|all) run ablation python3 -m bench.ablation --out "$OUT" "$@" ;;&

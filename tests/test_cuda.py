@@ -111,35 +111,55 @@ def test_fused_cross_entropy_matches_the_plain_loss():
     assert rel < 2e-2, f"relative error of the gradient {rel:.2e} (bf16 operands: 1e-3 to 1e-2 expected)"
 
 
-@pytest.mark.parametrize(
-    "compiled,dtype,tol",
-    [(False, torch.bfloat16, 2e-2), (True, torch.bfloat16, 2e-2), (True, None, 1e-4)],
-    ids=["eager-bf16", "compiled-bf16", "compiled-fp32"],
-)
-def test_loss_kernel_matches_torchs_cross_entropy(compiled, dtype, tol, monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 means fp32 here
-    # a vocabulary that is not a multiple of the kernel's block, ignored targets, a row all ignored
-    plain, kern = model(vocab=5000), model(vocab=5000)
-    kern.loss_kernel = True
-    x = torch.randint(0, 5000, (4, 256), device=DEV)
-    pos = torch.arange(256, device=DEV).expand(4, 256)
-    t = torch.randint(0, 5000, (4, 256), device=DEV)
+def _head_grads(m: GPT, compiled: bool, dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+    """Loss and two gradients (the tied head/embedding, and a first-block weight that only the hidden
+    state's gradient reaches) for one batch: a vocabulary that is not a multiple of the kernel's block,
+    ignored targets, a row all ignored, and an upstream gradient other than 1."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x = torch.randint(0, 5000, (4, 256), device=DEV, generator=g)
+    t = torch.randint(0, 5000, (4, 256), device=DEV, generator=g)
     t[:, -5:] = -100
     t[2] = -100
-    losses = []
-    for m in (plain, kern):
-        m.train()
-        step = torch.compile(m) if compiled else m
-        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
-            _, loss = step(x, pos, AttnSpec("causal"), t)
-        (loss * 0.37).backward()  # an upstream gradient other than 1, as the loss normalisation gives
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[0], losses[1], rtol=tol / 4, atol=0)
-    for a, b in ((plain.lm_head.weight.grad, kern.lm_head.weight.grad),  # tied: the embedding's too
-                 (plain.transformer.h[0].mlp.c_fc.weight.grad, kern.transformer.h[0].mlp.c_fc.weight.grad)):  # fmt: skip
-        rel = (a - b).norm() / a.norm()
-        print(f"relative gradient difference {rel:.2e}")
-        assert rel < tol, f"relative error of the gradient {rel:.2e} (bf16 operands: 1e-3 to 1e-2 expected)"
+    pos = torch.arange(256, device=DEV).expand(4, 256)
+    m.train()
+    if compiled:
+        torch._dynamo.reset()  # each model compiles afresh, not as a recompile that may hit dynamo's limit
+    step = torch.compile(m) if compiled else m
+    with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+        _, loss = step(x, pos, AttnSpec("causal"), t)
+    (loss * 0.37).backward()  # the trainer scales the summed loss by 1 / targets
+    return loss.detach().float(), m.lm_head.weight.grad, m.transformer.h[0].mlp.c_fc.weight.grad
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_loss_kernel_equals_torchs_cross_entropy_in_fp32(compiled, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 means fp32 here
+    torchs = _head_grads(model(vocab=5000), compiled, None)
+    kern = model(vocab=5000)
+    kern.loss_kernel = True
+    ours = _head_grads(kern, compiled, None)
+    for a, b in zip(ours, torchs):
+        assert _rel(a, b) < 1e-4, f"relative difference {_rel(a, b):.2e} from torch's in fp32"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_loss_kernel_in_bf16_is_as_close_to_fp32_as_torchs(compiled, monkeypatch):
+    """Both paths round to bf16; the kernel's error against the fp32 result may be no larger than
+    torch's own. A bias (a wrong scale, a lost term) shows up here long before a loss curve shows it."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    truth = _head_grads(model(vocab=5000), compiled, None)
+    torchs = _head_grads(model(vocab=5000), compiled, torch.bfloat16)
+    kern = model(vocab=5000)
+    kern.loss_kernel = True
+    ours = _head_grads(kern, compiled, torch.bfloat16)
+    for name, a, b, ref in zip(("loss", "head grad", "block-0 grad"), ours, torchs, truth):
+        err, base = _rel(a, ref), _rel(b, ref)
+        print(f"{name}: kernel {err:.2e}, torch {base:.2e} from fp32")
+        assert err <= 1.5 * base + 1e-5, f"{name}: the kernel is {err:.2e} from fp32, torch's bf16 {base:.2e}"
 
 
 def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
