@@ -238,6 +238,7 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
         source=corpus.fingerprint(),
         force=opts.force,
         progress=False,  # ours, with the corpus's size
+        inputs=[f.path for f in corpus.paths if f.remote is None],
     )
     progress.done()
     skipped = f"; skipped {sum(bad.values())} bad records ({bad})" if bad else ""

@@ -28,7 +28,9 @@ import hashlib
 import json
 import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +97,48 @@ class _ShardWriter:
         }
 
 
+def check_out(out: Path, force: bool, inputs: Sequence[str] = ()) -> None:
+    """`out` may be replaced only when it is a shard set (or an empty directory) and holds no input: --force
+    must never delete a corpus or a directory that prepare did not write."""
+    where = out.resolve()
+    for given in inputs:
+        p = Path(given).resolve()
+        if p == where or where in p.parents:
+            raise ShardError(
+                f"--out {out} holds the corpus {given}: preparing would replace it; choose another --out"
+            )
+    if out.exists() and not out.is_dir():
+        raise ShardError(f"{out} exists and is not a directory; choose another --out")
+    if out.exists():
+        if not force:
+            raise ShardError(f"{out} already exists; pass --force to replace it")
+        if any(out.iterdir()) and not is_shard_dir(out):
+            raise ShardError(
+                f"{out} is not a shard directory (no {META}); --force replaces only those: choose another --out"
+            )
+
+
 def prepare(stream, out: str | Path, *, shard_tokens: int = 1 << 26, source: str = "", force: bool = False,
-            progress: bool = True) -> dict[str, Any]:  # fmt: skip
+            progress: bool = True, inputs: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
     """Tokenize every document of `stream` (a DocStream over the whole corpus, one worker, no shuffle)
-    into shards under `out`. Written to a temporary directory and renamed, so `out` is whole or absent."""
+    into shards under `out`. Written to a temporary directory beside it and renamed, so `out` is whole or
+    absent. `inputs`: the corpus's local paths, which `out` must not hold."""
     out = Path(out)
-    if out.exists() and not force:
-        raise ShardError(f"{out} already exists; pass --force to replace it")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    check_out(out, force, inputs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # unique: never a user's folder
+    try:
+        meta = _write_shards(stream, tmp, shard_tokens, source, progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return meta
+
+
+def _write_shards(stream, tmp: Path, shard_tokens: int, source: str, progress: bool) -> dict[str, Any]:
     tok = stream.tok
     dtype = token_dtype(tok.vocab_size)
     shards: list[dict[str, Any]] = []
@@ -147,9 +181,6 @@ def prepare(stream, out: str | Path, *, shard_tokens: int = 1 << 26, source: str
         sys.stderr.write(
             f"{chr(13) if tty else ''}prepared {docs:,} documents, {tokens:,} tokens in {dt:.1f} s\n"
         )
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     return meta
 
 

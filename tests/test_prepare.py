@@ -1,0 +1,85 @@
+"""`lmpipe prepare`'s output directory: it never deletes what it did not write (the corpus, a user's folder,
+a file), and a failed prepare leaves neither the old shards changed nor a temporary directory behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmpipe.cli import main
+from lmpipe.producer import builtin_corpus
+from lmpipe.producer.shards import ShardSet, is_shard_dir
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("\n\n".join(builtin_corpus.document(5, i) for i in range(30)) + "\n")
+    return src
+
+
+def prepare(*args: str) -> int:
+    return main(["prepare", *args])
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize("out", ["src", "src/a.txt"], ids=["the-corpus-folder", "the-corpus-file"])
+def test_force_never_replaces_the_corpus(tmp_path, corpus, capsys, out):
+    before = (corpus / "a.txt").read_bytes()
+    assert prepare("--data", str(corpus), "--out", str(tmp_path / out), "--force") == 2
+    assert "holds the corpus" in one_line(capsys)
+    assert (corpus / "a.txt").read_bytes() == before
+
+
+def test_force_replaces_only_a_shard_directory(tmp_path, corpus, capsys):
+    mine = tmp_path / "photos"
+    mine.mkdir()
+    (mine / "p.jpg").write_bytes(b"\xff\xd8 not yours")
+    assert prepare("--data", str(corpus), "--out", str(mine), "--force") == 2
+    assert "not a shard directory" in one_line(capsys)
+    assert (mine / "p.jpg").read_bytes() == b"\xff\xd8 not yours"
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert prepare("--data", str(corpus), "--out", str(afile), "--force") == 2
+    assert "is not a directory" in one_line(capsys)
+    assert afile.read_text() == "x"
+
+    shards = tmp_path / "shards"
+    assert prepare("--data", str(corpus), "--out", str(shards)) == 0
+    assert prepare("--data", str(corpus), "--out", str(shards)) == 2  # without --force: refused
+    assert "already exists" in capsys.readouterr().err
+    assert prepare("--data", str(corpus), "--out", str(shards), "--force") == 0
+    assert ShardSet(shards).meta["documents"] > 0 and is_shard_dir(shards)
+
+
+def test_a_folder_named_like_the_temporary_one_is_left_alone(tmp_path, corpus):
+    sibling = tmp_path / "shards.tmp"  # prepare once wrote to <out>.tmp and deleted it first
+    sibling.mkdir()
+    (sibling / "notes.txt").write_text("mine")
+    assert prepare("--data", str(corpus), "--out", str(tmp_path / "shards")) == 0
+    assert (sibling / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "shards.tmp", "src"]
+
+
+def test_a_failed_prepare_leaves_the_old_shards_and_no_temporary_directory(tmp_path, corpus, monkeypatch):
+    from lmpipe.producer import shards as shards_mod
+
+    out = tmp_path / "shards"
+    assert prepare("--data", str(corpus), "--out", str(out)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fail(*a, **k):
+        raise KeyboardInterrupt  # Ctrl-C halfway through tokenizing
+
+    monkeypatch.setattr(shards_mod, "_write_shards", fail)
+    assert prepare("--data", str(corpus), "--out", str(out), "--force") == 130  # interrupted
+    assert is_shard_dir(out) and {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "src"]
