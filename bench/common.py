@@ -9,6 +9,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -31,6 +32,11 @@ def command() -> str:
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     head = ["-m", spec.name] if spec is not None else [os.path.relpath(sys.argv[0], REPO)]
     return "python " + shlex.join([*head, *sys.argv[1:]])
+
+
+def smoke_out(out: str | None) -> str:
+    """Where a --smoke run writes: never bench/results, whose files are real measurements."""
+    return out or str(Path(tempfile.gettempdir()) / "lmpipe-bench-smoke")
 
 
 def write_result(name: str, title: str, body: str, out_dir: str | None = None) -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, table, write_result
+from bench.common import RESULTS, smoke_out, table, write_result
 from bench.trainbench import bench_data, device_batches, pipeline_config
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.inputs import build_inputs
@@ -89,18 +89,19 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.model, args.seq_len, args.batch_size, args.steps, args.vocab_size = "tiny", 64, 4, 12, 0
-    args.producers = 1
-    tok, shards = bench_data(Path(args.work))
-    pcfg = pipeline_config(shards, tok, args)
-    data = device_batches(pcfg, args.steps, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        args.out = smoke_out(args.out)
     cuda = torch.cuda.is_available()
-    modes = [m for m in MODES if cuda or (m[1] != "fp16" and not m[3])]
+    modes = [m for m in MODES if cuda or (m[1] != "fp16" and not m[3])]  # fp16 and the kernel: CUDA only
     if args.only:
         modes = [m for m in modes if any(t in m[0] for t in args.only)]
     if not modes:
-        raise SystemExit(
-            f"--only {' '.join(args.only)}: no such mode (modes: {', '.join(m[0] for m in MODES)})"
+        p.error(
+            f"--only {' '.join(args.only)}: no such mode here; the modes: {'; '.join(m[0] for m in MODES)}"
         )
+    args.producers = 1
+    tok, shards = bench_data(Path(args.work))
+    pcfg = pipeline_config(shards, tok, args)
+    data = device_batches(pcfg, args.steps, torch.device("cuda" if cuda else "cpu"))
     results = [run(m, data, pcfg, args) for m in modes]
     for r in results:
         print(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import WIKITEXT, free_port_pair, start_producers, stop
+from bench.common import WIKITEXT, free_port_pair, smoke_out, start_producers, stop
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.inputs import build_inputs
 from lmpipe.consumer.report import peak_flops
@@ -227,4 +227,5 @@ def apply_smoke(args: argparse.Namespace) -> argparse.Namespace:
         args = copy.copy(args)
         args.model, args.seq_len, args.batch_size, args.producers = "tiny", 128, 4, 2
         args.precision, args.compile, args.vocab_size, args.warmup, args.steps = "fp32", False, 0, 5, 10
+        args.out = smoke_out(args.out)
     return args
