@@ -55,7 +55,7 @@ class Summary:
     time_to_first_step: float = float("nan")
     steady_tokens: int = 0
     steady_seconds: float = 0.0
-    steady_mfu: float = 0.0
+    steady_mfu: float | None = None  # None: no steady state, or no known peak (CPU, an unlisted GPU)
     # --consume-only: where the trainer's time went, per batch consumed (see consumer/runstats.py)
     consume: dict[str, float] = field(default_factory=dict)
 
@@ -64,8 +64,14 @@ class Summary:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
-    def steady_tokens_per_second(self) -> float:
-        return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else self.tokens_per_second
+    def steady_tokens_per_second(self) -> float | None:
+        """None when no step ran after the first logging interval: a run that short has no steady state,
+        and its overall figure is mostly start-up."""
+        return (
+            self.steady_tokens / self.steady_seconds
+            if self.steady_tokens and self.steady_seconds > 0
+            else None
+        )
 
     @property
     def padding_efficiency(self) -> float:
@@ -87,11 +93,21 @@ class Summary:
         return d
 
     def render(self) -> str:
+        if not self.steps:
+            return (
+                f"summary: no steps trained in {self.seconds:.1f} s ({self.stopped_by or 'stopped'}) | "
+                f"dropped: {self.rejected} malformed, {self.stale} stale"
+                + (f" | refused: {self.refused} producer hello(s)" if self.refused else "")
+            )
         return (
             f"summary: {self.steps} steps in {self.seconds:.1f} s ({self.stopped_by}) | "
             f"loss {self.first_loss:.3f} -> {self.last_loss:.3f} | "
             f"{self.tokens:,} tokens trained ({self.targets:,} in the loss), "
-            f"{self.steady_tokens_per_second:,.0f} tok/s steady"
+            + (
+                f"{self.steady_tokens_per_second:,.0f} tok/s steady"
+                if self.steady_tokens_per_second is not None
+                else "no steady tok/s (no step after the first --log-every interval)"
+            )
             + (f", MFU {100 * self.steady_mfu:.1f}%" if self.steady_mfu else "")
             + f" ({self.tokens_per_second:,.0f} overall, first step after {self.time_to_first_step:.1f} s) | "
             f"padding efficiency {100 * self.padding_efficiency:.1f}% | "

@@ -230,10 +230,9 @@ class RunStats:
                 )
             )
         peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else 0.0
-        if peak:  # per GPU
-            summary.steady_mfu = (
-                summary.steady_tokens_per_second / self.dist.world_size * self.flops_per_token / peak
-            )
+        steady = summary.steady_tokens_per_second
+        if peak and steady is not None:  # per GPU
+            summary.steady_mfu = steady / self.dist.world_size * self.flops_per_token / peak
         summary.seconds = end - self.run_start if self.run_start else 0.0
         summary.first_loss = summary.losses[0] if summary.losses else float("nan")
         summary.last_loss = summary.losses[-1] if summary.losses else float("nan")

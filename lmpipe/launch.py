@@ -316,6 +316,11 @@ def train(
     tok = check_tokenizer(cfg)
     if local_producers:
         check_corpus(cfg, tok)
+        if not cfg.data:  # so that a run on the wrong corpus shows it at its start
+            log.info(
+                "data: the built-in corpus (%s generated documents); --data names yours",
+                f"{cfg.builtin_docs:,}",
+            )
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     check_writable("--doc-log", tcfg.doc_log)

@@ -143,7 +143,11 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 def parse_value(spec: Spec, raw: str) -> Any:
     """A string from the command line or the environment as the field's type; ValueError if it is not."""
     if spec.many:
-        return [parse_value(dataclasses.replace(spec, many=False, optional=False), r) for r in raw.split()]
+        try:  # shell quoting, so that LMPIPE_DATA="my corpus.jsonl other.jsonl" can name a path with a space
+            words = shlex.split(raw)
+        except ValueError as exc:
+            raise ValueError(f"{raw!r}: {exc}") from None
+        return [parse_value(dataclasses.replace(spec, many=False, optional=False), r) for r in words]
     if spec.optional and raw == "":
         return None
     if spec.type is bool:
@@ -246,8 +250,10 @@ def add_settings(
         else:
             metavar = m.metavar or {int: "N", float: "X"}.get(spec.type)
             kwargs.update(type=_argtype(spec), choices=m.choices, metavar=metavar)
-            if spec.many:
-                kwargs["nargs"] = "+" if spec.name in required else "*"
+            if (
+                spec.many
+            ):  # the flag with no value would mean the default silently (an unset $VAR, an empty glob)
+                kwargs["nargs"] = "+"
             g.add_argument("--" + spec.flag, **kwargs)
         if fill and isinstance(parser, Parser):
             parser._fill.append(spec)

@@ -266,6 +266,9 @@ CASES = [
     ("worker-outside-producers", ["produce", "--worker", "2", "--producers", "2"], "--worker 2"),
     ("resume-auto-without-dir", ["train", "--resume", "auto"], "--resume auto needs --checkpoint-dir"),
     ("missing-corpus-file", ["run", "--data", "/nonexistent.txt"], "--data"),
+    # --data with nothing after it (an unset $VAR, a glob that matched nothing) trained the built-in corpus
+    ("data-flag-without-a-path", ["run", "--data", "--steps", "5"], "--data: expected at least one argument"),
+    ("env-data-unclosed-quote", env("LMPIPE_DATA", "'my corpus.txt", "run"), "LMPIPE_DATA"),
     ("corpus-not-a-file", ["run", "--data", "/dev/null"], "/dev/null is not a regular file"),
     ("missing-tokenizer", ["produce", "--tokenizer", "/nonexistent.json"], "--tokenizer"),
     ("loss-scale", ["train", "--loss-scale", "static:0"], "--loss-scale static:0"),

@@ -121,6 +121,11 @@ def test_empty_variables_mean_none_as_compose_passes_them(env):
     assert from_args(ns, TrainConfig).compile is False
 
 
+def test_a_list_variable_is_split_as_a_shell_would(env):
+    env("LMPIPE_DATA", "'/data/my corpus.jsonl' \"b c.txt\" plain.txt")  # a path with a space, quoted
+    assert from_args(parse("run"), PipelineConfig).data == ["/data/my corpus.jsonl", "b c.txt", "plain.txt"]
+
+
 @pytest.mark.parametrize("before", [True, False])
 def test_global_options_go_before_or_after_the_command(env, before):
     env("LMPIPE_LOG_LEVEL", "ERROR")

@@ -151,3 +151,27 @@ def test_hostile_messages_are_counted_and_training_goes_on(procs, tmp_path, port
     assert out["rejected"] == len(GARBAGE)
     assert out["stopped_by"] == "end of data" and out["tokens"] > 0
     assert prod.wait(timeout=10) == 0
+
+
+def test_a_run_too_short_for_a_steady_state_reports_none(procs, tmp_path, port):
+    """Every step in the first logging interval: its tokens/s are start-up, so no steady figure (null in
+    the JSON), not 0 tok/s and not the overall rate passed off as steady."""
+    summary = tmp_path / "s.json"
+    p = procs.start("run", "--steps", "4", "--log-every", "10", "--port", str(port), "--metrics-port", "-1",
+                    "--summary-json", str(summary), name="run")  # fmt: skip
+    assert p.wait(timeout=120) == 0, procs.log(p)
+    out = json.loads(summary.read_text())
+    assert out["steps"] == 4 and out["tokens"] > 0
+    assert out["steady_tokens_per_second"] is None and out["steady_mfu"] is None
+    assert "no steady tok/s (no step after the first --log-every interval)" in procs.log(p)
+    assert " 0 tok/s" not in procs.log(p)
+    assert "data: the built-in corpus (20,000 generated documents)" in procs.log(p)
+
+
+def test_a_trainer_stopped_before_its_first_step_says_so(procs, tmp_path, port):
+    train = procs.start("train", "--port", str(port), "--metrics-port", "-1", "--steps", "5", name="trainer")
+    procs.wait_for(train, "listening on")
+    train.send_signal(signal.SIGTERM)
+    assert train.wait(timeout=60) == 0, procs.log(train)
+    text = procs.log(train)
+    assert "summary: no steps trained in" in text and "nan" not in text, text
