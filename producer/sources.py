@@ -371,12 +371,29 @@ def refuse_binary(path: Path) -> None:
     JSONL corpus has one, and reading it as text makes thousands of junk documents."""
     with open(path, "rb") as f:
         head = f.read(BINARY_PROBE_BYTES)
+    if _utf16(head):  # Windows editors save "Unicode" text so: every other byte of ASCII text is NUL
+        raise ValueError(
+            f"{path}: UTF-16 text, not UTF-8; convert it (iconv -f UTF-16 -t UTF-8 IN > OUT) and give that"
+        )
     at = head.find(b"\0")
     if at >= 0:
         raise ValueError(
             f"{path}: binary data (a NUL byte at offset {at}), not a text or JSONL corpus; give --data "
             "text, JSONL, Parquet or Arrow files (or .gz/.zst of text/JSONL), or a directory from `lmpipe prepare`"
         )
+
+
+def _utf16(head: bytes) -> bool:
+    """A UTF-16 byte-order mark, or (without one) NUL in every other byte, as mostly-ASCII UTF-16 has."""
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return True
+    pairs = len(head) // 2
+    if pairs < 8:
+        return False
+    for nul_at in (0, 1):  # big- or little-endian
+        if head[nul_at::2][:pairs].count(0) > 0.9 * pairs and head[1 - nul_at :: 2][:pairs].count(0) == 0:
+            return True
+    return False
 
 
 def expand_paths(paths: list[str]) -> list[str]:

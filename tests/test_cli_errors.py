@@ -61,6 +61,17 @@ def empty_corpus(c: Ctx) -> list[str]:
     return ["--data", str(c.tmp / "empty.txt"), str(c.tmp / "blank.jsonl")]
 
 
+def utf16_corpus(bom: bool) -> Callable[[Ctx], list[str]]:
+    """Text as Windows Notepad's "Unicode" saves it: with a byte-order mark, or without one."""
+
+    def make(c: Ctx) -> list[str]:
+        text = "A first document.\n\nA second one, with more words in it.\n"
+        (c.tmp / "notes.txt").write_bytes(text.encode("utf-16" if bom else "utf-16-le"))
+        return ["run", "--data", str(c.tmp / "notes.txt")]
+
+    return make
+
+
 def json_array(c: Ctx) -> list[str]:
     """What json.dump(records, f, indent=2) writes, named .json: each line of it is junk as JSON Lines."""
     records = [{"prompt": f"Q{i}?", "completion": f" A{i}"} for i in range(3)]
@@ -270,6 +281,9 @@ CASES = [
     ("data-flag-without-a-path", ["run", "--data", "--steps", "5"], "--data: expected at least one argument"),
     ("env-data-unclosed-quote", env("LMPIPE_DATA", "'my corpus.txt", "run"), "LMPIPE_DATA"),
     ("corpus-not-a-file", ["run", "--data", "/dev/null"], "/dev/null is not a regular file"),
+    # UTF-16 was called "binary data (a NUL byte at offset 3)"
+    ("corpus-utf16", utf16_corpus(bom=True), "notes.txt: UTF-16 text, not UTF-8; convert it (iconv"),
+    ("corpus-utf16-no-bom", utf16_corpus(bom=False), "notes.txt: UTF-16 text, not UTF-8"),
     ("missing-tokenizer", ["produce", "--tokenizer", "/nonexistent.json"], "--tokenizer"),
     ("loss-scale", ["train", "--loss-scale", "static:0"], "--loss-scale static:0"),
     ("fp8-on-cpu", ["train", "--device", "cpu", "--precision", "fp8"], "--precision fp8 needs a GPU"),
