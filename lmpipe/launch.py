@@ -321,6 +321,8 @@ def train(
                 "data: the built-in corpus (%s generated documents); --data names yours",
                 f"{cfg.builtin_docs:,}",
             )
+        if not tcfg.steps and not cfg.epochs:  # both documented; together they mean no end
+            log.info("--steps 0 and --epochs 0: this run trains until it is stopped (Ctrl-C or SIGTERM)")
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     check_writable("--doc-log", tcfg.doc_log)

@@ -175,3 +175,12 @@ def test_a_trainer_stopped_before_its_first_step_says_so(procs, tmp_path, port):
     assert train.wait(timeout=60) == 0, procs.log(train)
     text = procs.log(train)
     assert "summary: no steps trained in" in text and "nan" not in text, text
+
+
+def test_a_run_without_an_end_says_so_and_stops_cleanly(procs, port):
+    p = procs.start("run", "--steps", "0", "--port", str(port), "--metrics-port", "-1", name="run")
+    procs.wait_for(p, "this run trains until it is stopped (Ctrl-C or SIGTERM)")
+    procs.wait_for(p, "step ")
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 0, procs.log(p)
+    assert "(SIGTERM)" in procs.log(p)
