@@ -316,17 +316,16 @@ def train(
     tok = check_tokenizer(cfg)
     if local_producers:
         check_corpus(cfg, tok)
-        if not cfg.data:  # so that a run on the wrong corpus shows it at its start
-            log.info(
-                "data: the built-in corpus (%s generated documents); --data names yours",
-                f"{cfg.builtin_docs:,}",
-            )
-        if not tcfg.steps and not cfg.epochs:  # both documented; together they mean no end
-            log.info("--steps 0 and --epochs 0: this run trains until it is stopped (Ctrl-C or SIGTERM)")
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     check_writable("--doc-log", tcfg.doc_log)
     check_writable("--summary-json", opts.summary_json)
+    if local_producers and not cfg.data:  # so that a run on the wrong corpus shows it at its start
+        log.info(
+            "data: the built-in corpus (%s generated documents); --data names yours", f"{cfg.builtin_docs:,}"
+        )
+    if local_producers and not tcfg.steps and not cfg.epochs:  # both documented; together they mean no end
+        log.info("--steps 0 and --epochs 0: this run trains until it is stopped (Ctrl-C or SIGTERM)")
     procs: list[LocalProducer] = []
     if local_producers:  # forked now, before torch is imported (fork_producers says why)
         procs = fork_producers(rank_cfg, rank_tcfg.metrics_port, opts.metrics_linger, log_level)

@@ -17,6 +17,10 @@ from typing import Any
 from lmpipe.shared.settings import at_least, between, existing_dir, from_args, setting, to_argv, validate
 from lmpipe.shared.wire import STRATEGIES
 
+# One wire batch's tokens at most: its buffers (about 23 bytes a token, shared/batch.py) stay within what a
+# socket buffer option (a C int) and a pinned slot can hold. Larger optimizer steps come from --accum.
+MAX_BATCH_TOKENS = 1 << 24
+
 DEFAULT_PORT = 5555
 DOC_SPLITS = ("blank", "heading", "line")
 BATCHING = "data and batching (must match between producers and trainer)"
@@ -140,9 +144,15 @@ class PipelineConfig:
         validate(self)
 
     def cross_check(self) -> list[str]:
+        out = []
         if self.rank >= self.world_size:
-            return [f"--rank {self.rank} must be below --world-size {self.world_size}"]
-        return []
+            out.append(f"--rank {self.rank} must be below --world-size {self.world_size}")
+        if self.batch_size * self.seq_len > MAX_BATCH_TOKENS:
+            out.append(
+                f"--batch-size {self.batch_size} x --seq-len {self.seq_len} is {self.batch_size * self.seq_len:,} "
+                f"tokens a batch, more than {MAX_BATCH_TOKENS:,}; --accum N makes a step of N batches"
+            )
+        return out
 
     def stream_fields(self) -> dict[str, Any]:
         """Everything that decides which batches a shard makes, in what order: cursors are only

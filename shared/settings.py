@@ -300,7 +300,9 @@ def from_args(ns: argparse.Namespace, cls: type) -> Any:
     values, sources = {}, {}
     for spec in specs(cls):
         if hasattr(ns, spec.dest):
-            values[spec.name] = getattr(ns, spec.dest)
+            value = getattr(ns, spec.dest)
+            # --data= (to_argv's empty list) and an empty variable mean none
+            values[spec.name] = [v for v in value if v != ""] if spec.many else value
             sources[spec.name] = given.get(spec.dest)
     if found := field_problems(cls, values, sources):
         raise SettingsError("; ".join(found))
@@ -316,8 +318,8 @@ def to_argv(cfg: Any) -> list[str]:
         v, flag = getattr(cfg, spec.name), "--" + spec.flag
         if spec.type is bool:
             argv.append(flag if v else f"--no-{spec.flag}")
-        elif spec.many:
-            argv += [flag, *map(str, v)]
+        elif spec.many:  # an empty list as one empty value: the flag itself wants at least one
+            argv += [flag, *map(str, v)] if v else [f"{flag}="]
         else:
             argv += [flag, "" if v is None else str(v)]
     return argv

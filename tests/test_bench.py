@@ -1,31 +1,50 @@
-"""The benchmarks' own plumbing (their measurements run on the GPU machine: scripts/gpu_check.sh)."""
+"""The benchmarks' own plumbing, run as users run them (their measurements run on the GPU machine:
+scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
-import argparse
+import datetime
+import hashlib
 import subprocess
 import sys
 
-from bench.trainbench import apply_smoke, common_args
+import pytest
+
 from tests.helpers import REPO, lmpipe_env
 
+RESULTS = REPO / "bench" / "results"
 
-def test_a_smoke_run_never_writes_into_bench_results(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    import tempfile
 
-    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
-    p = argparse.ArgumentParser()
-    common_args(p)
-    args = apply_smoke(p.parse_args(["--smoke"]))
-    assert args.out.startswith(str(tmp_path)), args.out  # the temporary folder, not bench/results
-    assert apply_smoke(p.parse_args(["--smoke", "--out", "/x"])).out == "/x"  # unless told where
-    assert apply_smoke(p.parse_args([])).out is None  # a real run writes its results
+def bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, env={**lmpipe_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def digest() -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(RESULTS.iterdir()) if p.is_file()
+    }
+
+
+@pytest.mark.slow
+def test_a_smoke_run_writes_to_a_temporary_folder_never_into_bench_results(tmp_path):
+    wikitext = tmp_path / "wt2"  # a small stand-in for WikiText-2: the smoke run checks the script only
+    wikitext.mkdir()
+    text = "".join(
+        f" = Heading {i} = \n\n Sentence {i} of a document about item {i % 7} .\n\n" for i in range(300)
+    )
+    (wikitext / "valid.txt").write_text(text)
+    (wikitext / "test.txt").write_text(text)
+    before = digest()
+    out = bench("bench.precision", "--smoke", "--only", "bf16", "--work", str(tmp_path / "work"),
+                env={"TMPDIR": str(tmp_path), "LMPIPE_WIKITEXT": str(wikitext)})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert digest() == before, "a smoke run changed bench/results"
+    assert (tmp_path / "lmpipe-bench-smoke" / f"precision-{datetime.date.today()}.md").is_file()
 
 
 def test_precision_names_its_modes_when_none_matches():
-    out = subprocess.run([sys.executable, "-m", "bench.precision", "--smoke", "--only", "nothing"], cwd=REPO,
-                         env=lmpipe_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = bench("bench.precision", "--smoke", "--only", "nothing")
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert "--only nothing: no such mode here; the modes: fp32; fp16, no scaling;" in last, last

@@ -274,6 +274,12 @@ CASES = [
     ("unknown-flag", ["run", "--sequence-length", "5"], "--sequence-length"),
     ("log-level", ["--log-level", "loud", "run"], "--log-level loud"),
     ("rank-outside-world", ["produce", "--rank", "2", "--world-size", "2"], "--rank 2"),
+    # three tracebacks before: an int overflow in each producer's socket options, then the trainer's allocation
+    (
+        "batch-too-large",
+        ["run", "--batch-size", "100000000"],
+        "--batch-size 100000000 x --seq-len 128 is 12,800,000,000 tokens a batch",
+    ),
     ("worker-outside-producers", ["produce", "--worker", "2", "--producers", "2"], "--worker 2"),
     ("resume-auto-without-dir", ["train", "--resume", "auto"], "--resume auto needs --checkpoint-dir"),
     ("missing-corpus-file", ["run", "--data", "/nonexistent.txt"], "--data"),
