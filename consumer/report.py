@@ -96,7 +96,7 @@ class Summary:
         if not self.steps:
             return (
                 f"summary: no steps trained in {self.seconds:.1f} s ({self.stopped_by or 'stopped'}) | "
-                f"dropped: {self.rejected} malformed, {self.stale} stale"
+                f"batches dropped: {self.rejected} malformed, {self.stale} stale"
                 + (f" | refused: {self.refused} producer hello(s)" if self.refused else "")
             )
         return (
@@ -112,7 +112,7 @@ class Summary:
             + f" ({self.tokens_per_second:,.0f} overall, first step after {self.time_to_first_step:.1f} s) | "
             f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
             f"data wait {100 * self.data_wait_fraction:.1f}% | "
-            f"dropped: {self.rejected} malformed, {self.stale} stale"
+            f"batches dropped: {self.rejected} malformed, {self.stale} stale"
             + (f" | refused: {self.refused} producer hello(s)" if self.refused else "")
             + (
                 f" | {self.untrained_steps} steps without a trained target (no update)"

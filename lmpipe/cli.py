@@ -210,7 +210,7 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
 
     from lmpipe.launch import check_tokenizer, first_document, open_corpus
     from lmpipe.producer.shards import prepare
-    from lmpipe.producer.sources import Corpus
+    from lmpipe.producer.sources import BadRecords, Corpus
     from lmpipe.producer.stream import DocStream
     from lmpipe.progress import CountedCorpus, Progress, text_bytes
 
@@ -221,15 +221,11 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
             "--data must be corpus files (text, JSONL, Parquet, Arrow...), not a prepared shard directory"
         )
     first_document(corpus)
-    bad: dict[str, int] = {}
-
-    def on_bad(reason: str, where: str, detail: str) -> None:
-        bad[reason] = bad.get(reason, 0) + 1
-        log.warning("%s: %s (%s), skipped", where, detail, reason)
+    bad = BadRecords(log)
 
     # records read (bad ones too), with a percentage and ETA where the corpus's size is known
     progress = Progress("tokenizing", text_bytes(corpus), unit="records")
-    stream = DocStream(cast(Corpus, CountedCorpus(corpus, progress)), tok, shuffle_window=0, on_bad=on_bad)
+    stream = DocStream(cast(Corpus, CountedCorpus(corpus, progress)), tok, shuffle_window=0, on_bad=bad)
     assert opts.out is not None  # a required setting
     meta = prepare(
         stream,
@@ -241,7 +237,7 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
         inputs=[f.path for f in corpus.paths if f.remote is None],
     )
     progress.done()
-    skipped = f"; skipped {sum(bad.values())} bad records ({bad})" if bad else ""
+    skipped = f"; {bad.summary()}" if bad.total else ""
     print(
         f"wrote {opts.out}: {meta['documents']:,} documents, {meta['tokens']:,} tokens, {len(meta['shards'])} shard(s){skipped}"
     )

@@ -36,7 +36,7 @@ from lmpipe.producer.batching import BatchSpec
 from lmpipe.producer.held import HeldShard, Holdings
 from lmpipe.producer.scan import SharedScan
 from lmpipe.producer.shards import check_prepared_with
-from lmpipe.producer.sources import Corpus
+from lmpipe.producer.sources import BadRecords, Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
 from lmpipe.shared.batch import Batch, Cursor, token_dtype
@@ -79,6 +79,7 @@ class Producer:
         self.cfg, self.opts = cfg, opts
         self.worker = opts.worker
         self.metrics = ProducerMetrics(cfg.strategy)  # every series labelled with its --worker number
+        self._bad = BadRecords(log)  # the first few logged by line, all counted
         self.metrics.bind(self.worker)
         self.tok = load_tokenizer(cfg.tokenizer, cfg.data)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
@@ -130,7 +131,7 @@ class Producer:
 
     def _bad_record(self, reason: str, where: str, detail: str) -> None:
         self.metrics.bad_records.labels(reason).inc()
-        log.warning("%s: %s (%s), skipped", where, detail, reason)
+        self._bad(reason, where, detail)
 
     def _hello(self) -> bytes:
         return messages.pack(
@@ -222,9 +223,10 @@ class Producer:
                         self._count(h, batch)
                     elif all(x.finished for x in self.holdings.shards.values()):
                         log.info(
-                            "finished its %d epoch(s) on shard(s) %s",
+                            "finished its %d epoch(s) on shard(s) %s%s",
                             self.cfg.epochs,
                             ",".join(map(str, self.holdings.held())),
+                            f"; {self._bad.summary()}" if self._bad.total else "",
                         )
                     log.debug(
                         "shard %d message %d built in %.1f ms",

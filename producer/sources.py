@@ -24,6 +24,7 @@ them, and shards, can be a URL (s3://bucket/prefix, any fsspec URL): see remote.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +43,32 @@ DOC_SPLITS = ("blank", "heading", "line")
 HEADING = re.compile(r"^ = [^=].* = $")
 BINARY_PROBE_BYTES = 8192  # how much of a file is looked at for NUL bytes (what git and grep do)
 
-# reason, "file:line", detail
+LOGGED_BAD_RECORDS = 10  # bad records a process logs one by one; the rest are counted
+
+
+class BadRecords:
+    """A process's bad records: the first LOGGED_BAD_RECORDS each get a line (file:line, what, why), then a
+    line at 100, 1,000, ... says how many so far, so that a mis-encoded corpus cannot flood the log; every
+    one is counted, by reason."""
+
+    def __init__(self, log: logging.Logger):
+        self.log = log
+        self.counts: dict[str, int] = {}
+        self.total = 0
+
+    def __call__(self, reason: str, where: str, detail: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        self.total += 1
+        if self.total <= LOGGED_BAD_RECORDS:
+            self.log.warning("%s: %s (%s), skipped", where, detail, reason)
+            if self.total == LOGGED_BAD_RECORDS:
+                self.log.warning("more bad records are counted, not logged one by one")
+        elif self.total >= 100 and str(self.total).rstrip("0") == "1":
+            self.log.warning("%s so far", self.summary())
+
+    def summary(self) -> str:
+        by = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.counts.items()))
+        return f"{self.total:,} bad records skipped ({by})"
 
 
 @dataclass
@@ -89,8 +115,15 @@ def _text_records(
     def flush() -> Record:
         text = "\n".join(lines).strip()
         rec = Record(rid=rid, text=text, where=f"{path}:{start}", warnings=warnings or None)
-        if not text:
-            rec.bad = ("empty", "document is empty after skipping bad lines")
+        if not text and warnings:  # nothing but skipped lines: one bad record, for its first line's reason
+            reason, _, detail = warnings[0]
+            rec.bad = (
+                reason,
+                detail + (f" (and {len(warnings) - 1} more line(s))" if len(warnings) > 1 else ""),
+            )
+            rec.warnings = None
+        elif not text:
+            rec.bad = ("empty", "document is empty")
         return rec
 
     for lineno, raw, size in _lines(path, max_line_bytes):
@@ -98,7 +131,11 @@ def _text_records(
         if raw is None:
             line, problem = (
                 None,
-                ("line_too_long", where, f"line of {size} bytes exceeds {max_line_bytes}; line skipped"),
+                (
+                    "line_too_long",
+                    where,
+                    f"line of {size:,} bytes exceeds --max-line-bytes {max_line_bytes:,}; line skipped",
+                ),
             )
         else:
             try:
@@ -106,7 +143,11 @@ def _text_records(
             except UnicodeDecodeError as exc:
                 line, problem = (
                     None,
-                    ("invalid_utf8", where, f"invalid UTF-8 at byte {exc.start}; line skipped"),
+                    (
+                        "invalid_utf8",
+                        where,
+                        f"invalid UTF-8 at byte {exc.start} (is the file UTF-8?); line skipped",
+                    ),
                 )
         if line is not None:
             blank = not line.strip()

@@ -83,3 +83,18 @@ def test_a_failed_prepare_leaves_the_old_shards_and_no_temporary_directory(tmp_p
     assert prepare("--data", str(corpus), "--out", str(out), "--force") == 130  # interrupted
     assert is_shard_dir(out) and {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "src"]
+
+
+def test_a_corpus_of_bad_lines_is_counted_not_logged_line_by_line(tmp_path, capsys):
+    bad = tmp_path / "mixed.txt"
+    good = "\n\n".join(builtin_corpus.document(5, i) for i in range(5))
+    bad.write_bytes(good.encode() + b"\n\n" + b"caf\xe9 au lait\n\n" * 1500)  # Latin-1 lines: not UTF-8
+    assert prepare("--data", str(bad), "--out", str(tmp_path / "shards")) == 0
+    out, err = capsys.readouterr()
+    skipped = [line for line in err.splitlines() if "invalid UTF-8" in line]
+    assert len(skipped) == 10, err[-3000:]  # LOGGED_BAD_RECORDS one by one
+    assert "more bad records are counted, not logged one by one" in err
+    assert "100 bad records skipped (100 invalid_utf8) so far" in err
+    assert "1,000 bad records skipped (1,000 invalid_utf8) so far" in err
+    assert len(err.splitlines()) < 20, err[-3000:]
+    assert "; 1,500 bad records skipped (1,500 invalid_utf8)" in out

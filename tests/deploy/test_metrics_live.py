@@ -279,6 +279,6 @@ def test_handshake_refusals_are_counted_by_a_short_reason(procs, tmp_path):
     trainer.terminate()
     assert trainer.wait(timeout=60) == 0, procs.log(trainer)[-3000:]
     (summary,) = [ln for ln in procs.log(trainer).splitlines() if "summary:" in ln]
-    assert summary.endswith(f"dropped: 0 malformed, 0 stale | refused: {n:.0f} producer hello(s)"), (
+    assert summary.endswith(f"batches dropped: 0 malformed, 0 stale | refused: {n:.0f} producer hello(s)"), (
         "a producer with other settings sent nothing malformed"
     )
