@@ -64,6 +64,8 @@ def build(
         model.fused_ce = fused_linear_cross_entropy()
         if model.fused_ce is None:
             log.warning("--fused-ce: liger-kernel is not installed (pip install 'lmpipe[fused]'); plain loss")
+    elif tcfg.fused_ce:
+        log.info("--fused-ce runs on CUDA only; on %s the loss is torch's", device.type)
     model.loss_kernel = (
         tcfg.loss_kernel
         and device.type == "cuda"

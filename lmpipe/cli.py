@@ -21,6 +21,7 @@ import logging
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from lmpipe import __version__
 from lmpipe.consumer.config import TRAINING, TrainConfig
@@ -208,8 +209,8 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
 def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions) -> int:
     from typing import cast
 
-    from lmpipe.launch import check_tokenizer, first_document, open_corpus
-    from lmpipe.producer.shards import prepare
+    from lmpipe.launch import check_tokenizer, first_document, open_corpus, say_left_out
+    from lmpipe.producer.shards import check_out, prepare
     from lmpipe.producer.sources import BadRecords, Corpus
     from lmpipe.producer.stream import DocStream
     from lmpipe.progress import CountedCorpus, Progress, text_bytes
@@ -221,12 +222,15 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
             "--data must be corpus files (text, JSONL, Parquet, Arrow...), not a prepared shard directory"
         )
     first_document(corpus)
+    assert opts.out is not None  # a required setting
+    inputs = [f.path for f in corpus.paths if f.remote is None]
+    check_out(Path(opts.out), opts.force, inputs)  # every mistake before the first info line
+    say_left_out(cfg.data)
     bad = BadRecords(log)
 
     # records read (bad ones too), with a percentage and ETA where the corpus's size is known
     progress = Progress("tokenizing", text_bytes(corpus), unit="records")
     stream = DocStream(cast(Corpus, CountedCorpus(corpus, progress)), tok, shuffle_window=0, on_bad=bad)
-    assert opts.out is not None  # a required setting
     meta = prepare(
         stream,
         opts.out,
@@ -234,7 +238,7 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
         source=corpus.fingerprint(),
         force=opts.force,
         progress=False,  # ours, with the corpus's size
-        inputs=[f.path for f in corpus.paths if f.remote is None],
+        inputs=inputs,
     )
     progress.done()
     skipped = f"; {bad.summary()}" if bad.total else ""

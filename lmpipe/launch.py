@@ -124,6 +124,16 @@ def check_corpus(cfg: PipelineConfig, tok: TokenizerInfo) -> None:
     first_document(corpus)
 
 
+def say_left_out(data: list[str]) -> None:
+    """One line for the files of --data's directories that are not read (by their names)."""
+    from lmpipe.producer.formats import left_out
+
+    if skipped := left_out(data):
+        more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        log.info("--data: %d file(s) in its directories are not corpus files by name, not read: %s%s",
+                 len(skipped), ", ".join(skipped[:3]), more)  # fmt: skip
+
+
 def first_document(corpus: Corpus, *, text: bool = False) -> Record:
     """The corpus's first good record (with text, if `text`): an empty corpus is a usage mistake."""
     first_bad = ""
@@ -320,6 +330,8 @@ def train(
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     check_writable("--doc-log", tcfg.doc_log)
     check_writable("--summary-json", opts.summary_json)
+    if local_producers:
+        say_left_out(cfg.data)
     if local_producers and not cfg.data:  # so that a run on the wrong corpus shows it at its start
         log.info(
             "data: the built-in corpus (%s generated documents); --data names yours", f"{cfg.builtin_docs:,}"

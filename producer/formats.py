@@ -174,6 +174,22 @@ def _resolve_local(p: str) -> list[DataFile]:
     raise FileNotFoundError(f"corpus file not found: {p}")
 
 
+def left_out(paths: list[str]) -> list[str]:
+    """Files in the local directories of `paths` that the corpus leaves out by name (a.bin, notes.json):
+    said once at the start, since a file given by itself is read whatever its name."""
+    out = []
+    for p in paths:
+        path = Path(p)
+        if (
+            is_url(p)
+            or not path.is_dir()
+            or {"state.json", "dataset_dict.json"} & {q.name for q in path.iterdir()}
+        ):
+            continue  # a file, a URL, or a Hugging Face folder (read by its state.json)
+        out += [str(q) for q in sorted(path.iterdir()) if q.is_file() and not _wanted_in_dir(q.name)]
+    return out
+
+
 def _resolve_remote(url: str) -> list[DataFile]:
     r = Remote(url)
     url = url.rstrip("/")

@@ -160,9 +160,7 @@ class Producer:
 
     def run(self) -> int:
         """Returns the process exit code: 0 after `stop` or a signal, 2 when refused."""
-        port = serve(self.metrics.registry, self.opts.metrics_port, self.cfg.metrics_host)
-        if port is not None:
-            log.info("metrics on :%d", port)
+        serve(self.metrics.registry, self.opts.metrics_port, self.cfg.metrics_host)  # it logs where
         ctx = zmq.Context()
         ep = self.endpoints
         ctrl = open_socket(ctx, PRODUCER_CONTROL, self.cfg, ep, connect=False)

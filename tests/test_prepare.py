@@ -98,3 +98,12 @@ def test_a_corpus_of_bad_lines_is_counted_not_logged_line_by_line(tmp_path, caps
     assert "1,000 bad records skipped (1,000 invalid_utf8) so far" in err
     assert len(err.splitlines()) < 20, err[-3000:]
     assert "; 1,500 bad records skipped (1,500 invalid_utf8)" in out
+
+
+def test_files_a_directory_leaves_out_are_named(tmp_path, corpus, capsys):
+    (corpus / "a.bin").write_bytes(b"\x00\x01")
+    (corpus / "config.json").write_text("{}")
+    assert prepare("--data", str(corpus), "--out", str(tmp_path / "shards")) == 0
+    err = capsys.readouterr().err
+    assert "--data: 2 file(s) in its directories are not corpus files by name, not read: " in err, err
+    assert f"{corpus / 'a.bin'}, {corpus / 'config.json'}" in err
