@@ -95,13 +95,15 @@ class CheckpointManager:
         pointer.write_text(final.name + "\n")
         os.replace(pointer, self.dir / "latest")
         _fsync_dir(self.dir)
-        self._prune()
+        self._prune(final)
         log.info("checkpoint %s written in %.2f s", final, time.perf_counter() - t0)
         return final
 
-    def _prune(self) -> None:
-        done = self.list()
-        for old in done[: -self.keep] if self.keep > 0 else []:
+    def _prune(self, written: Path) -> None:
+        """Keep the `keep` newest writes, the one just written first. By write time, not step: a run resumed
+        from an earlier step writes lower-numbered checkpoints than the ones it left behind."""
+        others = sorted((p for p in self.list() if p != written), key=lambda p: p.stat().st_mtime_ns)
+        for old in others[: max(0, len(others) - (self.keep - 1))] if self.keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         for tmp in self.dir.glob(".*.tmp-*"):  # left by a writer that was killed
             if tmp.is_dir():

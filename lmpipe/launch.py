@@ -328,6 +328,11 @@ def train(
         check_corpus(cfg, tok)
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
+    if tcfg.checkpoint_dir and (Path(tcfg.checkpoint_dir) / "header.json").is_file():
+        raise SettingsError(
+            f"--checkpoint-dir {tcfg.checkpoint_dir} is one checkpoint; give the folder that holds it "
+            f"(--resume {tcfg.checkpoint_dir} resumes from this one)"
+        )
     check_writable("--doc-log", tcfg.doc_log)
     check_writable("--summary-json", opts.summary_json)
     if local_producers:

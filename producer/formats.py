@@ -38,6 +38,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from lmpipe.producer.remote import BLOCK, MissingExtra, RangeReader, Remote, RemoteError, is_url
+from lmpipe.shared.files import SHARD_META
 
 log = logging.getLogger("lmpipe.producer")
 
@@ -180,12 +181,9 @@ def left_out(paths: list[str]) -> list[str]:
     out = []
     for p in paths:
         path = Path(p)
-        if (
-            is_url(p)
-            or not path.is_dir()
-            or {"state.json", "dataset_dict.json"} & {q.name for q in path.iterdir()}
-        ):
-            continue  # a file, a URL, or a Hugging Face folder (read by its state.json)
+        names = {q.name for q in path.iterdir()} if not is_url(p) and path.is_dir() else set()
+        if not names or names & {"state.json", "dataset_dict.json", SHARD_META}:
+            continue  # a file, a URL, a Hugging Face folder (read by its state.json), prepared shards
         out += [str(q) for q in sorted(path.iterdir()) if q.is_file() and not _wanted_in_dir(q.name)]
     return out
 

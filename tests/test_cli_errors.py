@@ -300,6 +300,11 @@ CASES = [
         lambda c: ["run", "--checkpoint-dir", str(c.tmp / "f"), *touch(c, "f")],
         "--checkpoint-dir",
     ),
+    (
+        "checkpoint-dir-is-one-checkpoint",  # trained from step 0 and wrote inside the old checkpoint before
+        lambda c: ["run", "--checkpoint-dir", str(c.checkpoint), "--resume", "auto"],
+        "is one checkpoint; give the folder that holds it",
+    ),
     ("summary-json-in-missing-folder", ["run", "--summary-json", "/nonexistent/s.json"], "--summary-json"),
     ("doc-log-is-a-folder", lambda c: ["train", "--doc-log", str(c.tmp)], "is a directory"),
 ]

@@ -107,3 +107,13 @@ def test_files_a_directory_leaves_out_are_named(tmp_path, corpus, capsys):
     err = capsys.readouterr().err
     assert "--data: 2 file(s) in its directories are not corpus files by name, not read: " in err, err
     assert f"{corpus / 'a.bin'}, {corpus / 'config.json'}" in err
+
+
+def test_a_shard_directory_is_not_said_to_leave_its_files_out(tmp_path, corpus, capsys):
+    assert prepare("--data", str(corpus), "--out", str(tmp_path / "shards")) == 0
+    capsys.readouterr()
+    assert prepare("--data", str(tmp_path / "shards"), "--out", str(tmp_path / "again")) == 2  # not a corpus
+    assert "not read" not in capsys.readouterr().err
+    from lmpipe.producer.formats import left_out
+
+    assert left_out([str(tmp_path / "shards")]) == []

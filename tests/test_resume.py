@@ -353,3 +353,19 @@ def test_two_epochs_see_every_document_twice_in_new_orders(procs, tmp_path, port
                 if start == 0:
                     counts[did] = counts.get(did, 0) + 1
     assert set(counts) == set(range(240)) and set(counts.values()) == {2}
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_checkpoint_just_written_is_never_pruned(tmp_path, keep):
+    """A run resumed from step 15 of a folder that also holds step 20 writes step 17: that is the one to
+    keep and resume from, though a higher step number is beside it."""
+    ck = CheckpointManager(tmp_path, keep=3)
+    for step in (15, 20):
+        ck.save(step, {}, {"w": torch.zeros(1)})
+    resumed = CheckpointManager(tmp_path, keep=keep)
+    written = resumed.save(17, {}, {"w": torch.ones(1)})
+    left = [p.name for p in resumed.list()]
+    assert written.name in left and len(left) == keep, left
+    assert resumed.latest() == written
+    if keep == 2:
+        assert left == ["step-00000017", "step-00000020"]  # the newer of the others stays
