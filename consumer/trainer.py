@@ -170,6 +170,11 @@ class Trainer:
 
     def _restore(self, ck) -> None:
         st = ck.state
+        at, steps = int(st["step"]), self.cfg.steps
+        if steps and at >= steps:  # else it would stop at once, having trained nothing, and exit 0
+            raise CheckpointError(
+                f"{ck.path} is at step {at}, at or past --steps {steps}: nothing to train; raise --steps"
+            )
         if (self.scaler is None) != ("scaler" not in st):  # before anything is loaded
             raise CheckpointError(
                 f"{ck.path}: precision differs (loss scaler {'absent' if self.scaler is None else 'present'} here)"

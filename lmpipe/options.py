@@ -63,7 +63,10 @@ class ProduceOptions:
 @dataclass
 class TokenizerOptions:
     vocab_size: int = setting(
-        4096, check=at_least(258), help="train: vocabulary size (256 bytes, end-of-text, and the merges)"
+        4096,
+        # above a few million the BPE trainer's tables no longer fit in memory (1e9 aborts the process)
+        check=between(258, 1 << 22),
+        help="train: vocabulary size (256 bytes, end-of-text, and the merges)",
     )
     out: str | None = setting(None, metavar="FILE", help="train: where to write tokenizer.json")
     builtin: bool = setting(False, help="train: rebuild the shipped built-in tokenizer")

@@ -418,7 +418,12 @@ def _rows(col: Any, kind: str, first: int, worker: int, num_workers: int, row0: 
         if v is None:
             rec.bad = ("missing_text", f"{'ids' if kind == 'ids' else 'text'} is null")
         elif kind == "ids":
-            ids = np.asarray(v, dtype=np.int64)
+            try:  # a null inside the list, or an unsigned id past int64, is this row's problem only
+                ids = np.asarray(v, dtype=np.int64)
+            except (TypeError, ValueError, OverflowError):
+                rec.bad = ("bad_ids", f"ids must be integers in [0, {limit}), not {str(v)[:60]}")
+                yield rec
+                continue
             if not ids.size:
                 rec.bad = ("empty", "empty ids")
             elif ids.min() < 0 or ids.max() >= limit:

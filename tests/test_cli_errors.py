@@ -294,6 +294,7 @@ CASES = [
     ("loss-scale", ["train", "--loss-scale", "static:0"], "--loss-scale static:0"),
     ("fp8-on-cpu", ["train", "--device", "cpu", "--precision", "fp8"], "--precision fp8 needs a GPU"),
     ("tokenizer-without-out", ["tokenizer", "train"], "--out"),
+    ("tokenizer-vocab-huge", ["tokenizer", "train", "--vocab-size", "1000000000"], "--vocab-size 1000000000"),
     # paths written only later (the first checkpoint, the summary): refused before any training
     (
         "checkpoint-dir-is-a-file",

@@ -93,10 +93,21 @@ def test_formats_are_detected_by_content_when_the_name_does_not_say(tmp_path):
 def test_bad_rows_are_named_counted_and_skipped(tmp_path, tok):
     texts = pa.array([b"good one", None, b"   ", b"bad \xff\xfe utf8", b"good two"], pa.binary())
     pq.write_table(pa.table({"text": texts.view(pa.string())}), tmp_path / "t.parquet", row_group_size=2)
-    ids = [[1, 2, 3], None, [], [4, tok.vocab_size], [5, 6]]
+    ids = [
+        [1, 2, 3],
+        None,
+        [],
+        [4, tok.vocab_size],
+        [5, 6],
+        [7, None, 8],
+    ]  # a null inside a list: a traceback
     pq.write_table(pa.table({"ids": pa.array(ids, pa.list_(pa.int32()))}), tmp_path / "i.parquet")
+    pq.write_table(
+        pa.table({"ids": pa.array([[1, 2**63 + 5]], pa.list_(pa.uint64()))}), tmp_path / "u.parquet"
+    )
     bad = []
-    corpus = Corpus([str(tmp_path / "t.parquet"), str(tmp_path / "i.parquet")], vocab_size=tok.vocab_size)
+    files = [str(tmp_path / name) for name in ("t.parquet", "i.parquet", "u.parquet")]
+    corpus = Corpus(files, vocab_size=tok.vocab_size)
     stream = DocStream(
         corpus, tok, shuffle_window=0, on_bad=lambda reason, where, _: bad.append((reason, where))
     )
@@ -112,6 +123,8 @@ def test_bad_rows_are_named_counted_and_skipped(tmp_path, tok):
         ("missing_text", f"{i}:row 1"),
         ("empty", f"{i}:row 2"),
         ("bad_ids", f"{i}:row 3"),
+        ("bad_ids", f"{i}:row 5"),
+        ("bad_ids", f"{tmp_path / 'u.parquet'}:row 0"),
     ]
 
 

@@ -234,6 +234,8 @@ def test_mismatched_checkpoints_are_refused_and_left_alone(procs, tmp_path, port
     refused(["--model", "small"], "model.n_layer: checkpoint has 2, this run has 6", "dims")
     refused(["--tokenizer", str(other_tok)], "tokenizer: checkpoint has", "tok")
     refused(["--seq-len", "32"], "stream.seq_len: checkpoint has 64, this run has 32", "seqlen")
+    # it stopped at once, trained nothing and exited 0 before
+    refused(["--steps", "4"], "is at step 4, at or past --steps 4: nothing to train; raise --steps", "done")
 
     header = step_dir / "header.json"
     good = header.read_text()
