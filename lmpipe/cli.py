@@ -271,7 +271,14 @@ def cmd_export(ns, g: GlobalOptions, opts: ExportOptions) -> int:
             f"{ns.checkpoint}: no checkpoint there (name one, or a --checkpoint-dir holding some)"
         )
     assert opts.out is not None  # a required setting
-    meta = export_safetensors(path, Path(opts.out))
+    out = Path(opts.out)
+    if not opts.out or out.is_dir():
+        raise SettingsError(f"--out {opts.out!r}: name the .safetensors file to write, not a directory")
+    if not out.parent.is_dir():
+        raise SettingsError(f"--out {opts.out}: no folder {out.parent} to write it in")
+    if out.resolve().parent == path.resolve():
+        raise SettingsError(f"--out {opts.out} is inside the checkpoint {path}; write it elsewhere")
+    meta = export_safetensors(path, out)
     print(f"wrote {opts.out} from {path} (step {meta['step']})")
     return 0
 
@@ -299,12 +306,18 @@ def cmd_health(ns, g: GlobalOptions, opts: HealthOptions) -> int:
     try:
         with urllib.request.urlopen(url, timeout=4) as r:
             text = r.read().decode()
+        samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
     except OSError as exc:
         print(f"unhealthy: {url} does not answer ({exc})")
         return 1
-    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    except ValueError as exc:  # not UTF-8, not Prometheus's text format
+        print(f"unhealthy: {url} answers, but not with Prometheus metrics ({exc})")
+        return 1
     build = samples.get("lmpipe_build_info")
-    role = build.labels.get("role", "?") if build else "?"
+    if build is None:  # something else holds the port (lmpipe's own server may have failed to bind it)
+        print(f"unhealthy: {url} answers, but not as lmpipe (no lmpipe_build_info)")
+        return 1
+    role = build.labels.get("role", "?")
     if role != "trainer":
         print(f"healthy: lmpipe {role} answers at {url}")
         return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -216,8 +217,18 @@ def report(summary, path: str | None) -> None:
         sys.stderr.write("\n")  # end the live status line
     print(summary.render(), flush=True)
     if path:
-        with open(path, "w") as f:
-            json.dump(summary.to_dict(), f, indent=1)
+        with open(path, "w") as f:  # standard JSON: an unknown figure (NaN, a run with no step) is null
+            json.dump(_no_nan(summary.to_dict()), f, indent=1, allow_nan=False)
+
+
+def _no_nan(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _no_nan(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_no_nan(x) for x in v]
+    return v
 
 
 class LocalProducer:

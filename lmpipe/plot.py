@@ -26,6 +26,8 @@ def read_history(path: Path) -> list[dict]:
             f"{path}: no per-interval history (a run shorter than --log-every, or a summary of an older lmpipe)"
         )
     for i, row in enumerate(rows):
+        if isinstance(row, dict) and row.get("loss", 0) is None:  # --summary-json writes a NaN loss as null
+            row["loss"] = math.nan
         if not isinstance(row, dict) or not all(isinstance(row.get(k), int | float) for k in FIELDS):
             raise SettingsError(f"{path}: history[{i}] lacks a number for one of {', '.join(FIELDS)}")
     return rows
@@ -60,6 +62,10 @@ def plot(summary: Path, out: Path) -> int:
     for ax in axes:
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"lmpipe run: {summary.name}")
+    if out.is_dir():
+        raise SettingsError(f"--out {out} is a directory; name the picture's file (run.png)")
+    if not out.suffix:
+        raise SettingsError(f"--out {out}: name the picture's file with its format (.png, .svg, .pdf)")
     try:
         fig.savefig(out, dpi=100)
     except (OSError, ValueError) as exc:  # a missing folder, an unknown extension

@@ -186,6 +186,18 @@ CASES = [
     ("device-nonsense", ["run", "--device", "nonsense"], "--device nonsense"),
     ("log-every-0", ["run", "--log-every", "0"], "--log-every 0"),
     ("export-garbage-state", export_garbage(False), "state.pt"),
+    # tracebacks, or (inside the checkpoint) an overwritten state.pt, before
+    ("export-out-a-folder", lambda c: ["export", str(c.checkpoint), "--out", str(c.tmp)], "not a directory"),
+    (
+        "export-out-in-missing-folder",
+        lambda c: ["export", str(c.checkpoint), "--out", str(c.tmp / "no" / "m.safetensors")],
+        "no folder",
+    ),
+    (
+        "export-over-the-checkpoint",
+        lambda c: ["export", str(c.checkpoint), "--out", str(c.checkpoint / "state.pt")],
+        "is inside the checkpoint",
+    ),
     (
         "export-no-checkpoint",
         lambda c: ["export", "/nonexistent", "--out", str(c.tmp / "m.safetensors")],

@@ -169,12 +169,20 @@ def test_a_run_too_short_for_a_steady_state_reports_none(procs, tmp_path, port):
 
 
 def test_a_trainer_stopped_before_its_first_step_says_so(procs, tmp_path, port):
-    train = procs.start("train", "--port", str(port), "--metrics-port", "-1", "--steps", "5", name="trainer")
+    summary = tmp_path / "s.json"
+    train = procs.start("train", "--port", str(port), "--metrics-port", "-1", "--steps", "5",
+                        "--summary-json", str(summary), name="trainer")  # fmt: skip
     procs.wait_for(train, "listening on")
     train.send_signal(signal.SIGTERM)
     assert train.wait(timeout=60) == 0, procs.log(train)
     text = procs.log(train)
     assert "summary: no steps trained in" in text and "nan" not in text, text
+
+    def no_nan(name: str):
+        raise AssertionError(f"{name} in --summary-json: not standard JSON")
+
+    out = json.loads(summary.read_text(), parse_constant=no_nan)  # NaN was written bare before
+    assert out["steps"] == 0 and out["first_loss"] is None and out["time_to_first_step"] is None
 
 
 def test_a_run_without_an_end_says_so_and_stops_cleanly(procs, port):

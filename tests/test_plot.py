@@ -54,3 +54,16 @@ def test_plot_refuses_what_it_cannot_draw_in_one_line(tmp_path):
         r = lmpipe("plot", *args, "--out", "x.png", cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
         assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_refuses_an_out_that_is_not_a_picture_file(tmp_path):
+    (tmp_path / "s.json").write_text(json.dumps({"history": [{"step": 5, "elapsed": 1.0, "loss": 2.0,
+                                                              "tokens_per_second": 10.0, "data_wait": 0.0}]}))  # fmt: skip
+    (tmp_path / "adir").mkdir()
+    for out, says in (
+        ("adir", "--out adir is a directory"),
+        ("noext", "--out noext: name the picture's file"),
+    ):
+        r = lmpipe("plot", "s.json", "--out", out, cwd=tmp_path)  # it wrote adir.png and said "wrote adir"
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "s.json"]

@@ -53,3 +53,33 @@ def test_a_trainer_is_healthy_while_it_steps(procs):
 def test_nothing_listening_is_unhealthy():
     rc, line = health(free_ports(1))
     assert rc == 1 and "does not answer" in line, line
+
+
+def test_another_server_on_the_port_is_unhealthy():
+    """A trainer whose metrics port was taken logs that it exports none and trains on; `health` must not
+    then vouch for whatever holds the port."""
+    import http.server
+    import threading
+
+    bodies = iter(
+        [b"", b"# HELP other_total x\n# TYPE other_total counter\nother_total 1\n", b"\xff\xfe\x00"]
+    )
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = next(bodies)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        for says in ("no lmpipe_build_info", "no lmpipe_build_info", "not with Prometheus metrics"):
+            rc, line = health(srv.server_address[1])
+            assert rc == 1 and says in line, line
+    finally:
+        srv.shutdown()
