@@ -538,3 +538,20 @@ def test_a_stalled_trainer_shows_live_and_a_restarted_one_gets_no_old_batches(pr
     assert "trainer restarted; rejoined" in procs.log(prod)
     sessions = [e["batches"][0]["session"] for e in doc_log_entries(log)]
     assert sessions[0] == first_session and sessions[-1] != first_session
+
+
+def test_control_connections_close_after_the_router_did():
+    """The receiver closes the router after a bounded wait for its tasks; the control task's `finally`
+    may run later, on a busy machine about one shutdown in four: that must not raise."""
+    import zmq.asyncio
+
+    from lmpipe.consumer.connections import ControlConnections
+
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("inproc://closing")
+    conns = ControlConnections(router)
+    router.close(0)
+    conns.close()  # ZMQError (Socket operation on non-socket) before
+    assert conns.monitor.closed
+    ctx.destroy(0)
