@@ -78,8 +78,8 @@ class DeviceFeed:
                         f"; shard(s) {','.join(map(str, missing))} wait for a producer" if missing else "",
                     )
                     last_news = now
-                    if self.wait_timeout and waited > self.wait_timeout:
-                        return got, waited, f"no data for {waited:.0f} s"
+                if self.wait_timeout and waited > self.wait_timeout:  # checked every poll, not every 10 s
+                    return got, waited, f"no data for {waited:.0f} s (--wait-timeout {self.wait_timeout:g})"
                 continue
             waited += time.perf_counter() - t0
             last_news = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -192,3 +193,12 @@ def test_a_run_without_an_end_says_so_and_stops_cleanly(procs, port):
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=60) == 0, procs.log(p)
     assert "(SIGTERM)" in procs.log(p)
+
+
+def test_wait_timeout_is_kept_to_the_second(procs, tmp_path, port):
+    """--wait-timeout 1 stopped after 10 s: the check ran only with the every-10-s 'waiting' line."""
+    train = procs.start("train", "--port", str(port), "--metrics-port", "-1", "--steps", "5",
+                        "--wait-timeout", "1", name="trainer")  # fmt: skip
+    assert train.wait(timeout=60) == 0, procs.log(train)
+    found = re.search(r"no data for (\d+) s \(--wait-timeout 1\)", procs.log(train))
+    assert found and int(found.group(1)) < 5, procs.log(train)
