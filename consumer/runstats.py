@@ -203,11 +203,20 @@ class RunStats:
                 stats["mfu"] = stats["tokens_per_second"] * self.flops_per_token / peak
                 m.mfu.set(stats["mfu"])
 
-    def close_tail(self) -> None:
-        """The loss of the steps after the last interval (every rank calls this: a collective)."""
-        loss_all, targets_all = self.dist.sum([self._loss.item(), self._targets])
+    def close_tail(self, step: int) -> None:
+        """The loss of the steps after the last interval (every rank calls this: a collective), and their
+        history row, so that `lmpipe plot` draws the run to its last step."""
+        loss_all, targets_all, tokens_all = self.dist.sum([self._loss.item(), self._targets, self._tokens])
         if targets_all:
             self.summary.losses.append(loss_all / targets_all)
+        if step > self._step and self._start is not None and tokens_all:
+            now = time.perf_counter()
+            dt = now - self._start
+            self.summary.history.append({
+                "step": step, "elapsed": now - self.started,
+                "loss": loss_all / targets_all if targets_all else math.nan,
+                "tokens_per_second": tokens_all / dt if dt > 0 else 0.0, "data_wait": self._wait / dt if dt > 0 else 0.0,
+            })  # fmt: skip
 
     def finish(
         self, step: int, stop_reason: str, graphs: CompiledGraphs, receive_thread: int | None

@@ -327,7 +327,7 @@ class Trainer:
                 self.save_checkpoint()
             if stats.due(self.step):
                 stats.close_interval(self.step, lr, norm, progress)
-        stats.close_tail()
+        stats.close_tail(self.step)
         # at the end, and after SIGTERM/SIGINT once the current step is done (rank 0 decides for all)
         unsaved = self.checkpoints is not None and self.step and self.checkpoints.latest_step() != self.step
         if self.dist.broadcast(unsaved):

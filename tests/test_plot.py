@@ -67,3 +67,16 @@ def test_plot_refuses_an_out_that_is_not_a_picture_file(tmp_path):
         r = lmpipe("plot", "s.json", "--out", out, cwd=tmp_path)  # it wrote adir.png and said "wrote adir"
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "s.json"]
+
+
+@pytest.mark.slow
+def test_the_history_reaches_the_last_step_of_a_run_that_ran_out_of_data(tmp_path):
+    summary = tmp_path / "summary.json"
+    r = lmpipe("run", "--builtin-docs", "300", "--epochs", "1", "--steps", "0", "--log-every", "7",
+               "--summary-json", str(summary), "--port", str(free_port_pair()), "--metrics-port", "-1",
+               "--threads", "1", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(summary.read_text())
+    assert out["stopped_by"] == "end of data" and out["steps"] % 7, out["steps"]  # a partial last interval
+    assert out["history"][-1]["step"] == out["steps"], "the plot stopped at the last full interval before"
+    assert out["history"][-1]["loss"] == pytest.approx(out["last_loss"])
