@@ -72,6 +72,8 @@ def load_tokenizer(path: str | Path | None = None, data: Sequence[str] = ()) -> 
     `data` is the run's --data: when it is a local shard directory whose meta.json recorded this very file
     (same sha256), the facts come from there and the file is parsed only if something tokenizes."""
     p = Path(path) if path else BUILTIN_PATH
+    if p.is_dir():
+        raise FileNotFoundError(f"{p} is a directory; name its tokenizer.json")
     if not p.is_file():
         raise FileNotFoundError(f"tokenizer file not found: {p}")
     st = p.stat()

@@ -303,6 +303,11 @@ CASES = [
     ("corpus-utf16", utf16_corpus(bom=True), "notes.txt: UTF-16 text, not UTF-8; convert it (iconv"),
     ("corpus-utf16-no-bom", utf16_corpus(bom=False), "notes.txt: UTF-16 text, not UTF-8"),
     ("missing-tokenizer", ["produce", "--tokenizer", "/nonexistent.json"], "--tokenizer"),
+    (
+        "tokenizer-a-folder",
+        lambda c: ["run", "--tokenizer", str(c.tmp)],
+        "is a directory; name its tokenizer.json",
+    ),
     ("loss-scale", ["train", "--loss-scale", "static:0"], "--loss-scale static:0"),
     ("fp8-on-cpu", ["train", "--device", "cpu", "--precision", "fp8"], "--precision fp8 needs a GPU"),
     ("tokenizer-without-out", ["tokenizer", "train"], "--out"),
