@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lmpipe.shared import __version__
 from lmpipe.shared.files import sha256_file
 
@@ -71,6 +69,8 @@ class CheckpointManager:
         tmp = self.dir / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        import torch  # here, not at the top: the launcher reads headers before it forks producers, torch-free
+
         with open(tmp / "state.pt", "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -180,6 +180,8 @@ def _read_state(path: Path, header: dict[str, Any]) -> dict[str, Any]:
     digest = sha256_file(state_file)
     if digest != header.get("state_sha256"):
         raise CheckpointError(f"{state_file}: checksum mismatch (truncated or corrupt file)")
+    import torch
+
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:

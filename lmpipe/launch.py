@@ -125,6 +125,23 @@ def check_corpus(cfg: PipelineConfig, tok: TokenizerInfo) -> None:
     first_document(corpus)
 
 
+def check_resume_corpus(cfg: PipelineConfig, tcfg: TrainConfig, tok: TokenizerInfo) -> None:
+    """A checkpoint resumes on the corpus it was trained on: said now, in one line, not by the producers'
+    refusal after the model is built (consumer/checkpoint.py reads headers without torch)."""
+    from lmpipe.consumer.checkpoint import CheckpointError, read_header, resolve_resume
+
+    try:
+        path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
+        had = read_header(path).get("data") if path is not None else None
+    except CheckpointError:
+        return  # the trainer names what is wrong with the checkpoint itself
+    now = open_corpus(cfg, tok.vocab_size).fingerprint()
+    if had and had != now:
+        raise SettingsError(
+            f"{path} was trained on {had!r}, --data gives {now!r}: resume with the same --data"
+        )
+
+
 def say_left_out(data: list[str]) -> None:
     """One line for the files of --data's directories that are not read (by their names)."""
     from lmpipe.producer.formats import left_out
@@ -337,6 +354,8 @@ def train(
     tok = check_tokenizer(cfg)
     if local_producers:
         check_corpus(cfg, tok)
+        if tcfg.resume:
+            check_resume_corpus(cfg, tcfg, tok)
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     if tcfg.checkpoint_dir and (Path(tcfg.checkpoint_dir) / "header.json").is_file():

@@ -371,3 +371,26 @@ def test_a_checkpoint_just_written_is_never_pruned(tmp_path, keep):
     assert resumed.latest() == written
     if keep == 2:
         assert left == ["step-00000017", "step-00000020"]  # the newer of the others stays
+
+
+def test_a_resume_on_another_corpus_is_refused_before_anything_starts(procs, tmp_path, port):
+    """It failed after the model was built and the producers started, exit 1, with the checkpoint's corpus
+    shown as the trainer's own."""
+    from lmpipe.producer import builtin_corpus
+
+    a, b, ck = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "ck"
+    a.write_text("\n\n".join(builtin_corpus.document(1, i) for i in range(200)))
+    b.write_text("\n\n".join(builtin_corpus.document(2, i) for i in range(200)))
+    base = ["--port", str(port), "--producers", "1", *SMALL, "--checkpoint-dir", str(ck)]
+    r = procs.start("run", *base, "--data", str(a), "--steps", "4", name="make")
+    assert r.wait(timeout=120) == 0, procs.log(r)
+    before = _tree_digest(ck)
+    p = procs.start("run", *base, "--data", str(b), "--steps", "8", "--resume", "auto", name="other")
+    assert p.wait(timeout=60) == 2, procs.log(p)
+    lines = procs.log(p).strip().splitlines()
+    assert (
+        len(lines) == 1 and "was trained on 'blank|" in lines[0] and "resume with the same --data" in lines[0]
+    )
+    assert _tree_digest(ck) == before
+    same = procs.start("run", *base, "--data", str(a), "--steps", "8", "--resume", "auto", name="same")
+    assert same.wait(timeout=120) == 0, procs.log(same)
