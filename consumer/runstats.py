@@ -158,9 +158,7 @@ class RunStats:
         self._publish(stats)
         if not math.isnan(loss):
             summary.losses.append(loss)
-        tok_s = tokens_all / dt if dt > 0 else 0.0  # every rank's
-        summary.history.append({"step": step, "elapsed": stats["elapsed"], "loss": loss,
-                                "tokens_per_second": tok_s, "data_wait": stats["data_wait"]})  # fmt: skip
+        self._history_row(step, now, loss, tokens_all)
         if not self.dist.is_main:
             pass  # rank 0 speaks for the job
         elif progress:
@@ -210,13 +208,16 @@ class RunStats:
         if targets_all:
             self.summary.losses.append(loss_all / targets_all)
         if step > self._step and self._start is not None and tokens_all:
-            now = time.perf_counter()
-            dt = now - self._start
-            self.summary.history.append({
-                "step": step, "elapsed": now - self.started,
-                "loss": loss_all / targets_all if targets_all else math.nan,
-                "tokens_per_second": tokens_all / dt if dt > 0 else 0.0, "data_wait": self._wait / dt if dt > 0 else 0.0,
-            })  # fmt: skip
+            loss = loss_all / targets_all if targets_all else math.nan
+            self._history_row(step, time.perf_counter(), loss, tokens_all)
+
+    def _history_row(self, step: int, now: float, loss: float, tokens_all: float) -> None:
+        """The summary's row for the interval from self._start to `now` (`lmpipe plot` draws them)."""
+        assert self._start is not None
+        dt = now - self._start
+        self.summary.history.append({"step": step, "elapsed": now - self.started, "loss": loss,
+                                     "tokens_per_second": tokens_all / dt if dt > 0 else 0.0,  # every rank's
+                                     "data_wait": self._wait / dt if dt > 0 else 0.0})  # fmt: skip
 
     def finish(
         self, step: int, stop_reason: str, graphs: CompiledGraphs, receive_thread: int | None

@@ -114,7 +114,7 @@ def open_corpus(cfg: PipelineConfig, vocab_size: int | None = None) -> Corpus:
         raise SettingsError(f"--data: {exc}") from None
 
 
-def check_corpus(cfg: PipelineConfig, tok: TokenizerInfo) -> None:
+def check_corpus(cfg: PipelineConfig, tok: TokenizerInfo) -> Corpus:
     """The corpus opens, has a document, and, if it is prepared shards, was made with this tokenizer: a
     mistake is one line now, not a producer that stops after the trainer has started."""
     from lmpipe.producer.shards import check_prepared_with
@@ -123,9 +123,10 @@ def check_corpus(cfg: PipelineConfig, tok: TokenizerInfo) -> None:
     if corpus.shards is not None:
         check_prepared_with(corpus.shards, tok)
     first_document(corpus)
+    return corpus
 
 
-def check_resume_corpus(cfg: PipelineConfig, tcfg: TrainConfig, tok: TokenizerInfo) -> None:
+def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
     """A checkpoint resumes on the corpus it was trained on: said now, in one line, not by the producers'
     refusal after the model is built (consumer/checkpoint.py reads headers without torch)."""
     from lmpipe.consumer.checkpoint import CheckpointError, read_header, resolve_resume
@@ -135,7 +136,7 @@ def check_resume_corpus(cfg: PipelineConfig, tcfg: TrainConfig, tok: TokenizerIn
         had = read_header(path).get("data") if path is not None else None
     except CheckpointError:
         return  # the trainer names what is wrong with the checkpoint itself
-    now = open_corpus(cfg, tok.vocab_size).fingerprint()
+    now = corpus.fingerprint()
     if had and had != now:
         raise SettingsError(
             f"{path} was trained on {had!r}, --data gives {now!r}: resume with the same --data"
@@ -353,9 +354,9 @@ def train(
     check_keys(cfg, server=True)
     tok = check_tokenizer(cfg)
     if local_producers:
-        check_corpus(cfg, tok)
+        corpus = check_corpus(cfg, tok)
         if tcfg.resume:
-            check_resume_corpus(cfg, tcfg, tok)
+            check_resume_corpus(corpus, tcfg)
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     if tcfg.checkpoint_dir and (Path(tcfg.checkpoint_dir) / "header.json").is_file():

@@ -181,10 +181,10 @@ def left_out(paths: list[str]) -> list[str]:
     out = []
     for p in paths:
         path = Path(p)
-        names = {q.name for q in path.iterdir()} if not is_url(p) and path.is_dir() else set()
-        if not names or names & {"state.json", "dataset_dict.json", SHARD_META}:
+        entries = sorted(path.iterdir()) if not is_url(p) and path.is_dir() else []
+        if not entries or {q.name for q in entries} & {"state.json", "dataset_dict.json", SHARD_META}:
             continue  # a file, a URL, a Hugging Face folder (read by its state.json), prepared shards
-        out += [str(q) for q in sorted(path.iterdir()) if q.is_file() and not _wanted_in_dir(q.name)]
+        out += [str(q) for q in entries if q.is_file() and not _wanted_in_dir(q.name)]
     return out
 
 
