@@ -47,6 +47,7 @@ VARIANTS: list[tuple] = [
     ("no torch.compile", {}, {"compile": False}),
     ("no fused AdamW (foreach)", {}, {"fused_adamw": False}),
     ("dense mask instead of FlexAttention", {}, {"attention": "dense"}),
+    ("FlashAttention-4 varlen instead of FlexAttention (--attention flash)", {}, {"attention": "flash"}),
     ("fused linear cross-entropy on (liger; one host sync a step)", {}, {"fused_ce": True}),
     ("torch's cross-entropy, not the one-pass loss kernel (--no-loss-kernel)", {}, {"loss_kernel": False}),
     ("no TF32", {}, {"tf32": False}),
@@ -70,7 +71,8 @@ def main() -> None:
     for name, pover, tover, *inductor in VARIANTS:
         if args.only and not any(w in name for w in args.only):
             continue
-        if args.smoke and tover.get("precision") == "fp8":  # --smoke runs on CPU, where fp8 is refused
+        # --smoke runs on CPU, where fp8 and FlashAttention are refused
+        if args.smoke and (tover.get("precision") == "fp8" or tover.get("attention") == "flash"):
             continue
         with torch._inductor.config.patch(**(inductor[0] if inductor else {})):
             r = measure_pipeline(

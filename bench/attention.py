@@ -10,6 +10,11 @@ causal triangle is masked), is checked against the trainer's kernel (outputs and
 - flex, 64-blocks: a block mask of 64 x 64 blocks (less of each block masked out, more blocks);
 - varlen: torch.nn.attention.varlen (FlashAttention-2 inside torch) over the rows' document pieces, where
   torch has it;
+- FA4 varlen: FlashAttention-4 (flash-attn-4, CuTe DSL) over the same pieces, called directly (exact
+  cu_seqlens and longest piece) and as the trainer calls it (`--attention flash`, consumer/flash.py: padded
+  cu_seqlens, the row length as the longest piece), where flash_attn.cute is installed;
+- flex, FLASH backend: the trainer's FlexAttention with kernel_options BACKEND=FLASH (FlashAttention-4's
+  kernels behind FlexAttention's block mask), where torch and flash_attn.cute allow it;
 - SDPA causal: plain causal attention ignoring documents, the work a row would cost without the mask.
 Writes bench/results/attention-<date>.md.
 """
@@ -27,6 +32,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from bench.common import table, write_result
 from bench.trainbench import bench_data, device_batches, pipeline_config
+from lmpipe.consumer.flash import cu_seqlens_host, varlen_attention
 from lmpipe.consumer.inputs import document_block_mask_host
 
 # FlexAttention tile sizes to try (kernel_options; fwd_/bwd_ name one direction's). "bwd 32/64/64/32":
@@ -72,6 +78,84 @@ def varlen_fn():
     return run
 
 
+def fa4_fn():
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:
+        return None
+
+    def run(q, k, v, cu, max_len):  # q, k, v: [B, L, H, D] -> [B, L, H, D]
+        B, L, H, D = q.shape
+        flat = [t.reshape(B * L, H, D) for t in (q, k, v)]
+        out = flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                     max_seqlen_k=max_len, causal=True)  # fmt: skip
+        return (out[0] if isinstance(out, tuple) else out).view(B, L, H, D)
+
+    return run
+
+
+# FlashAttention-4's SM90 tiles to try on short documents (--fa4-tiles): its defaults for head dim 64 are
+# FA3's (forward 192 x 128, backward 128 x 128), tuned on long sequences. (m, n) of the forward, and of the
+# backward with the rest of FA3's configuration for that size.
+FA4_FWD_TILES = [None, (128, 128), (128, 64), (64, 64), (64, 128)]
+FA4_BWD_TILES = [None, (64, 128), (64, 64), (128, 64)]
+
+
+def fa4_tile_rows(q, k, v, grad_out, cu, max_len, iters):
+    """ms per call, forward alone and forward + backward, for each FA4 tile choice (SM90)."""
+    from flash_attn.cute import interface as fa
+
+    default_bwd = fa._tile_size_bwd_sm90
+    rows = []
+    for fwd_tile in FA4_FWD_TILES:
+        for bwd_tile in FA4_BWD_TILES if fwd_tile is None else [None]:
+            name = f"FA4 varlen, fwd {fwd_tile or 'default'}, bwd {bwd_tile or 'default'}"
+            try:
+                if bwd_tile is not None:
+                    m, n = bwd_tile
+
+                    def cfg(*a, m=m, n=n, **kw):
+                        base = default_bwd(*a, **kw)
+                        return fa.BwdConfig(
+                            m_block_size=m, n_block_size=n, num_stages_Q=2, num_stages_dO=2,
+                            num_stages_PdS=2, SdP_swapAB=base.SdP_swapAB, dKV_swapAB=False,
+                            dQ_swapAB=False, AtomLayoutMSdP=1, AtomLayoutNdKV=2 if n >= 128 else 1,
+                            AtomLayoutMdQ=1, dQ_single_wg=m == 64,
+                        )  # fmt: skip
+
+                    fa._tile_size_bwd_sm90 = cfg
+                kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+                          causal=True, return_lse=True, tile_mn=fwd_tile)  # fmt: skip
+
+                def fwd(kw=kw):
+                    return fa._flash_attn_fwd(q, k, v, **kw)[:2]
+
+                def both(kw=kw):
+                    out, lse = fwd()
+                    return fa._flash_attn_bwd(
+                        q, k, v, out, grad_out, lse, None, True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                        max_seqlen_q=max_len, max_seqlen_k=max_len,
+                    )  # fmt: skip
+
+                times = []
+                for f in (fwd, both):
+                    for _ in range(3):
+                        f()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        f()
+                    torch.cuda.synchronize()
+                    times.append(1e3 * (time.perf_counter() - t0) / iters)
+                rows.append([name, f"{times[0]:.3f}", f"{times[1] - times[0]:.3f}", f"{times[1]:.3f}"])
+            except Exception as exc:
+                rows.append([name, "failed", "", f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"])
+            finally:
+                fa._tile_size_bwd_sm90 = default_bwd
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-size", type=int, default=32)
@@ -82,6 +166,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--work", default="/tmp/lmpipe-bench")
     p.add_argument("--out", default=None)
+    p.add_argument("--fa4-tiles", action="store_true", help="only FlashAttention-4's tile choices, timed")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention needs a CUDA GPU")
@@ -97,10 +182,23 @@ def main() -> None:
     def qkv_views(x):  # as the model makes them: one projection, split, heads second
         return [t.view(B, L, H, D).transpose(1, 2) for t in x.split(H * D, dim=2)]
 
+    if a.fa4_tiles:
+        cu_np, m = cu_seqlens(batches[0][5])
+        fq, fk, fv = (t.reshape(B * L, H, D).contiguous() for t in qkv.split(H * D, dim=2))
+        rows = fa4_tile_rows(fq, fk, fv, grad_out.transpose(1, 2).reshape(B * L, H, D).contiguous(),
+                             torch.from_numpy(cu_np).to(dev), m, a.iters)  # fmt: skip
+        body = (
+            f"B={B}, T={L}, {H} heads of {D}, bf16, one WikiText-2 packed batch, {a.iters} timed calls.\n\n"
+        )
+        body += table(["FA4 tiles", "forward ms", "backward ms", "forward + backward ms"], rows)
+        print(body)
+        write_result("attention-fa4-tiles", "FlashAttention-4's SM90 tiles on short documents", body, a.out)
+        return
     flex = torch.compile(flex_attention, dynamic=False)
     flex_tuned = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
     sdpa = torch.nn.functional.scaled_dot_product_attention
     vl = varlen_fn()
+    fa4 = fa4_fn()
 
     def make(name: str, block: int = 128, tuned: bool = False, options: dict | None = None):
         """(prepare(batch) -> state, call(q, k, v, state) -> out [B, H, L, D])"""
@@ -110,15 +208,25 @@ def main() -> None:
                 lambda bt: document_block_mask_host(bt[5], bt[2], block),
                 lambda q, k, v, bm: fn(q, k, v, block_mask=bm, kernel_options=options),
             )
-        if name.startswith("varlen"):
-            assert vl is not None
+        if name.startswith("FA4 varlen, as the trainer"):
+
+            def prep_padded(bt):
+                return torch.from_numpy(cu_seqlens_host(bt[5])).to(dev)
+
+            def call_op(q, k, v, cu):
+                return varlen_attention(*(t.transpose(1, 2) for t in (q, k, v)), cu).transpose(1, 2)
+
+            return prep_padded, call_op
+        if name.startswith("varlen") or name.startswith("FA4"):
+            fn = vl if name.startswith("varlen") else fa4
+            assert fn is not None
 
             def prep(bt):
                 cu, m = cu_seqlens(bt[5])
                 return torch.from_numpy(cu).to(dev), m
 
-            def call(q, k, v, st):
-                out = vl(*(t.transpose(1, 2) for t in (q, k, v)), *st)
+            def call(q, k, v, st, fn=fn):
+                out = fn(*(t.transpose(1, 2) for t in (q, k, v)), *st)
                 return out.transpose(1, 2)
 
             return prep, call
@@ -133,6 +241,12 @@ def main() -> None:
           if "fwd_BLOCK_M" in o and all(v <= 64 for n, v in o.items() if "BLOCK" in n)],
     ]  # fmt: skip
     variants += [("varlen (FlashAttention-2 in torch)", {})] if vl is not None else []
+    if fa4 is not None:
+        variants += [
+            ("FA4 varlen (flash_attn.cute, exact cu_seqlens)", {}),
+            ("FA4 varlen, as the trainer calls it (--attention flash)", {}),
+            ("flex, 128-blocks, FLASH backend", {"options": {"BACKEND": "FLASH"}}),
+        ]
     variants += [("SDPA causal, no document mask (reference work)", {})]
     ref: list[tuple[torch.Tensor, torch.Tensor]] = []
     rows = []

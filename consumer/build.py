@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
+from lmpipe.consumer.flash import unavailable as flash_unavailable
 from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
 from lmpipe.consumer.scaler import LossScaler, make_scaler
 from lmpipe.consumer.step import StepRunner, make_optimizer, to_float8
@@ -51,6 +52,8 @@ def build(
     dist: Dist,
 ) -> Built:
     """The GPT, its optimizer and loss scaler, DDP and compile wrappers, and the step runner."""
+    if tcfg.attention == "flash" and (why := flash_unavailable(device)):
+        raise ValueError(why)
     mcfg = preset(tcfg.model, vocab_size=max(tcfg.vocab_size, vocab_size), block_size=pcfg.seq_len)
     model = GPT(mcfg).to(device)
     model.grad_checkpointing = tcfg.grad_checkpointing

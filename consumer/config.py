@@ -32,7 +32,7 @@ COMPILE_MODES = (
     "max-autotune",
     "autotune-attention",
 )
-ATTENTIONS = ("auto", "flex", "dense")
+ATTENTIONS = ("auto", "flex", "dense", "flash")
 TRAINING, CHECKPOINTS = "training", "checkpoints"
 
 
@@ -108,7 +108,10 @@ class TrainConfig:
         0, check=at_least(0), help="model vocabulary (0: the tokenizer's, rounded up to a multiple of 64)"
     )
     attention: str = setting(
-        "auto", choices=ATTENTIONS, help="packed rows: FlexAttention (CUDA default) or an exact dense mask"
+        "auto",
+        choices=ATTENTIONS,
+        help="packed rows: FlexAttention (CUDA default), an exact dense mask, or FlashAttention-4's varlen "
+        "kernels (flash: Hopper+, pip install 'lmpipe[flash]')",
     )
     fused_adamw: bool = setting(True, help="fused AdamW (--no-fused-adamw: the foreach implementation)")
     grad_checkpointing: bool = setting(False, help="recompute activations in backward")

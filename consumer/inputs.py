@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from lmpipe.consumer.flash import cu_seqlens_host
 from lmpipe.consumer.model import IGNORE, AttnSpec
 from lmpipe.shared.config import PipelineConfig
 
@@ -171,8 +172,9 @@ def build_inputs(
     loss_mask: torch.Tensor | None = None,
     seg_host: np.ndarray | None = None,
 ) -> ModelInputs:
-    """tokens/lengths/seg (and loss_mask) already on the model's device. `attention`: auto | flex | dense.
-    `seg_host`, the host copy of seg if there is one, lets the block mask be built on the host."""
+    """tokens/lengths/seg (and loss_mask) already on the model's device. `attention`: auto | flex | dense |
+    flash. `seg_host`, the host copy of seg if there is one, lets the block mask (or flash's document offsets)
+    be built on the host."""
     B, L = tokens.shape
     idx = tokens.long()
     targets = targets_for(idx, lengths, seg, loss_mask)
@@ -181,6 +183,10 @@ def build_inputs(
         return ModelInputs(idx, pos, targets, AttnSpec("causal"))
     seg = seg.to(torch.int32)
     pos = positions(seg)
+    if attention == "flash":  # FlashAttention-4 varlen: the documents' offsets, from the host copy of seg
+        cu = cu_seqlens_host(seg_host if seg_host is not None else seg.cpu().numpy())
+        cu_dev = torch.from_numpy(cu).to(idx.device, non_blocking=True)
+        return ModelInputs(idx, pos, targets, AttnSpec("varlen", cu_seqlens=cu_dev))
     use_flex = attention == "flex" or (attention == "auto" and idx.is_cuda)
     if use_flex:
         if L % 128 == 0 and seg_host is not None:

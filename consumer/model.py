@@ -4,7 +4,8 @@ Rows come in two kinds. Padded rows hold one document each, padded on the right:
 is exact for the real tokens (they never look right), so they take SDPA with is_causal=True, which runs
 the flash kernel on CUDA. Packed rows hold several documents; `seg` says which token belongs to which,
 and attention is causal *within* a document only. That mask is built once per batch (`AttnSpec`) and
-shared by every layer: on CUDA as a FlexAttention block mask, elsewhere as an exact boolean mask for SDPA.
+shared by every layer: on CUDA as a FlexAttention block mask (or, with `--attention flash`, as the documents'
+offsets for FlashAttention-4's varlen kernels: consumer/flash.py), elsewhere as an exact boolean mask for SDPA.
 Position ids restart at every document so a packed document sees the same positions it would alone.
 """
 
@@ -18,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
+
+from lmpipe.consumer.flash import varlen_attention
 
 IGNORE = -100
 
@@ -58,9 +61,10 @@ def preset(name: str, vocab_size: int | None = None, block_size: int | None = No
 class AttnSpec:
     """How attention is masked for one batch; built once, used by every layer."""
 
-    kind: str  # "causal" | "dense" | "flex"
+    kind: str  # "causal" | "dense" | "flex" | "varlen"
     mask: torch.Tensor | None = None  # dense: bool [B, 1, L, L], True = may attend
     block_mask: object | None = None  # flex: torch.nn.attention.flex_attention.BlockMask
+    cu_seqlens: torch.Tensor | None = None  # varlen: int32 document starts (consumer/flash.py)
 
 
 class CausalSelfAttention(nn.Module):
@@ -75,18 +79,23 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
         B, L, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, L, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, L, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=2))
+        if attn.kind == "varlen":  # takes [B, L, H, D] as it is (no attention dropout)
+            assert attn.cu_seqlens is not None
+            y = varlen_attention(q, k, v, attn.cu_seqlens)
+        else:
+            y = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn).transpose(1, 2)
+        return self.resid_dropout(self.c_proj(y.contiguous().view(B, L, C)))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
+        """q, k, v: [B, H, L, D] -> [B, H, L, D]"""
         drop = self.dropout if self.training else 0.0
         if attn.kind == "flex":
             flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
-            y = flex(q, k, v, block_mask=attn.block_mask)
-        elif attn.kind == "dense":
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, dropout_p=drop)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
-        y = y.transpose(1, 2).contiguous().view(B, L, C)
-        return self.resid_dropout(self.c_proj(y))
+            return flex(q, k, v, block_mask=attn.block_mask)
+        if attn.kind == "dense":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, dropout_p=drop)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
 
 
 class MLP(nn.Module):

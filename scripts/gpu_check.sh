@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|ceiling|kernels|ablation|overhead|fp8|precision|resume|loss|loss-memory|ddp|scaling|peers|elastic|all]
+#   scripts/gpu_check.sh [tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|ddp|scaling|peers|elastic|all]
 #                        [extra benchmark args...]
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
 # On the team's lent GPU machine pyzmq and liger-kernel come as wheels in .whl/ (see README, Development),
@@ -9,9 +9,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lmpipe-gpu}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
+wheels=(.whl/*.whl .fa4b/*.whl)
+if compgen -G ".whl/*.whl" >/dev/null || compgen -G ".fa4b/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+        $(ls "${wheels[@]}" 2>/dev/null) || exit 1
+    # --target skips .pth files: nvidia-cutlass-dsl puts its packages on sys.path with one
+    PYTHONPATH=$(python3 -c "import site, sys; old = set(sys.path); site.addsitedir('/tmp/site')
+print(':'.join(['/tmp/site'] + [p for p in sys.path if p not in old and p != '/tmp/site']))")
+    export PYTHONPATH
+fi
+# FlashAttention-4 (--attention flash): its CUDA 13 CuTe DSL library (nvidia-cutlass-dsl-libs-cu13, 92 MB)
+# is over the lent machine's 64 MiB carry, so it travels unpacked and xz-compressed in two parts: the first
+# copied to /tmp/fa4 by an earlier call on the same machine (`cp .fa4a/* /tmp/fa4/`), the second in .fa4b
+if [ -f /tmp/fa4/part-aa ] && [ -f .fa4b/part-ab ] && [ ! -d /tmp/site/nvidia_cutlass_dsl/cu13 ]; then
+    cat /tmp/fa4/part-aa .fa4b/part-ab | xz -d | tar x -C /tmp/site || exit 1
 fi
 # lmpipe installs as one package (lmpipe.producer, lmpipe.consumer, lmpipe.shared map onto the folders here)
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || { echo "pip install -e . failed"; exit 1; }
@@ -26,6 +37,7 @@ shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 python3 -c "import torch, triton, zmq; print('torch', torch.__version__, 'triton', triton.__version__, 'pyzmq', zmq.__version__)" | tee -a "$OUT/card.txt"
 python3 -c "from lmpipe.consumer.model import fused_linear_cross_entropy as f; print('liger fused CE:', f() is not None)" | tee -a "$OUT/card.txt"
+python3 -c "import torch; from lmpipe.consumer.flash import unavailable as u; print('--attention flash:', u(torch.device('cuda')) or 'available')" | tee -a "$OUT/card.txt"
 
 run() {  # name, command...
     local name=$1; shift
@@ -44,6 +56,7 @@ case $stage in
     tests|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m cuda $(grep -l "mark.cuda" tests/test_*.py) "${test_args[@]}" ;;&
     ceiling|all) run ceiling python3 -m bench.ceiling --out "$OUT" "$@" ;;&
     kernels|all) run kernels python3 -m bench.kernels --out "$OUT" "$@" ;;&
+    attention|all) run attention python3 -m bench.attention --out "$OUT" "$@" ;;&
     ablation|all) run ablation python3 -m bench.ablation --out "$OUT" "$@" ;;&
     overhead|all) run overhead python3 -m bench.overhead --out "$OUT" "$@" ;;&
     fp8|all) run fp8 python3 -m bench.fp8 --out "$OUT" "$@" ;;&
@@ -56,7 +69,7 @@ case $stage in
     peers) run peers python3 -m bench.peers --out "$OUT" "$@" ;;&
     elastic) run elastic python3 -m bench.elastic --data "$LMPIPE_WIKITEXT"/*.txt --doc-split heading \
         --seq-len 1024 --batch-size 16 --before 1 --after 4 --out "$OUT" "$@" ;;&
-    tests|ceiling|kernels|ablation|overhead|fp8|precision|resume|loss|loss-memory|ddp|scaling|peers|elastic|all) ;;
+    tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|ddp|scaling|peers|elastic|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

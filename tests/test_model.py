@@ -11,6 +11,8 @@ import torch
 from lmpipe.consumer.build import AUTOTUNE_ATTENTION, build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
+from lmpipe.consumer.flash import cu_seqlens_host
+from lmpipe.consumer.flash import unavailable as flash_unavailable
 from lmpipe.consumer.inputs import MaskCache, build_inputs, positions, targets_for
 from lmpipe.consumer.model import GPT, IGNORE, AttnSpec, preset
 from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer
@@ -270,3 +272,66 @@ def test_compile_modes_reach_torch_compile(monkeypatch, mode, expected):
             torch._inductor.list_mode_options("max-autotune-no-cudagraphs").items()
             <= {k: v for k, v in AUTOTUNE_ATTENTION.items() if k != "max_autotune_gemm_backends"}.items()
         )
+
+
+def test_flash_document_offsets_mark_every_piece_and_pad_to_a_bucket():
+    """--attention flash's cu_seqlens: a piece starts wherever seg changes and at every row start, and the
+    list is padded with B * L (empty documents) to a power of two of at least 64, so that a compiled model
+    sees one shape for almost every batch."""
+    tokens, lengths, seg, _ = _masked_packed_batch(200, 3)
+    cu = cu_seqlens_host(seg.numpy())
+    B, L = seg.shape
+    assert len(cu) == 64 and cu.dtype == np.int32
+    ends = np.flatnonzero(cu == B * L)
+    real = cu[: ends[0] + 1]  # the starts, then the end
+    assert (np.diff(real) > 0).all() and real[0] == 0
+    piece = np.zeros(B * L, dtype=int)  # which piece each flattened token is in, by the offsets
+    piece[real[1:-1]] = 1
+    piece = piece.cumsum().reshape(B, L)
+    same = piece[:, :, None] == piece[:, None, :]
+    want = seg.numpy()[:, :, None] == seg.numpy()[:, None, :]
+    assert (same == want).all()  # within a row: the same piece exactly where the same document
+    assert len(np.unique(piece[0])) + len(np.unique(piece[1])) == len(real) - 1  # rows share no piece
+    many = np.arange(2 * 256).reshape(2, 256)  # every token its own document: 512 pieces
+    assert len(cu_seqlens_host(many)) == 1024
+
+
+def test_attention_flash_off_a_hopper_gpu_is_one_clear_error():
+    tcfg = TrainConfig(model="tiny", attention="flash", metrics_port=None)
+    with pytest.raises(ValueError, match="--attention flash needs a CUDA GPU"):
+        build(PipelineConfig(seq_len=64), tcfg, 512, torch.device("cpu"), "fp32", None, Dist())
+
+
+def _flash_or_skip():
+    if not torch.cuda.is_available() or (why := flash_unavailable(torch.device("cuda"))):
+        pytest.skip(why if torch.cuda.is_available() else "no CUDA")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("L", [200, 256])
+def test_flash_attention_trains_like_dense(L):
+    """--attention flash (FlashAttention-4 varlen, consumer/flash.py) gives the dense mask's loss and
+    gradients in bf16, eager and compiled."""
+    _flash_or_skip()
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", vocab_size=97, block_size=L)).cuda()
+    tokens, lengths, seg, mask = (t.cuda() for t in _masked_packed_batch(L, L))
+    losses, grads = [], []
+    for attention, run in (
+        ("dense", model),
+        ("flash", model),
+        ("flash", torch.compile(model, dynamic=False)),
+    ):
+        inp = build_inputs(
+            tokens, lengths, seg, attention=attention, loss_mask=mask, seg_host=seg.cpu().numpy()
+        )
+        assert inp.attn.kind == ("varlen" if attention == "flash" else "dense")
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(inp.idx, inp.pos, inp.attn, inp.targets)[1]
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+    for loss, g in zip(losses[1:], grads[1:]):
+        assert abs(loss - losses[0]) < 1e-2 * abs(losses[0])
+        assert (g - grads[0]).norm() < 2e-2 * grads[0].norm()
