@@ -172,6 +172,9 @@ def _text_records(
         yield flush()
 
 
+log = logging.getLogger("lmpipe.producer")
+_said_text_over_ids: set[str] = set()
+
 LABELS_HINT = (
     '"labels" is not read: write {"ids": [...], "loss_mask": [...]} (loss_mask 0 where labels is -100, '
     'else 1) or {"prompt": "...", "completion": "..."}'
@@ -218,6 +221,16 @@ def _jsonl_records(
                 rec.text = obj["text"]
                 if not rec.text.strip():
                     rec.bad = ("empty", "empty text")
+                ids_key = next((k for k in ("ids", "input_ids") if k in obj), None)
+                if ids_key and str(path) not in _said_text_over_ids:
+                    _said_text_over_ids.add(str(path))  # once per file and process: files reopen every epoch
+                    log.warning(
+                        '%s: records hold both "text" and "%s": the text is tokenized, "%s" is not '
+                        'read (drop "text" to train the ids as they are)',
+                        where,
+                        ids_key,
+                        ids_key,
+                    )
             elif "labels" in obj:  # Hugging Face's targets: training every id instead would be silent harm
                 rec.bad = ("bad_mask", LABELS_HINT)
             elif isinstance(obj.get("ids"), list):
@@ -242,7 +255,8 @@ def _prompt_completion(rec: Record, obj: dict) -> None:
     if not isinstance(prompt, str) or not isinstance(completion, str):
         got = ", ".join(f"{k} is {type(obj.get(k)).__name__ if k in obj else 'missing'}"
                         for k in ("prompt", "completion"))  # fmt: skip
-        rec.bad = ("bad_prompt", f'"prompt" and "completion" must both be strings ({got})')
+        hint = '; a plain "text" record has neither key' if "text" in obj else ""
+        rec.bad = ("bad_prompt", f'"prompt" and "completion" must both be strings ({got}){hint}')
     elif not completion.strip():
         rec.bad = ("empty", "empty completion: nothing to train on")
     else:

@@ -84,6 +84,11 @@ def test_prompt_completion_and_masked_ids_records_become_masked_documents(tmp_pa
     ]
     bad = [
         ({"prompt": "only a prompt"}, "bad_prompt", "completion is missing"),
+        (
+            {"text": "t", "prompt": "p"},
+            "bad_prompt",
+            'completion is missing); a plain "text" record has neither',
+        ),
         ({"prompt": ["x"], "completion": "y"}, "bad_prompt", "prompt is list"),
         ({"prompt": "p", "completion": "   "}, "empty", "empty completion"),
         ({"ids": [1, 2, 3], "loss_mask": [1, 1]}, "bad_mask", "list of 3 values (one per id), not 2"),
@@ -650,3 +655,28 @@ def test_fine_tuning_tables_say_what_lmpipe_reads_of_them(procs, tmp_path, port,
     said = [r.getMessage() for r in caplog.records]
     assert said == [f"{tok}: column 'labels' is not read: every token of 'input_ids' is trained "
                     "(loss masks come from JSONL records with ids and loss_mask)"]  # fmt: skip
+
+
+def test_text_over_ids_is_said_once_per_file(tmp_path, caplog):
+    """A record or table with both text and token ids: the text is tokenized and the ids are not read,
+    said once per file (every epoch reopens it), with how to train the ids instead."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = tmp_path / "both.jsonl"
+    lines.write_text('{"text": "one two", "ids": [1, 2]}\n{"text": "three", "input_ids": [3]}\n')
+    table = tmp_path / "both.parquet"
+    pq.write_table(pa.table({"text": ["a b", "c"], "input_ids": [[1, 2], [3]]}), table)
+    with caplog.at_level("WARNING", logger="lmpipe.producer"):
+        for _ in range(2):
+            got = [(r.text, r.ids) for r in Corpus([str(lines), str(table)]).records()]
+            assert got == [("one two", None), ("three", None), ("a b", None), ("c", None)]
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f'{lines}:1: records hold both "text" and "ids": the text is tokenized, "ids" is not read '
+        '(drop "text" to train the ids as they are)',
+        f"{table}: column 'text' is tokenized, column 'input_ids' is not read (--text-column input_ids "
+        "trains the ids as they are)",
+    ]
+    ids = [r.ids.tolist() for r in Corpus([str(table)], text_column="input_ids").records()]
+    assert ids == [[1, 2], [3]]
