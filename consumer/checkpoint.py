@@ -153,11 +153,25 @@ def read_header(path: Path) -> dict[str, Any]:
     return hdr
 
 
+def order_fields(stream: Any, data: str) -> Any:
+    """The stream settings that decide which batches a corpus makes. The built-in corpus and shards are read
+    by index and shuffled whole or not at all (producer/stream.py): there only whether --shuffle-window is
+    above 1 counts, and --doc-split, which splits text files, not at all."""
+    if not isinstance(stream, dict) or not data.startswith(("builtin:", "shards:")):
+        return stream
+    out = {k: v for k, v in stream.items() if k != "doc_split"}
+    if isinstance(out.get("shuffle_window"), int):
+        out["shuffle_window"] = "whole epoch" if out["shuffle_window"] > 1 else "none"
+    return out
+
+
 def compare(header: dict[str, Any], expected: dict[str, Any], where: Path) -> None:
     """Refuse a checkpoint whose model, tokenizer or batching differs from this run's."""
     problems = []
     for key, want in expected.items():
         have = header.get(key)
+        if key == "stream":  # the checkpoint's corpus is this run's (the producers check it)
+            have, want = (order_fields(s, str(header.get("data") or "")) for s in (have, want))
         if isinstance(want, dict) and isinstance(have, dict):
             for sub in sorted(set(want) | set(have)):
                 if want.get(sub) != have.get(sub):

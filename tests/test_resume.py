@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmpipe.consumer.checkpoint import CheckpointManager
+from lmpipe.consumer.checkpoint import CheckpointError, CheckpointManager, compare
 from lmpipe.producer.shards import ShardError, ShardSet, prepare
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
@@ -394,3 +394,21 @@ def test_a_resume_on_another_corpus_is_refused_before_anything_starts(procs, tmp
     assert _tree_digest(ck) == before
     same = procs.start("run", *base, "--data", str(a), "--steps", "8", "--resume", "auto", name="same")
     assert same.wait(timeout=120) == 0, procs.log(same)
+
+
+def test_only_order_deciding_settings_must_match_on_the_built_in_corpus_and_shards(tmp_path):
+    """The built-in corpus and shards are shuffled whole or not at all, and have no text to split: another
+    --shuffle-window above 1 or another --doc-split resumes them. A text corpus's window decides its order."""
+    stream = {"seq_len": 64, "shuffle_window": 1000, "doc_split": "blank", "seed": 0}
+    for data in ("builtin:0:20000", "shards:abc:10:100:1"):
+        header = {"data": data, "stream": stream}
+        compare(header, {"stream": {**stream, "shuffle_window": 50, "doc_split": "heading"}}, tmp_path)
+        with pytest.raises(CheckpointError, match="stream.shuffle_window: checkpoint has 'whole epoch', "
+                           "this run has 'none'"):  # fmt: skip
+            compare(header, {"stream": {**stream, "shuffle_window": 1}}, tmp_path)
+        with pytest.raises(CheckpointError, match="stream.seed: checkpoint has 0, this run has 1"):
+            compare(header, {"stream": {**stream, "seed": 1}}, tmp_path)
+    header = {"data": "blank|a.txt:10", "stream": stream}
+    for other in ({"shuffle_window": 50}, {"doc_split": "heading"}):
+        with pytest.raises(CheckpointError, match=f"stream.{next(iter(other))}: checkpoint has"):
+            compare(header, {"stream": {**stream, **other}}, tmp_path)
