@@ -233,6 +233,9 @@ class Receiver(threading.Thread):
         # HOLDER_SILENCE (being silent for ALIVE_SECONDS, a stopped or busy process, is not enough).
         self.producers: dict[bytes, Producer] = {}
         self._joined = 0  # producers welcomed in this session: names p0, p1, ...
+        self._skipped_by: dict[str, dict[str, int]] = {}  # per producer process ("host:pid")
+        self._skipped_where: dict[bytes, str] = {}  # every producer's "host:pid" by identity, gone ones too
+        self.skipped: dict[str, int] = {}  # bad records the producers skipped, by reason
         self._stopped: set[bytes] = set()  # producers refused for good; their hellos are refused again
         self._first_hello: float | None = None  # of this session; shards are assigned once settled
         self._settled = False
@@ -693,6 +696,8 @@ class Receiver(threading.Thread):
             return
         if self._stopping is not None and self._stopping.is_set():
             if isinstance(msg, messages.Bye):
+                if identity in self._skipped_where:  # it may have left already (its shards are done)
+                    self._count_skipped(identity, self._skipped_where[identity], msg.skipped)
                 self._said_bye(identity)
             elif isinstance(msg, messages.Hello) and self._stop_reason:  # the first stop is still on its way
                 self._send(identity, messages.Stop(self._stop_reason))
@@ -716,6 +721,7 @@ class Receiver(threading.Thread):
         p = self.producers.get(identity)
         if p is not None:  # a heartbeat, or a known producer that lost and regained its connection
             p.last_seen, p.fd = now, fd
+            self._count_skipped(identity, where, hello.skipped)
             for s in p.shards:
                 self.table[s].last_seen = now
             return self._reconcile(p, hello)
@@ -726,6 +732,7 @@ class Receiver(threading.Thread):
         if not pinned:
             self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
         p = Producer(identity, f"p{self._joined}", where, hello.worker, fd, now)
+        self._count_skipped(identity, where, hello.skipped)
         self._joined += 1
         self.producers[identity] = p
         self.metrics.producer_joins.inc()
@@ -746,6 +753,18 @@ class Receiver(threading.Thread):
             len(self.producers),
             len(self.table),
         )
+
+    def _count_skipped(self, identity: bytes, where: str, skipped: dict[str, int]) -> None:
+        """Keep each producer process's latest count of skipped bad records; `skipped` is their sum by
+        reason, replaced whole so that the training thread reads it without a lock."""
+        self._skipped_where[identity] = where
+        if skipped and self._skipped_by.get(where) != skipped:
+            self._skipped_by[where] = {_printable(k, 40): max(0, v) for k, v in skipped.items()}
+            total: dict[str, int] = {}
+            for counts in self._skipped_by.values():
+                for reason, n in counts.items():
+                    total[reason] = total.get(reason, 0) + n
+            self.skipped = total
 
     def _settle(self) -> None:
         """The session's first assignment, to every producer that has said hello so far."""

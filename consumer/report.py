@@ -47,6 +47,9 @@ class Summary:
     rejected: int = 0
     stale: int = 0
     refused: int = 0  # hellos turned away for good (other settings, a worker id out of range...)
+    # bad corpus records the producers skipped, by reason, as of their last heartbeat (a producer restarted
+    # mid-run counts again what it reads again)
+    skipped: dict[str, int] = field(default_factory=dict)
     compiled_graphs: int = 0
     stopped_by: str = ""
     # Honest throughput: the first logging interval holds compilation and warm-up, so steady state is
@@ -98,6 +101,7 @@ class Summary:
                 f"summary: no steps trained in {self.seconds:.1f} s ({self.stopped_by or 'stopped'}) | "
                 f"batches dropped: {self.rejected} malformed, {self.stale} stale"
                 + (f" | refused: {self.refused} producer hello(s)" if self.refused else "")
+                + self._render_skipped()
             )
         return (
             f"summary: {self.steps} steps in {self.seconds:.1f} s ({self.stopped_by}) | "
@@ -114,6 +118,7 @@ class Summary:
             f"data wait {100 * self.data_wait_fraction:.1f}% | "
             f"batches dropped: {self.rejected} malformed, {self.stale} stale"
             + (f" | refused: {self.refused} producer hello(s)" if self.refused else "")
+            + self._render_skipped()
             + (
                 f" | {self.untrained_steps} steps without a trained target (no update)"
                 if self.untrained_steps
@@ -121,6 +126,12 @@ class Summary:
             )
             + (self._render_consume() if self.consume else "")
         )
+
+    def _render_skipped(self) -> str:
+        if not self.skipped:
+            return ""
+        by = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.skipped.items()))
+        return f" | corpus records skipped: {sum(self.skipped.values()):,} ({by})"
 
     def _render_consume(self) -> str:
         c = self.consume

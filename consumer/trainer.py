@@ -252,7 +252,13 @@ class Trainer:
         self._started = time.perf_counter()
         self.start()
         try:
-            return self._run(progress)
+            summary = self._run(progress)
+            self.receiver.stop(reason=self._stop_reason or "training finished")
+            # the producers' byes carry their final counts; rank 0 adds up every rank's
+            for counts in self.dist.gather(dict(self.receiver.skipped)) or []:
+                for reason, n in counts.items():
+                    summary.skipped[reason] = summary.skipped.get(reason, 0) + n
+            return summary
         finally:
             self.receiver.stop(reason=self._stop_reason or "training finished")
             if self._doc_log:

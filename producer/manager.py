@@ -144,6 +144,7 @@ class Producer:
                 rejoin=self._held,
                 holding=self.holdings.held() if self.session else [],
                 wire=WIRE_VERSION,
+                skipped=dict(self._bad.counts),
             )
         )
 
@@ -185,7 +186,7 @@ class Producer:
             data_ctx.term()  # returns once the data connection is torn down
             if self._bye_due:  # the trainer waits for this before it closes its sockets
                 with contextlib.suppress(zmq.Again):
-                    ctrl.send(messages.pack(messages.Bye()), zmq.NOBLOCK)
+                    ctrl.send(messages.pack(messages.Bye(skipped=dict(self._bad.counts))), zmq.NOBLOCK)
             ctrl.disable_monitor()
             monitor.close(0)
             ctrl.close(linger=1000)  # the bye just queued still goes out

@@ -46,6 +46,8 @@ class Hello:
     # the producer's wire.WIRE_VERSION; 0: absent, a producer from before the hello carried it (version 2 or
     # older). The trainer refuses any version but its own here, before a batch is built.
     wire: int = 0
+    # bad records this producer process has skipped so far, by reason (the trainer's summary adds them up)
+    skipped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +89,8 @@ class Stop:
 class Bye:
     """A producer's acknowledgement of `stop`: the trainer waits for it (up to STOP_GRACE) before it closes
     its sockets, so the end of a run reaches a producer behind a slow or congested link."""
+
+    skipped: dict[str, int] = field(default_factory=dict)  # as in Hello: its final count
 
 
 TYPES: dict[str, type] = {

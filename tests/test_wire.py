@@ -145,9 +145,12 @@ def test_end_message_round_trip():
 def test_control_messages_round_trip_and_reject_garbage():
     hello = messages.Hello(
         worker=1, fingerprint={"tokenizer": "abc", "seq_len": 128}, pid=7, host="h", holding=[0, 5],
-        wire=WIRE_VERSION,
+        wire=WIRE_VERSION, skipped={"bad_json": 3},
     )  # fmt: skip
     assert messages.unpack(messages.pack(hello)) == hello
+    bye = messages.Bye(skipped={"empty": 2})
+    assert messages.unpack(messages.pack(bye)) == bye
+    assert messages.unpack(msgpack.packb({"type": "bye"})) == messages.Bye(), "a bye from before the counts"
     # an older producer's hello has no `wire`: it decodes, as version 0, for the trainer to refuse by name
     old = messages.unpack(msgpack.packb({"type": "hello", "worker": 1, "fingerprint": {}}))
     assert isinstance(old, messages.Hello) and old.wire == 0
@@ -167,6 +170,7 @@ def test_control_messages_round_trip_and_reject_garbage():
             msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "wire": "3"}),
             "hello.wire has type str",
         ),
+        (msgpack.packb({"type": "bye", "skipped": {"empty": "2"}}), r"bye.skipped\['empty'\] has type str"),
         (msgpack.packb({"type": "assign", "session": "s", "shards": [], "total": 0}), "impossible number"),
         (
             msgpack.packb({"type": "welcome", "session": "s", "worker": 3, "shards": 2}),
