@@ -310,6 +310,14 @@ CASES = [
     ),
     ("loss-scale", ["train", "--loss-scale", "static:0"], "--loss-scale static:0"),
     ("fp8-on-cpu", ["train", "--device", "cpu", "--precision", "fp8"], "--precision fp8 needs a GPU"),
+    # these three were said by the trainer after `run` had started its producers
+    ("run-fp8-on-cpu", ["run", "--device", "cpu", "--precision", "fp8"], "--device cpu is the CPU"),
+    (
+        "run-flash-on-cpu",
+        ["run", "--device", "cpu", "--attention", "flash"],
+        "--attention flash needs a CUDA",
+    ),
+    ("run-vocab-too-small", ["run", "--vocab-size", "10"], "--vocab-size 10 is smaller than the tokenizer's"),
     ("tokenizer-without-out", ["tokenizer", "train"], "--out"),
     ("tokenizer-vocab-huge", ["tokenizer", "train", "--vocab-size", "1000000000"], "--vocab-size 1000000000"),
     # paths written only later (the first checkpoint, the summary): refused before any training
