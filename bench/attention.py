@@ -50,12 +50,10 @@ KERNEL_OPTIONS: dict[str, dict] = {
 
 
 def cu_seqlens(seg_host: np.ndarray) -> tuple[np.ndarray, int]:
-    """Start of every document piece in the flattened [B * L] tokens, and B * L at the end; the longest."""
-    B, L = seg_host.shape
-    new = np.ones((B, L), dtype=bool)
-    new[:, 1:] = seg_host[:, 1:] != seg_host[:, :-1]
-    starts = np.flatnonzero(new.ravel())
-    cu = np.append(starts, B * L).astype(np.int32)
+    """Start of every document piece in the flattened [B * L] tokens, and B * L at the end (the trainer's
+    offsets without their padding); the longest piece."""
+    padded = cu_seqlens_host(seg_host)
+    cu = padded[: int(np.argmax(padded == seg_host.size)) + 1]
     return cu, int(np.diff(cu).max())
 
 
