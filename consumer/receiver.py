@@ -197,6 +197,34 @@ class _Quiet:
         log.log(level, msg + (f" ({skipped} more like it since)" if skipped else ""), *args)
 
 
+class SkippedRecords:
+    """The producers' skipped bad records per shard and reason (messages.Hello.skipped). Whoever reads a
+    shard reads it in the same order from its epoch's start, so every holder's count is of the same records
+    so far: the highest is what was read, however often the shard moved or a producer restarted, and
+    whatever host and pid its producers had."""
+
+    def __init__(self) -> None:
+        self._highest: dict[tuple[int, str], int] = {}
+
+    def update(self, skipped: dict[str, int], shards: int) -> bool:
+        """Take one hello's or bye's counts ("<shard>:<reason>" -> n); True if any count rose."""
+        rose = False
+        for key, n in skipped.items():
+            shard, _, reason = key.partition(":")
+            if not (shard.isdigit() and int(shard) < shards and reason and n >= 0):
+                continue  # not a count of one of this session's shards
+            at = (int(shard), _printable(reason, 40))
+            if n > self._highest.get(at, 0):
+                self._highest[at], rose = n, True
+        return rose
+
+    def by_reason(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (_, reason), n in self._highest.items():
+            out[reason] = out.get(reason, 0) + n
+        return out
+
+
 class Receiver(threading.Thread):
     def __init__(
         self,
@@ -233,8 +261,7 @@ class Receiver(threading.Thread):
         # HOLDER_SILENCE (being silent for ALIVE_SECONDS, a stopped or busy process, is not enough).
         self.producers: dict[bytes, Producer] = {}
         self._joined = 0  # producers welcomed in this session: names p0, p1, ...
-        self._skipped_by: dict[str, dict[str, int]] = {}  # per producer process ("host:pid")
-        self._skipped_where: dict[bytes, str] = {}  # every producer's "host:pid" by identity, gone ones too
+        self._skipped = SkippedRecords()
         self.skipped: dict[str, int] = {}  # bad records the producers skipped, by reason
         self._stopped: set[bytes] = set()  # producers refused for good; their hellos are refused again
         self._first_hello: float | None = None  # of this session; shards are assigned once settled
@@ -696,8 +723,7 @@ class Receiver(threading.Thread):
             return
         if self._stopping is not None and self._stopping.is_set():
             if isinstance(msg, messages.Bye):
-                if identity in self._skipped_where:  # it may have left already (its shards are done)
-                    self._count_skipped(identity, self._skipped_where[identity], msg.skipped)
+                self._count_skipped(msg.skipped)  # from a producer that has left too: its shards' counts
                 self._said_bye(identity)
             elif isinstance(msg, messages.Hello) and self._stop_reason:  # the first stop is still on its way
                 self._send(identity, messages.Stop(self._stop_reason))
@@ -721,7 +747,7 @@ class Receiver(threading.Thread):
         p = self.producers.get(identity)
         if p is not None:  # a heartbeat, or a known producer that lost and regained its connection
             p.last_seen, p.fd = now, fd
-            self._count_skipped(identity, where, hello.skipped)
+            self._count_skipped(hello.skipped)
             for s in p.shards:
                 self.table[s].last_seen = now
             return self._reconcile(p, hello)
@@ -732,7 +758,7 @@ class Receiver(threading.Thread):
         if not pinned:
             self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
         p = Producer(identity, f"p{self._joined}", where, hello.worker, fd, now)
-        self._count_skipped(identity, where, hello.skipped)
+        self._count_skipped(hello.skipped)
         self._joined += 1
         self.producers[identity] = p
         self.metrics.producer_joins.inc()
@@ -754,17 +780,9 @@ class Receiver(threading.Thread):
             len(self.table),
         )
 
-    def _count_skipped(self, identity: bytes, where: str, skipped: dict[str, int]) -> None:
-        """Keep each producer process's latest count of skipped bad records; `skipped` is their sum by
-        reason, replaced whole so that the training thread reads it without a lock."""
-        self._skipped_where[identity] = where
-        if skipped and self._skipped_by.get(where) != skipped:
-            self._skipped_by[where] = {_printable(k, 40): max(0, v) for k, v in skipped.items()}
-            total: dict[str, int] = {}
-            for counts in self._skipped_by.values():
-                for reason, n in counts.items():
-                    total[reason] = total.get(reason, 0) + n
-            self.skipped = total
+    def _count_skipped(self, skipped: dict[str, int]) -> None:
+        if self._skipped.update(skipped, len(self.table)):
+            self.skipped = self._skipped.by_reason()  # replaced whole: the training thread reads it as is
 
     def _settle(self) -> None:
         """The session's first assignment, to every producer that has said hello so far."""

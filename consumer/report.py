@@ -47,8 +47,8 @@ class Summary:
     rejected: int = 0
     stale: int = 0
     refused: int = 0  # hellos turned away for good (other settings, a worker id out of range...)
-    # bad corpus records the producers skipped, by reason, as of their last heartbeat (a producer restarted
-    # mid-run counts again what it reads again)
+    # bad corpus records (and bad lines inside kept text documents) the producers skipped, by reason, in what
+    # they read: each shard's highest count (receiver.SkippedRecords); producers read ahead of training
     skipped: dict[str, int] = field(default_factory=dict)
     compiled_graphs: int = 0
     stopped_by: str = ""
@@ -131,7 +131,7 @@ class Summary:
         if not self.skipped:
             return ""
         by = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.skipped.items()))
-        return f" | corpus records skipped: {sum(self.skipped.values()):,} ({by})"
+        return f" | bad input skipped: {sum(self.skipped.values()):,} ({by})"
 
     def _render_consume(self) -> str:
         c = self.consume

@@ -80,6 +80,7 @@ class Producer:
         self.worker = opts.worker
         self.metrics = ProducerMetrics(cfg.strategy)  # every series labelled with its --worker number
         self._bad = BadRecords(log)  # the first few logged by line, all counted
+        # per shard, by reason, for the trainer's summary: what the shard's current stream has skipped
         self.metrics.bind(self.worker)
         self.tok = load_tokenizer(cfg.tokenizer, cfg.data)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
@@ -87,6 +88,7 @@ class Producer:
             check_prepared_with(self.corpus.shards, self.tok)
         self.spec = BatchSpec.of(cfg)
         self.dtype = token_dtype(self.tok.vocab_size)
+        self._skipped: dict[int, dict[str, int]] = {}
         self._scan: SharedScan | None = None  # one read of the corpus for the shards held (scan.py)
         self.holdings = Holdings(self._stream, self.spec, cfg.epochs, self.dtype)
         for m in (self.metrics.tokens, self.metrics.padding):
@@ -113,6 +115,12 @@ class Producer:
         shards = total * self.cfg.world_size  # a stream's key in the scan is its global shard number
         if self._scan is None or self._scan.total != shards:  # a new split: nothing carries over
             self._scan = SharedScan(self.corpus, shards)
+        counts = self._skipped[shard] = {}  # a new stream reads the shard again from its epoch's start
+
+        def bad_record(reason: str, where: str, detail: str) -> None:
+            counts[reason] = counts.get(reason, 0) + 1
+            self._bad_record(reason, where, detail)
+
         return DocStream(
             self.corpus,
             self.tok,
@@ -122,7 +130,7 @@ class Producer:
             world_size=self.cfg.world_size,
             seed=self.cfg.seed,
             shuffle_window=self.cfg.shuffle_window,
-            on_bad=self._bad_record,
+            on_bad=bad_record,
             on_tokenize=self.metrics.tokenize.observe,
             scan=self._scan,
         )
@@ -132,6 +140,10 @@ class Producer:
     def _bad_record(self, reason: str, where: str, detail: str) -> None:
         self.metrics.bad_records.labels(reason).inc()
         self._bad(reason, where, detail)
+
+    def _skipped_counts(self) -> dict[str, int]:
+        """{"<shard>:<reason>": n}: what each shard's stream skipped, for messages.Hello.skipped."""
+        return {f"{s}:{r}": n for s, counts in self._skipped.items() for r, n in counts.items()}
 
     def _hello(self) -> bytes:
         return messages.pack(
@@ -144,7 +156,7 @@ class Producer:
                 rejoin=self._held,
                 holding=self.holdings.held() if self.session else [],
                 wire=WIRE_VERSION,
-                skipped=dict(self._bad.counts),
+                skipped=self._skipped_counts(),
             )
         )
 
@@ -186,7 +198,7 @@ class Producer:
             data_ctx.term()  # returns once the data connection is torn down
             if self._bye_due:  # the trainer waits for this before it closes its sockets
                 with contextlib.suppress(zmq.Again):
-                    ctrl.send(messages.pack(messages.Bye(skipped=dict(self._bad.counts))), zmq.NOBLOCK)
+                    ctrl.send(messages.pack(messages.Bye(skipped=self._skipped_counts())), zmq.NOBLOCK)
             ctrl.disable_monitor()
             monitor.close(0)
             ctrl.close(linger=1000)  # the bye just queued still goes out
@@ -297,6 +309,7 @@ class Producer:
                 log.info("joined the trainer" if not self.session else "trainer restarted; rejoined it")
                 self.session = msg.session
                 self.holdings.clear()
+                self._skipped.clear()  # counts of the last session's shards (its split may differ)
                 self._drop_pending()
                 self.metrics.handshakes.labels("welcome").inc()
                 self.metrics.connected.set(1)

@@ -46,7 +46,8 @@ class Hello:
     # the producer's wire.WIRE_VERSION; 0: absent, a producer from before the hello carried it (version 2 or
     # older). The trainer refuses any version but its own here, before a batch is built.
     wire: int = 0
-    # bad records this producer process has skipped so far, by reason (the trainer's summary adds them up)
+    # bad records skipped so far, "<shard>:<reason>" -> n, each shard counted from its epoch's start by the
+    # stream this producer reads it with; the trainer keeps each shard's highest count (receiver.py)
     skipped: dict[str, int] = field(default_factory=dict)
 
 

@@ -130,9 +130,7 @@ def test_bad_corpus_records_are_skipped_and_the_run_goes_on(procs, tmp_path, por
     # the 8 of tests/test_sources.py, each counted by the one producer that read it, in the summary too
     assert out["skipped"] == {"bad_ids": 1, "bad_json": 2, "empty": 1, "invalid_utf8": 2, "line_too_long": 1,
                               "missing_text": 1}  # fmt: skip
-    assert (
-        "corpus records skipped: 8 (1 bad_ids, 2 bad_json, 1 empty, 2 invalid_utf8, 1 line_too_long, " in text
-    )
+    assert "bad input skipped: 8 (1 bad_ids, 2 bad_json, 1 empty, 2 invalid_utf8, 1 line_too_long, " in text
 
 
 def test_hostile_messages_are_counted_and_training_goes_on(procs, tmp_path, port):

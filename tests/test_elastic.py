@@ -7,9 +7,11 @@ checkpoints; which producer serves which shard changes with every join and leave
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import time
 from itertools import combinations
 
 import pytest
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 
 from lmpipe.consumer.assign import balance
 from lmpipe.consumer.checkpoint import CheckpointManager
+from lmpipe.consumer.receiver import SkippedRecords
 from tests.helpers import (
     assert_exactly_once,
     builtin_lengths,
@@ -170,3 +173,43 @@ def test_a_resume_with_other_producers_is_exact_and_other_shards_are_refused(pro
     text = procs.log(second)
     assert resumed_step(text) == 12 and text.count("joined from") == 3
     assert_exactly_once(trained_pieces(doc_log_entries(log), session, 12), builtin_lengths(tok, 400))
+
+
+def test_skipped_records_are_each_shards_highest_count():
+    """Every holder of a shard reads it from its epoch's start in the same order: its counts grow along the
+    same records, so a moved shard, a restarted producer, or two producers with the same host and pid
+    (containers) count each bad record once."""
+    s = SkippedRecords()
+    assert s.update({"3:bad_json": 5, "4:empty": 1}, shards=8)
+    assert not s.update({"3:bad_json": 2}, shards=8), "a new holder of shard 3, reading from the start"
+    assert s.update({"3:bad_json": 7, "4:empty": 1}, shards=8)
+    assert not s.update({"9:bad_json": 50, "x:bad_json": 1, "3:": 4, "4:empty": -3}, shards=8)
+    assert s.by_reason() == {"bad_json": 7, "empty": 1}
+
+
+@pytest.mark.slow
+def test_the_summarys_skipped_records_survive_a_join_and_a_kill(procs, tmp_path, port):
+    """A producer reads ahead on all 8 shards, a second joins and takes 4 of them, the first is killed and
+    the second takes the rest: each reads its shards again from the start, and the summary still counts
+    each of the corpus's bad lines once (it added every process's count before). 4 of 5 lines are bad: the
+    run is short, and long enough for the join and the kill."""
+    corpus = tmp_path / "c.jsonl"
+    words = " ".join(f"w{i}" for i in range(40))
+    corpus.write_text("".join(f'{{"text": "{i} {words}"}}\n' if i % 5 == 0 else '{"text": "broken\n'
+                              for i in range(20_000)))  # fmt: skip
+    summary = tmp_path / "s.json"
+    common = ["--port", str(port), "--data", str(corpus), "--epochs", "1", "--shuffle-window", "1",
+              "--seq-len", "64", "--batch-size", "4", "--metrics-port", "-1"]  # fmt: skip
+    t = procs.start("train", *common, "--producers", "1", "--shards", "8", "--steps", "0", "--threads", "1",
+                    "--summary-json", str(summary), name="trainer")  # fmt: skip
+    p0 = procs.start("produce", *common, name="p0")
+    wait_until(lambda: "bad records skipped" in procs.log(p0), 60, "p0's count of 100")
+    time.sleep(2)  # a heartbeat or two carry p0's counts of all 8 shards (the old sum kept them)
+    p1 = procs.start("produce", *common, name="p1")
+    wait_until(lambda: len(shards_of(procs.log(p1))) == 4, 60, "p1 holds 4 shards")
+    os.kill(p0.pid, signal.SIGKILL)
+    p0.wait()
+    wait_until(lambda: len(shards_of(procs.log(p1))) == 8, 60, "p1 holds every shard")
+    assert t.wait(timeout=240) == 0, procs.log(t)[-3000:]
+    assert "(end of data)" in procs.log(t)
+    assert json.loads(summary.read_text())["skipped"] == {"bad_json": 16_000}
