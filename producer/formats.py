@@ -57,7 +57,7 @@ TABLES = ("parquet", "arrow")
 IDS_COLUMNS = ("ids", "input_ids")
 MASK_COLUMNS = ("labels", "loss_mask")  # what a tokenized fine-tuning table marks its trained tokens with
 _said_unmasked: set[str] = set()
-_said_text_over_ids: set[str] = set()  # files whose text column is read over an ids column, said once
+_said_unread: set[str] = set()  # files whose text column is read over ids or prompt columns, said once
 ROWS_PER_BATCH = 4096  # rows decoded at a time from a Parquet row group
 
 
@@ -370,11 +370,12 @@ def _column(f: DataFile, schema: Any, text_column: str) -> tuple[str, str]:
             f"{f}: no column {text_column!r} (columns: {', '.join(names)}); name the text column "
             f"(--text-column){hint}"
         )
-    ids = next((c for c in IDS_COLUMNS if c in names), None)
-    if name == text_column and ids and str(f) not in _said_text_over_ids:
-        _said_text_over_ids.add(str(f))
-        log.warning("%s: column %r is tokenized, column %r is not read (--text-column %s trains the ids as "
-                    "they are)", f, name, ids, ids)  # fmt: skip
+    unread = [c for c in (*IDS_COLUMNS, "prompt", "completion") if c in names and c != name]
+    if name == text_column and unread and str(f) not in _said_unread:
+        _said_unread.add(str(f))
+        ids = next((c for c in unread if c in IDS_COLUMNS), None)
+        log.warning("%s: column %r is tokenized; %s not read%s", f, name, ", ".join(map(repr, unread)),
+                    f" (--text-column {ids} trains the ids as they are)" if ids else "")  # fmt: skip
     masks = [c for c in MASK_COLUMNS if c in names]
     if masks and name in IDS_COLUMNS and str(f) not in _said_unmasked:
         _said_unmasked.add(str(f))  # once per file and process: files are reopened every epoch

@@ -173,7 +173,7 @@ def _text_records(
 
 
 log = logging.getLogger("lmpipe.producer")
-_said_text_over_ids: set[str] = set()
+_said_unread: set[str] = set()
 
 LABELS_HINT = (
     '"labels" is not read: write {"ids": [...], "loss_mask": [...]} (loss_mask 0 where labels is -100, '
@@ -221,16 +221,6 @@ def _jsonl_records(
                 rec.text = obj["text"]
                 if not rec.text.strip():
                     rec.bad = ("empty", "empty text")
-                ids_key = next((k for k in ("ids", "input_ids") if k in obj), None)
-                if ids_key and str(path) not in _said_text_over_ids:
-                    _said_text_over_ids.add(str(path))  # once per file and process: files reopen every epoch
-                    log.warning(
-                        '%s: records hold both "text" and "%s": the text is tokenized, "%s" is not '
-                        'read (drop "text" to train the ids as they are)',
-                        where,
-                        ids_key,
-                        ids_key,
-                    )
             elif "labels" in obj:  # Hugging Face's targets: training every id instead would be silent harm
                 rec.bad = ("bad_mask", LABELS_HINT)
             elif isinstance(obj.get("ids"), list):
@@ -247,7 +237,34 @@ def _jsonl_records(
                     "missing_text",
                     'object has no "text" string, "ids" list, or "prompt" and "completion" strings',
                 )
+            if rec.bad is None:
+                _say_unread(path, where, obj)
         yield rec
+
+
+KNOWN_KEYS = ("text", "ids", "input_ids", "prompt", "completion", "loss_mask")
+
+
+def _say_unread(path: Path | DataFile, where: str, obj: dict) -> None:
+    """Once per file: a good record that also holds the keys of another kind of record, not read."""
+    if str(path) in _said_unread:
+        return
+    if "prompt" in obj or "completion" in obj:  # the kinds as _jsonl_records tells them apart
+        used, rule = ("prompt", "completion"), "a prompt/completion record trains its completion"
+    elif "loss_mask" in obj:
+        used, rule = ("ids", "loss_mask"), "a record with a loss_mask trains the ids it marks"
+    elif isinstance(obj.get("text"), str):
+        used, rule = ("text",), 'a record with "text" trains its text'
+        if isinstance(obj.get("ids"), list):
+            rule += ' (drop "text" to train "ids" as they are)'
+    else:
+        used, rule = ("ids",), "an ids record trains its ids as they are"
+    unread = [k for k in KNOWN_KEYS if k not in used and obj.get(k) is not None]
+    if unread:
+        _said_unread.add(str(path))  # once per file and process: files are reopened every epoch
+        hint = '; token ids go in "ids" in JSON Lines' if "input_ids" in unread else ""
+        log.warning("%s: %s not read: %s%s (said once per file)", where,
+                    ", ".join(f'"{k}"' for k in unread), rule, hint)  # fmt: skip
 
 
 def _prompt_completion(rec: Record, obj: dict) -> None:

@@ -657,26 +657,46 @@ def test_fine_tuning_tables_say_what_lmpipe_reads_of_them(procs, tmp_path, port,
                     "(loss masks come from JSONL records with ids and loss_mask)"]  # fmt: skip
 
 
-def test_text_over_ids_is_said_once_per_file(tmp_path, caplog):
-    """A record or table with both text and token ids: the text is tokenized and the ids are not read,
-    said once per file (every epoch reopens it), with how to train the ids instead."""
+def test_keys_of_another_kind_of_record_are_said_unread_once_per_file(tmp_path, caplog):
+    """A record or table holding the keys of two kinds of record (text and ids, prompt/completion and text,
+    a loss_mask and text) trains one kind; the keys left unread are said once per file (every epoch reopens
+    it), with how to train the other kind instead where there is one."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    lines = tmp_path / "both.jsonl"
-    lines.write_text('{"text": "one two", "ids": [1, 2]}\n{"text": "three", "input_ids": [3]}\n')
-    table = tmp_path / "both.parquet"
-    pq.write_table(pa.table({"text": ["a b", "c"], "input_ids": [[1, 2], [3]]}), table)
+    files = {
+        "ids.jsonl": '{"text": "one two", "ids": [1, 2]}\n{"text": "three", "ids": [3]}\n',
+        "input_ids.jsonl": '{"text": "four", "input_ids": [4]}\n',
+        "pc.jsonl": '{"prompt": "q", "completion": "a", "text": "t"}\n',
+        "mask.jsonl": '{"ids": [5, 6], "loss_mask": [0, 1], "text": "u"}\n',
+        "bad_ids.jsonl": '{"text": "v", "ids": "abc"}\n',
+        "plain.jsonl": '{"text": "w", "ids": null, "meta": {"url": "x"}}\n',
+    }
+    for name, body in files.items():
+        (tmp_path / name).write_text(body)
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["a b"], "input_ids": [[1, 2]], "prompt": ["q"]}), table)
+    paths = [str(tmp_path / n) for n in files] + [str(table)]
     with caplog.at_level("WARNING", logger="lmpipe.producer"):
         for _ in range(2):
-            got = [(r.text, r.ids) for r in Corpus([str(lines), str(table)]).records()]
-            assert got == [("one two", None), ("three", None), ("a b", None), ("c", None)]
+            got = [
+                (r.text, r.prompt, None if r.ids is None else list(r.ids)) for r in Corpus(paths).records()
+            ]
+            assert got == [("one two", None, None), ("three", None, None), ("four", None, None), ("a", "q", None),
+                           (None, None, [5, 6]), ("v", None, None), ("w", None, None), ("a b", None, None)]  # fmt: skip
     said = [r.getMessage() for r in caplog.records]
     assert said == [
-        f'{lines}:1: records hold both "text" and "ids": the text is tokenized, "ids" is not read '
-        '(drop "text" to train the ids as they are)',
-        f"{table}: column 'text' is tokenized, column 'input_ids' is not read (--text-column input_ids "
-        "trains the ids as they are)",
+        f'{tmp_path}/ids.jsonl:1: "ids" not read: a record with "text" trains its text (drop "text" to train '
+        '"ids" as they are) (said once per file)',
+        f'{tmp_path}/input_ids.jsonl:1: "input_ids" not read: a record with "text" trains its text; token ids '
+        'go in "ids" in JSON Lines (said once per file)',
+        f'{tmp_path}/pc.jsonl:1: "text" not read: a prompt/completion record trains its completion (said once '
+        "per file)",
+        f'{tmp_path}/mask.jsonl:1: "text" not read: a record with a loss_mask trains the ids it marks (said '
+        "once per file)",
+        f'{tmp_path}/bad_ids.jsonl:1: "ids" not read: a record with "text" trains its text (said once per file)',
+        f"{table}: column 'text' is tokenized; 'input_ids', 'prompt' not read (--text-column input_ids trains "
+        "the ids as they are)",
     ]
     ids = [r.ids.tolist() for r in Corpus([str(table)], text_column="input_ids").records()]
-    assert ids == [[1, 2], [3]]
+    assert ids == [[1, 2]]
