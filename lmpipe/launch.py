@@ -137,10 +137,16 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
     except CheckpointError:
         return  # the trainer names what is wrong with the checkpoint itself
     now = corpus.fingerprint()
-    if had and had != now:
+    if not had or had == now:
+        return
+    # a file corpus's fingerprint is "<doc split>|<files>" (Corpus.fingerprint)
+    (had_split, _, had_files), (split, _, files) = str(had).partition("|"), now.partition("|")
+    if had_files == files and not corpus.random_access:
         raise SettingsError(
-            f"{path} was trained on {had!r}, --data gives {now!r}: resume with the same --data"
+            f"{path} was trained with --doc-split {had_split}, this run has {split}: resume with the same "
+            "--doc-split"
         )
+    raise SettingsError(f"{path} was trained on {had!r}, --data gives {now!r}: resume with the same --data")
 
 
 def say_left_out(data: list[str]) -> None:

@@ -249,6 +249,7 @@ def _say_unread(path: Path | DataFile, where: str, obj: dict) -> None:
     """Once per file: a good record that also holds the keys of another kind of record, not read."""
     if str(path) in _said_unread:
         return
+    used: tuple[str, ...]
     if "prompt" in obj or "completion" in obj:  # the kinds as _jsonl_records tells them apart
         used, rule = ("prompt", "completion"), "a prompt/completion record trains its completion"
     elif "loss_mask" in obj:

@@ -391,6 +391,14 @@ def test_a_resume_on_another_corpus_is_refused_before_anything_starts(procs, tmp
     assert (
         len(lines) == 1 and "was trained on 'blank|" in lines[0] and "resume with the same --data" in lines[0]
     )
+    # the same files with another --doc-split: that is what differs, not --data
+    split = procs.start("run", *base, "--data", str(a), "--doc-split", "line", "--steps", "8", "--resume", "auto",
+                        name="split")  # fmt: skip
+    assert split.wait(timeout=60) == 2, procs.log(split)
+    lines = procs.log(split).strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        "was trained with --doc-split blank, this run has line: resume with the same --doc-split"
+    )
     assert _tree_digest(ck) == before
     same = procs.start("run", *base, "--data", str(a), "--steps", "8", "--resume", "auto", name="same")
     assert same.wait(timeout=120) == 0, procs.log(same)
