@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -59,7 +60,23 @@ def is_shard_dir(path: str | Path) -> bool:
             return r.info(url)["type"] == "directory" and r.info(f"{url}/{META}")["type"] == "file"
         except FileNotFoundError:
             return False  # resolving the path as files will say what is missing
-    return (Path(path) / META).is_file()
+    return (Path(path) / META).is_file() and any(_SHARD_FILE.fullmatch(p.name) for p in Path(path).iterdir())
+
+
+_SHARD_FILE = re.compile(r"(tokens|index|rids|mask)-\d+\.bin")  # what prepare writes beside META
+
+
+def written_by_prepare(path: Path) -> bool:
+    """Only what prepare writes (META and shard files) is in `path`, and META is lmpipe's: the one kind of
+    folder --force may replace (a dataset's own meta.json beside its files is not)."""
+    names = [p.name for p in path.iterdir()]
+    if META not in names or not all(n == META or _SHARD_FILE.fullmatch(n) for n in names):
+        return False
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "format_version" in meta
 
 
 class _ShardWriter:
@@ -112,9 +129,10 @@ def check_out(out: Path, force: bool, inputs: Sequence[str] = ()) -> None:
     if out.exists():
         if not force:
             raise ShardError(f"{out} already exists; pass --force to replace it")
-        if any(out.iterdir()) and not is_shard_dir(out):
+        if any(out.iterdir()) and not written_by_prepare(out):
             raise ShardError(
-                f"{out} is not a shard directory (no {META}); --force replaces only those: choose another --out"
+                f"{out} is not a shard set (other files than prepare writes, or no {META} of lmpipe's); "
+                "--force replaces only those: choose another --out"
             )
 
 

@@ -43,8 +43,13 @@ def test_force_replaces_only_a_shard_directory(tmp_path, corpus, capsys):
     mine.mkdir()
     (mine / "p.jpg").write_bytes(b"\xff\xd8 not yours")
     assert prepare("--data", str(corpus), "--out", str(mine), "--force") == 2
-    assert "not a shard directory" in one_line(capsys)
+    assert "is not a shard set" in one_line(capsys)
     assert (mine / "p.jpg").read_bytes() == b"\xff\xd8 not yours"
+    # a dataset's own meta.json beside its files does not make it a shard set: it was deleted
+    (mine / "meta.json").write_text('{"name": "my dataset", "version": 2}')
+    assert prepare("--data", str(corpus), "--out", str(mine), "--force") == 2
+    assert "is not a shard set (other files than prepare writes" in one_line(capsys)
+    assert sorted(p.name for p in mine.iterdir()) == ["meta.json", "p.jpg"]
 
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -58,6 +63,9 @@ def test_force_replaces_only_a_shard_directory(tmp_path, corpus, capsys):
     assert "already exists" in capsys.readouterr().err
     assert prepare("--data", str(corpus), "--out", str(shards), "--force") == 0
     assert ShardSet(shards).meta["documents"] > 0 and is_shard_dir(shards)
+    (shards / "notes.txt").write_text("mine")  # a shard set with a user's file in it is not replaced either
+    assert prepare("--data", str(corpus), "--out", str(shards), "--force") == 2
+    assert (shards / "notes.txt").read_text() == "mine"
 
 
 def test_a_folder_named_like_the_temporary_one_is_left_alone(tmp_path, corpus):
