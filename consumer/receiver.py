@@ -726,6 +726,7 @@ class Receiver(threading.Thread):
                 self._count_skipped(msg.skipped)  # from a producer that has left too: its shards' counts
                 self._said_bye(identity)
             elif isinstance(msg, messages.Hello) and self._stop_reason:  # the first stop is still on its way
+                self._count_skipped(msg.skipped)  # or a stopping producer's last counts, before its bye
                 self._send(identity, messages.Stop(self._stop_reason))
             return
         if isinstance(msg, messages.Hello):

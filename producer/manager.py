@@ -89,6 +89,7 @@ class Producer:
         self.spec = BatchSpec.of(cfg)
         self.dtype = token_dtype(self.tok.vocab_size)
         self._skipped: dict[int, dict[str, int]] = {}
+        self._skipped_sent: dict[str, int] = {}  # what the trainer was last told, "<shard>:<reason>" -> n
         self._scan: SharedScan | None = None  # one read of the corpus for the shards held (scan.py)
         self.holdings = Holdings(self._stream, self.spec, cfg.epochs, self.dtype)
         for m in (self.metrics.tokens, self.metrics.padding):
@@ -142,10 +143,18 @@ class Producer:
         self._bad(reason, where, detail)
 
     def _skipped_counts(self) -> dict[str, int]:
-        """{"<shard>:<reason>": n}: what each shard's stream skipped, for messages.Hello.skipped."""
-        return {f"{s}:{r}": n for s, counts in self._skipped.items() for r, n in counts.items()}
+        """{"<shard>:<reason>": n} for messages.Hello.skipped: the counts that changed since the trainer was
+        last told, at most SKIPPED_PER_MESSAGE of them (the trainer keeps each one's highest, so the rest
+        go in the next heartbeats), so that a hello stays small with many shards and kinds of bad input."""
+        out: dict[str, int] = {}
+        for s, counts in self._skipped.items():
+            for r, n in counts.items():
+                key = f"{s}:{r}"
+                if self._skipped_sent.get(key) != n and len(out) < messages.SKIPPED_PER_MESSAGE:
+                    out[key] = self._skipped_sent[key] = n
+        return out
 
-    def _hello(self) -> bytes:
+    def _hello(self, skipped: dict[str, int] | None = None) -> bytes:
         return messages.pack(
             messages.Hello(
                 worker=self.worker,
@@ -156,7 +165,7 @@ class Producer:
                 rejoin=self._held,
                 holding=self.holdings.held() if self.session else [],
                 wire=WIRE_VERSION,
-                skipped=self._skipped_counts(),
+                skipped=self._skipped_counts() if skipped is None else skipped,
             )
         )
 
@@ -198,7 +207,10 @@ class Producer:
             data_ctx.term()  # returns once the data connection is torn down
             if self._bye_due:  # the trainer waits for this before it closes its sockets
                 with contextlib.suppress(zmq.Again):
-                    ctrl.send(messages.pack(messages.Bye(skipped=self._skipped_counts())), zmq.NOBLOCK)
+                    # counts not yet told go first, in hellos (one connection: they arrive before the bye)
+                    while len(counts := self._skipped_counts()) == messages.SKIPPED_PER_MESSAGE:
+                        ctrl.send(self._hello(counts), zmq.NOBLOCK)
+                    ctrl.send(messages.pack(messages.Bye(skipped=counts)), zmq.NOBLOCK)
             ctrl.disable_monitor()
             monitor.close(0)
             ctrl.close(linger=1000)  # the bye just queued still goes out
@@ -251,6 +263,7 @@ class Producer:
                 watch(event)  # raises HandshakeFailed once the trainer keeps refusing this producer
                 if self._connection_event(event):
                     last_hello = 0.0  # (re)connected: say hello now, not at the next tick
+                    self._skipped_sent.clear()  # a restarted trainer knows none of the counts
                 continue
             if ctrl in flags:
                 self._control(ctrl.recv())
@@ -310,6 +323,7 @@ class Producer:
                 self.session = msg.session
                 self.holdings.clear()
                 self._skipped.clear()  # counts of the last session's shards (its split may differ)
+                self._skipped_sent.clear()
                 self._drop_pending()
                 self.metrics.handshakes.labels("welcome").inc()
                 self.metrics.connected.set(1)

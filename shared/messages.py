@@ -24,6 +24,7 @@ from lmpipe.shared.batch import Cursor
 from lmpipe.shared.wire import CURSOR_KEYS, WireError, unpack_map
 
 MAX_CONTROL_BYTES = 16 * 1024
+SKIPPED_PER_MESSAGE = 128  # Hello.skipped's entries at most: msgpack maps are limited to 256 (wire.py)
 HELLO_EVERY = 1.0  # seconds between a producer's hellos (its heartbeat)
 ALIVE_SECONDS = 5.0  # a producer not heard from for this long no longer counts as connected
 # A worker id stays with its holder until its control connection closes, which ZMTP heartbeats force

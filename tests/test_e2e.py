@@ -133,6 +133,24 @@ def test_bad_corpus_records_are_skipped_and_the_run_goes_on(procs, tmp_path, por
     assert "bad input skipped: 8 (1 bad_ids, 2 bad_json, 1 empty, 2 invalid_utf8, 1 line_too_long, " in text
 
 
+def test_many_shards_with_many_kinds_of_bad_input_are_all_counted(procs, tmp_path, port):
+    """128 shards x 4 kinds of bad input: one producer's counts, 512 of them, went in one hello and got it
+    refused (msgpack maps hold 256 at most) mid-run. They now go 128 a heartbeat."""
+    corpus = tmp_path / "mix.jsonl"
+    kinds = [b'{"text": "good document %d"}\n', b'{"text": "broken\n', b'{"text": "   "}\n',
+             b'{"nottext": 1}\n', b'{"text": "\xff\xfe"}\n']  # fmt: skip
+    corpus.write_bytes(b"".join(kinds[i % 5] % i if i % 5 == 0 else kinds[i % 5] for i in range(5 * 2048)))
+    summary = tmp_path / "s.json"
+    p = procs.start(
+        "run", "--data", str(corpus), "--shards", "128", "--producers", "1", "--epochs", "1", "--steps", "0",
+        "--port", str(port), "--metrics-port", "-1", "--seq-len", "32", "--batch-size", "4",
+        "--summary-json", str(summary), name="run",
+    )  # fmt: skip
+    assert p.wait(timeout=120) == 0, procs.log(p)[-2000:]
+    out = json.loads(summary.read_text())
+    assert out["skipped"] == {"bad_json": 2048, "empty": 2048, "missing_text": 2048, "invalid_utf8": 2048}
+
+
 def test_hostile_messages_are_counted_and_training_goes_on(procs, tmp_path, port):
     summary = tmp_path / "s.json"
     common = [
