@@ -23,6 +23,7 @@ them, and shards, can be a URL (s3://bucket/prefix, any fsspec URL): see remote.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -173,6 +174,15 @@ def _text_records(
 
 
 log = logging.getLogger("lmpipe.producer")
+# The corpus's files in its fingerprint, at most (characters), which travels in every hello (16 KiB, with
+# the skipped counts): beyond it, their digest. 1,024 files named like C4's took 36 KB and were refused.
+MAX_FINGERPRINT = 8192
+
+
+def _printable_name(name: str) -> str:
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 _said_unread: set[str] = set()
 
 LABELS_HINT = (
@@ -387,10 +397,15 @@ class Corpus:
             return self.shards.fingerprint()
         if self.builtin:
             return f"builtin:{self.builtin_seed}:{self.builtin_docs}"
-        parts = [f"{p.name}:{p.size}" for p in self.paths]  # a local file and its remote copy agree
+        # a local file and its remote copy agree; a name that is not UTF-8 is shown escaped (msgpack)
+        parts = [f"{_printable_name(p.name)}:{p.size}" for p in self.paths]
         if self.text_column != "text":
             parts.append(f"column={self.text_column}")
-        return f"{self.doc_split}|" + "|".join(parts)
+        files = "|".join(parts)
+        if len(files) > MAX_FINGERPRINT:  # thousands of files: their digest, so that a hello stays small
+            digest = hashlib.sha256(files.encode()).hexdigest()[:16]
+            files = f"{len(self.paths)} files of {sum(p.size for p in self.paths):,} bytes, sha256 {digest}"
+        return f"{self.doc_split}|{files}"
 
     # -- random access (built-in corpus, shards) -----------------------------------------------------
 

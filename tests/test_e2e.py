@@ -151,6 +151,20 @@ def test_many_shards_with_many_kinds_of_bad_input_are_all_counted(procs, tmp_pat
     assert out["skipped"] == {"bad_json": 2048, "empty": 2048, "missing_text": 2048, "invalid_utf8": 2048}
 
 
+def test_a_folder_of_1200_files_trains(procs, tmp_path, port):
+    """The producers' hello carried every file's name and size, and a folder of a few hundred files made it
+    too big: both producers were refused before the first step."""
+    data = tmp_path / "many"
+    data.mkdir()
+    for i in range(1200):
+        (data / f"c4-train.{i:05d}-of-01200.json.txt").write_text(f"tiny file {i} says hello\n")
+    summary = tmp_path / "s.json"
+    p = procs.start("run", "--data", str(data), "--epochs", "1", "--steps", "0", "--port", str(port),
+                    "--metrics-port", "-1", "--summary-json", str(summary), name="run")  # fmt: skip
+    assert p.wait(timeout=120) == 0, procs.log(p)[-2000:]
+    assert json.loads(summary.read_text())["stopped_by"] == "end of data"
+
+
 def test_hostile_messages_are_counted_and_training_goes_on(procs, tmp_path, port):
     summary = tmp_path / "s.json"
     common = [

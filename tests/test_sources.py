@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 
+import msgpack
 import pytest
 
 from lmpipe.producer.sources import Corpus
@@ -95,3 +97,17 @@ def test_a_json_line_nested_too_deeply_is_a_bad_record_not_a_crash(procs, tmp_pa
     assert "Traceback" not in text
     assert f"{data}:21: JSON nested too deeply to parse" in text and f"{data}:22: JSON nested" in text
     assert json.loads(summary.read_text())["stopped_by"] == "end of data"
+
+
+def test_the_fingerprint_of_thousands_of_files_or_odd_names_fits_a_hello(tmp_path):
+    """The corpus's fingerprint travels in every hello (16 KiB): 1,200 files named like C4's shards took
+    36 KB and got the producers refused; a file name that is not UTF-8 could not be sent at all."""
+    for i in range(1200):
+        (tmp_path / f"c4-train.{i:05d}-of-01200.json.txt").write_text(f"document {i}\n")
+    odd = os.fsdecode(b"bad\xff.txt")
+    (tmp_path / odd).write_text("odd name\n")
+    fp = Corpus([str(tmp_path)]).fingerprint()
+    assert fp.startswith("blank|1201 files of ") and len(fp) < 100
+    assert fp != Corpus([str(tmp_path / odd), str(tmp_path)]).fingerprint(), "the list of files decides it"
+    assert Corpus([str(tmp_path / odd)]).fingerprint() == "blank|bad\\xff.txt:9"
+    msgpack.packb(fp)  # what failed: a surrogate in the name
