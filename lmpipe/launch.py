@@ -149,13 +149,27 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
     raise SettingsError(f"{path} was trained on {had!r}, --data gives {now!r}: resume with the same --data")
 
 
+def check_not_read_back(flag: str, path: str | None, data: list[str]) -> None:
+    """A file the run writes where a later run would read it as corpus (a .jsonl doc-log in a --data folder)
+    would train on it, and change the corpus's fingerprint so that the run cannot resume."""
+    from lmpipe.producer.formats import read_from_dir
+
+    if path and read_from_dir(Path(path).name):
+        folder = Path(path).resolve().parent
+        for d in data:
+            if Path(d).is_dir() and Path(d).resolve() == folder:
+                raise SettingsError(f"{flag} {path} is in --data's folder {d}, where a later run reads it as "
+                                    "corpus; write it elsewhere")  # fmt: skip
+
+
 def say_left_out(data: list[str]) -> None:
     """One line for the files of --data's directories that are not read (by their names)."""
     from lmpipe.producer.formats import left_out
 
     if skipped := left_out(data):
         more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-        log.info("--data: %d file(s) in its directories are not corpus files by name, not read: %s%s",
+        log.info("--data: %d file(s) or folder(s) in its directories not read (not corpus files by name, "
+                 "hidden, or subfolders: a folder is read one level deep): %s%s",
                  len(skipped), ", ".join(skipped[:3]), more)  # fmt: skip
 
 
@@ -379,6 +393,7 @@ def train(
             f"(--resume {tcfg.checkpoint_dir} resumes from this one)"
         )
     check_writable("--doc-log", tcfg.doc_log)
+    check_not_read_back("--doc-log", tcfg.doc_log, cfg.data)
     check_writable("--summary-json", opts.summary_json)
     if local_producers:
         say_left_out(cfg.data)

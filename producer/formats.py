@@ -120,8 +120,11 @@ def _classify(name: str, size: int, peek) -> tuple[str, str | None]:
     return fmt or "text", compression
 
 
-def _wanted_in_dir(name: str) -> bool:
-    """A directory's corpus files: .json only compressed (x.json.gz is data, as in C4; x.json a config)."""
+def read_from_dir(name: str) -> bool:
+    """A directory's corpus files: .json only compressed (x.json.gz is data, as in C4; x.json a config);
+    never hidden ones (a Mac's ._a.txt beside a.txt, editors' .swp files)."""
+    if name.startswith("."):
+        return False
     fmt, compression = _from_name(name)
     lower = name.lower()
     for ext in COMPRESSION:
@@ -168,7 +171,7 @@ def _resolve_local(p: str) -> list[DataFile]:
         hf = _hf_dataset(p, names, lambda name: (path / name).read_text())
         if hf is not None:
             return [_local_file(path / name) for name in hf]
-        return [_local_file(q) for q in sorted(path.iterdir()) if q.is_file() and _wanted_in_dir(q.name)]
+        return [_local_file(q) for q in sorted(path.iterdir()) if q.is_file() and read_from_dir(q.name)]
     if path.is_file():
         return [_local_file(path)]
     if path.exists():  # /dev/null, a FIFO, a socket: nothing a corpus can be read from twice
@@ -177,15 +180,17 @@ def _resolve_local(p: str) -> list[DataFile]:
 
 
 def left_out(paths: list[str]) -> list[str]:
-    """Files in the local directories of `paths` that the corpus leaves out by name (a.bin, notes.json):
-    said once at the start, since a file given by itself is read whatever its name."""
+    """What the local directories of `paths` hold that the corpus leaves out: files by their names (a.bin,
+    notes.json, hidden ones) and subfolders ("en/": directories are read one level deep). Said once at the
+    start, since a file given by itself is read whatever its name."""
     out = []
     for p in paths:
         path = Path(p)
         entries = sorted(path.iterdir()) if not is_url(p) and path.is_dir() else []
         if not entries or {q.name for q in entries} & {"state.json", "dataset_dict.json", SHARD_META}:
             continue  # a file, a URL, a Hugging Face folder (read by its state.json), prepared shards
-        out += [str(q) for q in entries if q.is_file() and not _wanted_in_dir(q.name)]
+        out += [str(q) for q in entries if q.is_file() and not read_from_dir(q.name)]
+        out += [f"{q}/" for q in entries if q.is_dir()]
     return out
 
 
@@ -207,7 +212,7 @@ def _resolve_remote(url: str) -> list[DataFile]:
     hf = _hf_dataset(url, set(by_name), lambda name: r.read_all(by_name[name][0]).decode())
     if hf is not None:
         return [remote_file(*by_name[name]) for name in hf]
-    return [remote_file(u, size) for name, (u, size) in sorted(by_name.items()) if _wanted_in_dir(name)]
+    return [remote_file(u, size) for name, (u, size) in sorted(by_name.items()) if read_from_dir(name)]
 
 
 def _hf_dataset(where: str, names: set[str], read) -> list[str] | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -117,6 +118,8 @@ class _ShardWriter:
 def check_out(out: Path, force: bool, inputs: Sequence[str] = ()) -> None:
     """`out` may be replaced only when it is a shard set (or an empty directory) and holds no input: --force
     must never delete a corpus or a directory that prepare did not write."""
+    if out.is_symlink():  # found only after the work, by rmtree, and the finished copy was left behind
+        raise ShardError(f"--out {out} is a symbolic link; name the folder itself")
     where = out.resolve()
     for given in inputs:
         p = Path(given).resolve()
@@ -145,6 +148,9 @@ def prepare(stream, out: str | Path, *, shard_tokens: int = 1 << 26, source: str
     check_out(out, force, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # unique: never a user's folder
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would keep a team's shard set from everyone else
     try:
         meta = _write_shards(stream, tmp, shard_tokens, source, progress)
     except BaseException:

@@ -35,6 +35,7 @@ import numpy as np
 
 from lmpipe.producer import builtin_corpus, formats
 from lmpipe.producer.formats import DataFile
+from lmpipe.producer.remote import is_url
 from lmpipe.producer.shards import ShardSet, is_shard_dir
 from lmpipe.shared.config import MAX_LINE_BYTES, PipelineConfig
 
@@ -349,6 +350,10 @@ class Corpus:
         if paths and len(paths) == 1 and is_shard_dir(paths[0]):
             self.shards = ShardSet(paths[0])
             self.paths: list[DataFile] = []
+        elif shard_set := next((p for p in paths or [] if not is_url(p) and is_shard_dir(p)), None):
+            raise ValueError(
+                f"--data {shard_set} is a shard set (lmpipe prepare): give it as the only --data"
+            )
         else:
             self.paths = formats.resolve(paths or [])
             for f in self.paths:  # binary formats (Parquet, Arrow, compressed) are told apart in formats.py

@@ -333,6 +333,12 @@ CASES = [
     ),
     ("summary-json-in-missing-folder", ["run", "--summary-json", "/nonexistent/s.json"], "--summary-json"),
     ("doc-log-is-a-folder", lambda c: ["train", "--doc-log", str(c.tmp)], "is a directory"),
+    # the next run read the log as corpus, and could not resume: the corpus's fingerprint had changed
+    (
+        "doc-log-in-the-data-folder",
+        lambda c: ["run", "--data", str(c.tmp), "--doc-log", str(c.tmp / "docs.jsonl"), *touch(c, "a.txt")],
+        "is in --data's folder",
+    ),
 ]
 
 

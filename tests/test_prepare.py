@@ -3,6 +3,8 @@ a file), and a failed prepare leaves neither the old shards changed nor a tempor
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -111,10 +113,15 @@ def test_a_corpus_of_bad_lines_is_counted_not_logged_line_by_line(tmp_path, caps
 def test_files_a_directory_leaves_out_are_named(tmp_path, corpus, capsys):
     (corpus / "a.bin").write_bytes(b"\x00\x01")
     (corpus / "config.json").write_text("{}")
+    (corpus / "._a.txt").write_bytes(b"\x00\x05\x16\x07 a Mac's AppleDouble file")  # stopped the run before
+    (corpus / "en").mkdir()  # a subfolder was not said either
     assert prepare("--data", str(corpus), "--out", str(tmp_path / "shards")) == 0
     err = capsys.readouterr().err
-    assert "--data: 2 file(s) in its directories are not corpus files by name, not read: " in err, err
-    assert f"{corpus / 'a.bin'}, {corpus / 'config.json'}" in err
+    assert (
+        "--data: 4 file(s) or folder(s) in its directories not read (not corpus files by name, hidden, or "
+        in err
+    )
+    assert f"{corpus / '._a.txt'}, {corpus / 'a.bin'}, {corpus / 'config.json'} and 1 more" in err
 
 
 def test_a_shard_directory_is_not_said_to_leave_its_files_out(tmp_path, corpus, capsys):
@@ -125,3 +132,31 @@ def test_a_shard_directory_is_not_said_to_leave_its_files_out(tmp_path, corpus, 
     from lmpipe.producer.formats import left_out
 
     assert left_out([str(tmp_path / "shards")]) == []
+
+
+def test_a_symlinked_out_is_refused_before_the_work_and_shards_are_readable_by_others(
+    tmp_path, corpus, capsys
+):
+    """--out on a symbolic link failed in rmtree after all the tokenizing, leaving the finished copy behind;
+    shard folders came out 0700 (mkdtemp's) whatever the umask, so no one else could read a team's set."""
+    shards = tmp_path / "shards"
+    old = os.umask(0o022)
+    try:
+        assert prepare("--data", str(corpus), "--out", str(shards)) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(shards.stat().st_mode) == 0o755
+    capsys.readouterr()
+    link = tmp_path / "link"
+    link.symlink_to(shards)
+    assert prepare("--data", str(corpus), "--out", str(link), "--force") == 2
+    assert "--out " + str(link) + " is a symbolic link; name the folder itself" in one_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "shards", "src"], "no copy left behind"
+
+
+def test_a_shard_set_among_other_data_is_refused_not_left_out(tmp_path, corpus, capsys):
+    shards = tmp_path / "shards"
+    assert prepare("--data", str(corpus), "--out", str(shards)) == 0
+    capsys.readouterr()
+    assert prepare("--data", str(shards), str(corpus / "a.txt"), "--out", str(tmp_path / "again")) == 2
+    assert f"--data {shards} is a shard set (lmpipe prepare): give it as the only --data" in one_line(capsys)
