@@ -80,7 +80,6 @@ class Producer:
         self.worker = opts.worker
         self.metrics = ProducerMetrics(cfg.strategy)  # every series labelled with its --worker number
         self._bad = BadRecords(log)  # the first few logged by line, all counted
-        # per shard, by reason, for the trainer's summary: what the shard's current stream has skipped
         self.metrics.bind(self.worker)
         self.tok = load_tokenizer(cfg.tokenizer, cfg.data)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
@@ -88,6 +87,7 @@ class Producer:
             check_prepared_with(self.corpus.shards, self.tok)
         self.spec = BatchSpec.of(cfg)
         self.dtype = token_dtype(self.tok.vocab_size)
+        # per shard, by reason, for the trainer's summary: what the shard's current stream has skipped
         self._skipped: dict[int, dict[str, int]] = {}
         self._skipped_sent: dict[str, int] = {}  # what the trainer was last told, "<shard>:<reason>" -> n
         self._scan: SharedScan | None = None  # one read of the corpus for the shards held (scan.py)
@@ -206,10 +206,13 @@ class Producer:
             data.close(0)
             data_ctx.term()  # returns once the data connection is torn down
             if self._bye_due:  # the trainer waits for this before it closes its sockets
+                # counts not yet told go first, in hellos (one connection: they arrive before the bye)
+                counts = self._skipped_counts()
                 with contextlib.suppress(zmq.Again):
-                    # counts not yet told go first, in hellos (one connection: they arrive before the bye)
-                    while len(counts := self._skipped_counts()) == messages.SKIPPED_PER_MESSAGE:
+                    while len(counts) == messages.SKIPPED_PER_MESSAGE:
                         ctrl.send(self._hello(counts), zmq.NOBLOCK)
+                        counts = self._skipped_counts()
+                with contextlib.suppress(zmq.Again):
                     ctrl.send(messages.pack(messages.Bye(skipped=counts)), zmq.NOBLOCK)
             ctrl.disable_monitor()
             monitor.close(0)
