@@ -183,6 +183,11 @@ class TrainConfig:
             out.append(f"--slots {self.slots} is fewer than --accum {self.accum}: a step holds --accum slots")
         if self.resume == "auto" and not self.checkpoint_dir:
             out.append("--resume auto needs --checkpoint-dir")
+        # said before any producer starts; on a GPU or auto device the trainer checks with torch
+        if self.device == "cpu" and self.precision == "fp8":
+            out.append("--precision fp8 needs a GPU with FP8 matmuls; --device cpu is the CPU")
+        if self.device == "cpu" and self.attention == "flash":
+            out.append("--attention flash needs a CUDA GPU; --device cpu is the CPU")
         return out
 
 

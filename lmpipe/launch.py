@@ -377,10 +377,6 @@ def train(
         raise SettingsError(
             f"--vocab-size {tcfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size}"
         )
-    cpu_only = {"fp8": f"--precision fp8 needs a GPU with FP8 matmuls; --device {tcfg.device} is the CPU",
-                "flash": f"--attention flash needs a CUDA GPU; --device {tcfg.device} is the CPU"}  # fmt: skip
-    if tcfg.device == "cpu" and (why := cpu_only.get(tcfg.precision) or cpu_only.get(tcfg.attention)):
-        raise SettingsError(why)  # where the device is the GPU or auto, the trainer checks with torch
     if local_producers:
         corpus = check_corpus(cfg, tok)
         if tcfg.resume:

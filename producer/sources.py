@@ -39,7 +39,12 @@ from lmpipe.producer.remote import is_url
 from lmpipe.producer.shards import ShardSet, is_shard_dir
 from lmpipe.shared.config import MAX_LINE_BYTES, PipelineConfig
 
+log = logging.getLogger("lmpipe.producer")
 DRAIN_CHUNK = 1 << 20  # bytes read at a time while skipping an over-long line
+# The corpus's files in its fingerprint, at most (characters), which travels in every hello (16 KiB, with
+# the skipped counts): beyond it, their digest. 1,024 files named like C4's took 36 KB and were refused.
+MAX_FINGERPRINT = 8192
+_said_unread: set[str] = set()  # files whose records hold keys that are not read, said once
 
 DOC_SPLITS = ("blank", "heading", "line")
 HEADING = re.compile(r"^ = [^=].* = $")
@@ -174,17 +179,9 @@ def _text_records(
         yield flush()
 
 
-log = logging.getLogger("lmpipe.producer")
-# The corpus's files in its fingerprint, at most (characters), which travels in every hello (16 KiB, with
-# the skipped counts): beyond it, their digest. 1,024 files named like C4's took 36 KB and were refused.
-MAX_FINGERPRINT = 8192
-
-
 def _printable_name(name: str) -> str:
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
-
-_said_unread: set[str] = set()
 
 LABELS_HINT = (
     '"labels" is not read: write {"ids": [...], "loss_mask": [...]} (loss_mask 0 where labels is -100, '
