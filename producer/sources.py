@@ -353,9 +353,9 @@ class Corpus:
             )
         else:
             self.paths = formats.resolve(paths or [])
-            for f in self.paths:  # binary formats (Parquet, Arrow, compressed) are told apart in formats.py
-                if f.fmt in ("text", "jsonl") and f.compression is None and f.remote is None:
-                    refuse_binary(Path(f.path))
+            for f in self.paths:  # binary formats (Parquet, Arrow) are told apart in formats.py
+                if f.fmt in ("text", "jsonl") and f.remote is None:
+                    refuse_binary(f)
         self.doc_split = doc_split
         self.builtin_docs = builtin_docs
         self.builtin_seed = builtin_seed
@@ -456,11 +456,15 @@ class Corpus:
                     yield rec
 
 
-def refuse_binary(path: Path) -> None:
-    """Raise ValueError when `path` starts like a binary file (a NUL byte in its first bytes): no text or
-    JSONL corpus has one, and reading it as text makes thousands of junk documents."""
-    with open(path, "rb") as f:
-        head = f.read(BINARY_PROBE_BYTES)
+def refuse_binary(path: DataFile) -> None:
+    """Raise ValueError when `path` starts like a binary file (a NUL byte in its first bytes, decompressed:
+    a .tar.gz too): no text or JSONL corpus has one, and reading it as text makes thousands of junk
+    documents."""
+    try:
+        with formats.open_binary(path) as f:
+            head = f.read(BINARY_PROBE_BYTES)
+    except (OSError, EOFError, ValueError):  # a damaged .gz/.zst: reading it says so, by name
+        return
     if _utf16(head):  # Windows editors save "Unicode" text so: every other byte of ASCII text is NUL
         raise ValueError(
             f"{path}: UTF-16 text, not UTF-8; convert it (iconv -f UTF-16 -t UTF-8 IN > OUT) and give that"
@@ -468,7 +472,8 @@ def refuse_binary(path: Path) -> None:
     at = head.find(b"\0")
     if at >= 0:
         raise ValueError(
-            f"{path}: binary data (a NUL byte at offset {at}), not a text or JSONL corpus; give --data "
+            f"{path}: binary data (a NUL byte at offset {at}{' once decompressed: an archive?' if path.compression else ''}), "
+            "not a text or JSONL corpus; give --data "
             "text, JSONL, Parquet or Arrow files (or .gz/.zst of text/JSONL), or a directory from `lmpipe prepare`"
         )
 

@@ -61,6 +61,16 @@ def empty_corpus(c: Ctx) -> list[str]:
     return ["--data", str(c.tmp / "empty.txt"), str(c.tmp / "blank.jsonl")]
 
 
+def tar_gz_corpus(c: Ctx) -> list[str]:
+    """A .tar.gz was trained as text: its tar header and NUL padding too (the NUL check skipped gzip)."""
+    import tarfile
+
+    (c.tmp / "train.txt").write_text("A first document.\n\nA second one.\n")
+    with tarfile.open(c.tmp / "corpus.tar.gz", "w:gz") as tar:
+        tar.add(c.tmp / "train.txt", arcname="train.txt")
+    return ["run", "--data", str(c.tmp / "corpus.tar.gz")]
+
+
 def utf16_corpus(bom: bool) -> Callable[[Ctx], list[str]]:
     """Text as Windows Notepad's "Unicode" saves it: with a byte-order mark, or without one."""
 
@@ -302,6 +312,7 @@ CASES = [
     # UTF-16 was called "binary data (a NUL byte at offset 3)"
     ("corpus-utf16", utf16_corpus(bom=True), "notes.txt: UTF-16 text, not UTF-8; convert it (iconv"),
     ("corpus-utf16-no-bom", utf16_corpus(bom=False), "notes.txt: UTF-16 text, not UTF-8"),
+    ("corpus-tar-gz", tar_gz_corpus, "once decompressed: an archive?), not a text or JSONL corpus"),
     ("missing-tokenizer", ["produce", "--tokenizer", "/nonexistent.json"], "--tokenizer"),
     (
         "tokenizer-a-folder",
