@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from lmpipe.producer.remote import BLOCK, MissingExtra, RangeReader, Remote, RemoteError, is_url
-from lmpipe.shared.files import SHARD_META
+from lmpipe.producer.shards import is_shard_dir
 
 log = logging.getLogger("lmpipe.producer")
 
@@ -187,7 +187,11 @@ def left_out(paths: list[str]) -> list[str]:
     for p in paths:
         path = Path(p)
         entries = sorted(path.iterdir()) if not is_url(p) and path.is_dir() else []
-        if not entries or {q.name for q in entries} & {"state.json", "dataset_dict.json", SHARD_META}:
+        if (
+            not entries
+            or {q.name for q in entries} & {"state.json", "dataset_dict.json"}
+            or is_shard_dir(path)
+        ):
             continue  # a file, a URL, a Hugging Face folder (read by its state.json), prepared shards
         out += [str(q) for q in entries if q.is_file() and not read_from_dir(q.name)]
         out += [f"{q}/" for q in entries if q.is_dir()]
