@@ -41,6 +41,12 @@ VARIANTS: list[tuple] = [
         {"max_autotune_gemm_backends": "ATEN"},
     ),
     ("fp8 matmuls in the blocks (torchao float8)", {}, {"precision": "fp8"}),
+    ("bf16 residual stream (--residual-dtype bf16)", {}, {"residual_dtype": "bf16"}),
+    (
+        "bf16 residual stream and FlexAttention's tiles tuned (--compile-mode autotune-attention)",
+        {},
+        {"residual_dtype": "bf16", "compile_mode": "autotune-attention"},
+    ),
     # gpt-fast's and modded-nanogpt's setting: inductor tunes each generated kernel's launch parameters
     ("coordinate-descent tuning (inductor)", {}, {}, {"coordinate_descent_tuning": True}),
     ("no copy stream (H2D on the compute stream)", {}, {"copy_stream": False}),

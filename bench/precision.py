@@ -1,5 +1,6 @@
-"""Precision: fp32, fp16 without scaling, fp16 static, fp16 dynamic, bf16 on WikiText-2, and the one-pass
-loss kernel (--loss-kernel) against torch's cross-entropy in fp32 and bf16.
+"""Precision: fp32, fp16 without scaling, fp16 static, fp16 dynamic, bf16 on WikiText-2, the one-pass
+loss kernel (--loss-kernel) against torch's cross-entropy in fp32 and bf16, and a bf16 residual stream
+(--residual-dtype bf16) against autocast's fp32 one.
 
     python -m bench.precision                    # GPT-2 124M, T=1024, 300 steps each, eager
     python -m bench.precision --only bf16 fp32   # the modes whose names contain one of these
@@ -26,22 +27,25 @@ from lmpipe.consumer.trainer import Trainer
 
 WARM = 10  # untimed steps per mode
 
-MODES = [  # name, precision, loss scaling, --loss-kernel
-    ("fp32", "fp32", "dynamic", False),
-    ("fp16, no scaling", "fp16", "none", False),
-    ("fp16, static 1024", "fp16", "static:1024", False),
-    ("fp16, dynamic", "fp16", "dynamic", False),
-    ("bf16", "bf16", "dynamic", False),
-    ("fp32, loss kernel", "fp32", "dynamic", True),  # CUDA only: the kernel is Triton
-    ("bf16, loss kernel", "bf16", "dynamic", True),
+MODES = [  # name, precision, loss scaling, --loss-kernel, --residual-dtype
+    ("fp32", "fp32", "dynamic", False, "fp32"),
+    ("fp16, no scaling", "fp16", "none", False, "fp32"),
+    ("fp16, static 1024", "fp16", "static:1024", False, "fp32"),
+    ("fp16, dynamic", "fp16", "dynamic", False, "fp32"),
+    ("bf16", "bf16", "dynamic", False, "fp32"),
+    ("fp32, loss kernel", "fp32", "dynamic", True, "fp32"),  # CUDA only: the kernel is Triton
+    ("bf16, loss kernel", "bf16", "dynamic", True, "fp32"),
+    ("bf16 residual stream", "bf16", "dynamic", False, "bf16"),
+    ("bf16 residual stream, loss kernel", "bf16", "dynamic", True, "bf16"),
 ]
 
 
-def run(mode: tuple[str, str, str, bool], data, pcfg, args) -> dict:
-    name, precision, scale, loss_kernel = mode
+def run(mode: tuple[str, str, str, bool, str], data, pcfg, args) -> dict:
+    name, precision, scale, loss_kernel, residual = mode
     tcfg = TrainConfig(
         model=args.model, steps=args.steps, lr=args.lr, warmup=20, precision=precision, loss_scale=scale,
         vocab_size=args.vocab_size, compile=args.compile, seed=1234, loss_kernel=loss_kernel,
+        residual_dtype=residual,
     )  # fmt: skip
     trainer = Trainer(pcfg, tcfg)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)

@@ -86,6 +86,14 @@ class TrainConfig:
         choices=PRECISIONS,
         help="auto: bf16 on CUDA, fp32 on CPU; fp8: bf16 with torchao float8 matmuls in the blocks (H100/H200)",
     )
+    # autocast leaves the residual stream (embeddings, each block's input and output) in fp32; in bf16 the
+    # layer norms and residual adds, the memory-bound part of a GPT-2 124M step, move half the bytes
+    # (bench/results/kernels-h100-*.md; what it buys and costs: bench/results/ablation-h100-*.md)
+    residual_dtype: str = setting(
+        "fp32",
+        choices=("fp32", "bf16"),
+        help="dtype of the residual stream between blocks (bf16: with --precision bf16 or fp8 only)",
+    )
     loss_scale: str = setting(
         "dynamic", check=loss_scale_problem, metavar="dynamic|static:VALUE|none", help="fp16 loss scaling"
     )
@@ -186,6 +194,8 @@ class TrainConfig:
         # said before any producer starts; on a GPU or auto device the trainer checks with torch
         if self.device == "cpu" and self.precision == "fp8":
             out.append("--precision fp8 needs a GPU with FP8 matmuls; --device cpu is the CPU")
+        if self.residual_dtype == "bf16" and self.precision in ("fp32", "fp16"):
+            out.append(f"--residual-dtype bf16 needs --precision bf16 or fp8, not {self.precision}")
         if self.device == "cpu" and self.attention == "flash":
             out.append("--attention flash needs a CUDA GPU; --device cpu is the CPU")
         return out

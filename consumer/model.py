@@ -146,6 +146,7 @@ class GPT(nn.Module):
         self.grad_checkpointing = False
         self.fused_ce = None  # set to fused_linear_cross_entropy() to never materialise the logits
         self.loss_kernel = False  # CUDA: the LM head's loss in one pass over the logits (consumer/loss.py)
+        self.residual_dtype: torch.dtype | None = None  # None: as autocast leaves it (fp32)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -167,6 +168,8 @@ class GPT(nn.Module):
     def hidden(self, idx: torch.Tensor, pos: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
         """Final hidden states [B, L, C] (before the LM head)."""
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        if self.residual_dtype is not None:  # the blocks' bf16 outputs then keep the stream in bf16
+            x = x.to(self.residual_dtype)
         for block in self.transformer.h:
             if self.grad_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, attn, use_reentrant=False)

@@ -18,6 +18,7 @@ from lmpipe.consumer.model import GPT, IGNORE, AttnSpec, preset
 from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.settings import SettingsError
 from tests.helpers import ListStream, tiny_model
 
 
@@ -335,3 +336,40 @@ def test_flash_attention_trains_like_dense(L):
     for loss, g in zip(losses[1:], grads[1:]):
         assert abs(loss - losses[0]) < 1e-2 * abs(losses[0])
         assert (g - grads[0]).norm() < 2e-2 * grads[0].norm()
+
+
+def test_bf16_residual_stream_keeps_every_block_in_bf16_and_trains_like_fp32():
+    """--residual-dtype bf16: the blocks read and write bf16 under bf16 autocast (fp32 by default), and
+    the loss and gradients stay within bf16's rounding of the fp32 stream's."""
+    tokens = torch.randint(1, 97, (2, 48))
+    seg = torch.tensor([[0] * 20 + [1] * 28, [0] * 48])
+    inp = build_inputs(tokens, torch.tensor([48, 40]), seg, attention="dense")
+    results = {}
+    for residual in ("fp32", "bf16"):
+        tcfg = TrainConfig(model="tiny", precision="bf16", residual_dtype=residual, metrics_port=None)
+        torch.manual_seed(5)
+        model = build(
+            PipelineConfig(seq_len=48), tcfg, 97, torch.device("cpu"), "bf16", torch.bfloat16, Dist()
+        ).model
+        seen: list[torch.dtype] = []
+        for block in model.transformer.h:
+            block.register_forward_hook(
+                lambda _m, args, out, seen=seen: seen.extend([args[0].dtype, out.dtype])
+            )
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(inp.idx, inp.pos, inp.attn, inp.targets)
+        loss.backward()
+        results[residual] = (loss.item(), model.lm_head.weight.grad.float())
+        assert set(seen) == {torch.float32 if residual == "fp32" else torch.bfloat16}
+    (ref, g_ref), (got, g) = results["fp32"], results["bf16"]
+    assert got == pytest.approx(ref, rel=1e-2)
+    assert torch.nn.functional.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0) > 0.99
+
+
+def test_bf16_residual_stream_needs_bf16_matmuls():
+    for precision in ("fp32", "fp16"):
+        with pytest.raises(
+            SettingsError, match=f"--residual-dtype bf16 needs --precision bf16 or fp8, not {precision}"
+        ):
+            TrainConfig(precision=precision, residual_dtype="bf16")
+    assert TrainConfig(precision="fp8", residual_dtype="bf16").residual_dtype == "bf16"
