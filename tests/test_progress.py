@@ -105,9 +105,27 @@ def test_prepare_reports_its_progress(tmp_path):
         cwd=tmp_path, env=lmpipe_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    # the text of the records, without the blank lines between them: most of the file's bytes
-    (pct,) = re.findall(
-        r"^tokenizing: 2,000 records, 0\.\d MB of 0\.\d MB \((\d+)%\), .* elapsed$", r.stderr, re.M
-    )
-    assert 90 <= int(pct) <= 100, r.stderr
+    # one last line, the whole file read: it said 96% (the records' text, without the blank lines between)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("tokenizing:")]
+    assert len(lines) == 1, r.stderr
+    mb = f"{corpus.stat().st_size / 1e6:,.1f}"
+    want = rf"tokenizing: 2,000 records, {mb} MB of {mb} MB \(100%\), .* elapsed"
+    assert re.fullmatch(want, lines[0]), lines
     assert "wrote " in r.stdout and "2,000 documents" in r.stdout
+
+
+def test_only_the_last_line_says_100_percent_and_it_counts_the_whole_total():
+    out = io.StringIO()
+    p = Progress("tokenizing", 1000, unit="records", every=0, stream=out)
+    p.update(1, 600)
+    p.update(1, 397)  # the text of the records: short of the file by the newlines between them
+    p.update(1, 3)  # every byte counted, but the pass is not over until done says so
+    p.done()
+    lines = out.getvalue().splitlines()
+    assert [re.search(r"\((\d+)%\)", ln)[1] for ln in lines] == ["60", "99", "99", "100"], lines
+    assert lines[-1].startswith("tokenizing: 3 records, 0.0 MB of 0.0 MB (100%)") and "ETA" not in lines[-1]
+    out = io.StringIO()
+    p = Progress("tokenizing", 1000, every=60, stream=out)
+    p.update(1, 970)
+    p.done()
+    assert p.bytes == 1000 and out.getvalue().count("(100%)") == 1 and len(out.getvalue().splitlines()) == 1
