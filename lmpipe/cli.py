@@ -37,7 +37,7 @@ from lmpipe.options import (
     TokenizerOptions,
 )
 from lmpipe.shared.config import BATCHING, PipelineConfig
-from lmpipe.shared.settings import Parser, SettingsError, add_settings, from_args
+from lmpipe.shared.settings import Parser, SettingsError, add_settings, from_args, name_sources
 
 log = logging.getLogger("lmpipe")
 
@@ -348,11 +348,15 @@ def _role(cmd: str, configs: list) -> str:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)  # argparse mistakes exit here: one line, status 2
     prog = f"lmpipe {ns.cmd}"
+
+    def said(exc: Exception) -> str:  # messages name flags; a value from LMPIPE_X is named as that
+        return name_sources(str(exc), ns, (GlobalOptions, *ns.settings))
+
     try:
         g = from_args(ns, GlobalOptions)
         configs = [from_args(ns, cls) for cls in ns.settings]
     except SettingsError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {said(exc)}", file=sys.stderr)
         return 2
     from lmpipe.shared.log import setup
 
@@ -360,11 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns, g, *configs)
     except SettingsError as exc:  # found by a check before any work: a usage mistake
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {said(exc)}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as exc:  # bad input or config, a refused checkpoint: say it, exit 2
         log.debug("details", exc_info=True)
-        log.error("%s", exc)
+        log.error("%s", said(exc))
         return 2
     except KeyboardInterrupt:
         return 130

@@ -11,6 +11,9 @@ A settings class is a dataclass whose fields are made with `setting(...)`. From 
   in `__post_init__`, so an invalid one cannot be made. A bad value raises SettingsError: one line;
 - `from_args(ns, Cls)` builds the dataclass from parsed arguments, a bad value naming the flag or the
   variable it came from;
+- `name_sources(message, ns, classes)`: messages are written once, naming a setting as `--flag VALUE` (or
+  `--flag: ...`); where the environment gave that value, the variable is named instead, as a single
+  field's error does (`LMPIPE_SEQ_LEN=256`). from_args does it for cross_check(), the CLI for later checks;
 - `to_argv(cfg)` gives the flags that reproduce `cfg` (how `lmpipe run` starts its producers).
 Nothing here imports torch: the parsers stay quick for `lmpipe --help` and the producer processes.
 """
@@ -22,10 +25,11 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import shlex
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -306,9 +310,45 @@ def from_args(ns: argparse.Namespace, cls: type) -> Any:
             sources[spec.name] = given.get(spec.dest)
     if found := field_problems(cls, values, sources):
         raise SettingsError("; ".join(found))
-    cfg = cls(**values)
-    validate(cfg)  # again if __post_init__ did: cheap, and classes without one are checked too
+    try:
+        cfg = cls(**values)
+        validate(cfg)  # again if __post_init__ did: cheap, and classes without one are checked too
+    except SettingsError as exc:  # cross_check() names flags: say which values the environment gave
+        raise SettingsError(name_sources(str(exc), ns, (cls,))) from None
     return cfg
+
+
+def name_sources(message: str, ns: argparse.Namespace, classes: Iterable[type]) -> str:
+    """`message` with each mention of a setting's value that came from the environment naming its variable
+    instead of its flag, as single-field errors do: `--seq-len 256` becomes `LMPIPE_SEQ_LEN=256`,
+    `--data: ...` becomes `LMPIPE_DATA: ...`, a bool's `--compile` (`--no-compile`) `LMPIPE_COMPILE=on`
+    (`off`). A flag with another value than the setting's (advice: `--accum N`) stays a flag."""
+    given = getattr(ns, _SOURCES, {})
+    for spec in {s.flag: s for cls in classes for s in specs(cls)}.values():
+        var = given.get(spec.dest)
+        if var and not var.startswith("-") and hasattr(ns, spec.dest):
+            message = _name_variable(message, spec, var, getattr(ns, spec.dest))
+    return message
+
+
+def _name_variable(message: str, spec: Spec, var: str, value: Any) -> str:
+    def sub(pattern: str, text: str) -> None:
+        nonlocal message  # a function for the replacement: a path's backslashes are not escapes
+        message = re.sub(rf"(?<![\w-]){pattern}", lambda _: text, message)
+
+    flag = re.escape(spec.flag)
+    if spec.type is bool:  # the flag that states the value: --x when on, --no-x when off
+        sub(rf"--{'' if value else 'no-'}{flag}(?![\w-])", f"{var}={_show(value)}")
+        return message
+    sub(rf"--{flag}(?=:(\s|$))", var)
+    items = (value if spec.many else [value]) if value is not None else []
+    written = {" ".join(map(str, items)), " ".join(shlex.quote(str(x)) for x in items)}
+    if isinstance(value, float):
+        written.add(f"{value:g}")
+    for text in sorted(written - {""}, key=len, reverse=True):
+        # the value ends where the sentence goes on: `--device cuda: ...`, but not `--device cuda:1`
+        sub(rf"--{flag} {re.escape(text)}(?=$|[\s,;)]|:(\s|$))", f"{var}={text}")
+    return message
 
 
 def to_argv(cfg: Any) -> list[str]:

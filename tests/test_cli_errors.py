@@ -408,3 +408,85 @@ def test_usage_mistake_is_one_line_and_status_2(tmp_path, port, checkpoint, shar
     assert "Traceback" not in out.stderr + out.stdout
     assert len(lines) == 1, out.stderr
     assert expect in lines[0], lines[0]
+
+
+# -- a value from LMPIPE_<FLAG> is named as that variable, in cross-field errors and later checks too ------
+# (they named the flag, which the user never typed); a value from a flag is still named as the flag
+
+FROM_THE_ENVIRONMENT = [
+    (
+        "run-fp8-on-cpu",
+        {"LMPIPE_PRECISION": "fp8", "LMPIPE_DEVICE": "cpu"},
+        ["run"],
+        "lmpipe run: LMPIPE_PRECISION=fp8 needs a GPU with FP8 matmuls; LMPIPE_DEVICE=cpu is the CPU",
+    ),
+    (
+        "train-fp8-variable-on-cpu-flag",
+        {"LMPIPE_PRECISION": "fp8"},
+        ["train", "--device", "cpu"],
+        "lmpipe train: LMPIPE_PRECISION=fp8 needs a GPU with FP8 matmuls; --device cpu is the CPU",
+    ),
+    (
+        "flags-win-and-are-named",
+        {"LMPIPE_PRECISION": "bf16", "LMPIPE_ATTENTION": "dense", "LMPIPE_DEVICE": "cuda"},
+        ["run", "--device", "cpu", "--attention", "flash"],
+        "lmpipe run: --attention flash needs a CUDA GPU; --device cpu is the CPU",
+    ),
+    (
+        "produce-rank-outside-world",
+        {"LMPIPE_RANK": "2", "LMPIPE_WORLD_SIZE": "2"},
+        ["produce"],
+        "lmpipe produce: LMPIPE_RANK=2 must be below LMPIPE_WORLD_SIZE=2",
+    ),
+    (
+        "produce-batch-too-large",
+        {"LMPIPE_BATCH_SIZE": "100000000"},
+        ["produce"],
+        "lmpipe produce: LMPIPE_BATCH_SIZE=100000000 x --seq-len 128 is 12,800,000,000 tokens a batch",
+    ),
+    (
+        "train-slots-below-accum",  # the advice's "--accum slots" is no value: it stays a flag
+        {"LMPIPE_ACCUM": "4"},
+        ["train", "--slots", "3"],
+        "lmpipe train: --slots 3 is fewer than LMPIPE_ACCUM=4: a step holds --accum slots",
+    ),
+    (
+        "train-resume-auto-without-dir",
+        {"LMPIPE_RESUME": "auto"},
+        ["train"],
+        "lmpipe train: LMPIPE_RESUME=auto needs --checkpoint-dir",
+    ),
+    # checks after the settings are built (lmpipe/launch.py) name them the same way
+    (
+        "run-vocab-too-small",
+        {"LMPIPE_VOCAB_SIZE": "10"},
+        ["run"],
+        "lmpipe run: LMPIPE_VOCAB_SIZE=10 is smaller than the tokenizer's",
+    ),
+    (
+        "produce-worker-outside-producers",
+        {"LMPIPE_WORKER": "2"},
+        ["produce", "--producers", "2"],
+        "lmpipe produce: LMPIPE_WORKER=2 must be below --producers 2",
+    ),
+    (
+        "run-missing-corpus",
+        {"LMPIPE_DATA": "/nonexistent.txt"},
+        ["run"],
+        "lmpipe run: LMPIPE_DATA: ",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,variables,argv,start", FROM_THE_ENVIRONMENT)
+def test_a_value_from_the_environment_is_named_as_its_variable(port, name, variables, argv, start):
+    out = subprocess.run(
+        [sys.executable, "-m", "lmpipe", *argv, "--port", str(port), "--metrics-port", "-1"],
+        env={**lmpipe_env(), **variables},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(start), out.stderr
