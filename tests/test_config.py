@@ -13,7 +13,7 @@ from lmpipe.consumer.config import MODELS, TrainConfig
 from lmpipe.options import GlobalOptions, ProduceOptions, ReportOptions
 from lmpipe.producer.batching import BatchSpec
 from lmpipe.shared.config import PipelineConfig, pipeline_argv
-from lmpipe.shared.settings import SettingsError, from_args, specs, to_argv
+from lmpipe.shared.settings import SettingsError, from_args, name_sources, specs, to_argv
 from tests.helpers import REPO, lmpipe_env
 
 
@@ -149,6 +149,41 @@ def test_validation_names_the_flag_or_the_variable(env):
     env("LMPIPE_ACCUM", "0")
     with pytest.raises(SettingsError, match=r"^LMPIPE_ACCUM=0: must be >= 1$"):
         from_args(parse("run"), TrainConfig)
+
+
+def test_cross_checks_name_the_variable_that_gave_a_value(env):
+    env("LMPIPE_PRECISION", "fp8")
+    env("LMPIPE_DEVICE", "cpu")
+    with pytest.raises(SettingsError, match=r"^LMPIPE_PRECISION=fp8 needs .*; LMPIPE_DEVICE=cpu is the CPU$"):
+        from_args(parse("train"), TrainConfig)
+    with pytest.raises(SettingsError, match=r"^LMPIPE_PRECISION=fp8 needs .*; --device cpu is the CPU$"):
+        from_args(parse("train", "--device", "cpu"), TrainConfig)  # a flag wins, and is named
+    env("LMPIPE_RANK", "3")
+    with pytest.raises(SettingsError, match=r"^LMPIPE_RANK=3 must be below --world-size 1$"):
+        from_args(parse("produce"), PipelineConfig)
+
+
+def test_only_a_mention_of_the_value_the_environment_gave_names_the_variable(env):
+    env("LMPIPE_DEVICE", "cuda")
+    env("LMPIPE_COMPILE", "yes")
+    env("LMPIPE_TF32", "off")
+    env("LMPIPE_DATA", "a.txt 'my corpus.txt'")
+    env("LMPIPE_LR", "0.5")
+    env("LMPIPE_CHECKPOINT_DIR", r"C:\runs\1")
+    ns = parse("run", "--accum", "2")
+    for message, said in [
+        ("--device cuda: no GPU here; use --device cpu", "LMPIPE_DEVICE=cuda: no GPU here; use --device cpu"),
+        ("--device cuda:1 is not there", None),  # another value
+        ("--compile needs a compiler (--no-compile)", "LMPIPE_COMPILE=on needs a compiler (--no-compile)"),
+        ("--no-tf32 with --tf32", "LMPIPE_TF32=off with --tf32"),
+        ("--data a.txt 'my corpus.txt' is empty", "LMPIPE_DATA=a.txt 'my corpus.txt' is empty"),
+        ("--data: nothing there", "LMPIPE_DATA: nothing there"),
+        ("--lr 0.5, higher than 0.1", "LMPIPE_LR=0.5, higher than 0.1"),
+        (r"--checkpoint-dir C:\runs\1: not writable", r"LMPIPE_CHECKPOINT_DIR=C:\runs\1: not writable"),
+        ("--accum 2 with --seq-len 128", None),  # a flag, and a default
+        ("--compile-mode default; --lr 0.55; --device cudas", None),  # other flags, other values
+    ]:
+        assert name_sources(message, ns, (PipelineConfig, TrainConfig)) == (said or message)
 
 
 def test_an_invalid_config_cannot_be_made():
