@@ -8,7 +8,9 @@ A file's format comes from its name:
   .arrow                    Arrow IPC, stream or file format (what Hugging Face `datasets` writes)
 and, for any other name, from its first bytes (Parquet, Arrow, gzip and zstd magic numbers), else text.
 A directory stands for its files of those kinds (sorted by name, not recursive; plain .json files are left
-out as likely configs, compressed ones kept). A directory written by Hugging Face `save_to_disk`
+out as likely configs, compressed ones kept). A file reached more than once (named twice, a folder and a
+file in it, a symlink or hard link to another file read; a URL named twice) is read once, where it first
+comes, and said so in one line. A directory written by Hugging Face `save_to_disk`
 (state.json beside data-*.arrow) stands for its Arrow files in state.json's order, read with pyarrow
 alone: the `datasets` package is not needed. A DatasetDict folder (dataset_dict.json) is refused with
 the splits named: pass one split's folder.
@@ -19,6 +21,10 @@ Row r of a table is one record; a null, empty, non-UTF-8 or out-of-vocabulary ro
 `FILE:row R` (R counts from 0 in that file, as `dataset[R]` does), counted and skipped like a bad line.
 A file that cannot be decoded at all (a truncated gzip or zstd stream, a damaged Parquet file) stops the
 reader with one line naming the file: re-download or re-create it (`lmpipe prepare` reads every byte).
+A local file is checked against its size and modification time when the run found it, before each pass
+opens it and after each pass reads it (an Arrow file: before each batch too): one changed (truncated,
+appended to, rewritten, replaced) stops the reader with one line (CorpusChanged), never a shorter epoch
+passed off as the corpus (a file emptied under --epochs 0 ended a run as if complete).
 
 pyarrow (lmpipe[parquet]) and zstandard (lmpipe[zstd]) are needed only for the files that use them.
 """
@@ -29,6 +35,9 @@ import gzip
 import io
 import json
 import logging
+import os
+import stat
+import time
 import zlib
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -59,10 +68,16 @@ MASK_COLUMNS = ("labels", "loss_mask")  # what a tokenized fine-tuning table mar
 _said_unmasked: set[str] = set()
 _said_unread: set[str] = set()  # files whose text column is read over ids or prompt columns, said once
 ROWS_PER_BATCH = 4096  # rows decoded at a time from a Parquet row group
+_said_again: set[str] = set()  # files reached more than once, said once per process (forked producers too)
+SAID_AGAIN = 3  # duplicate files named in that one line, at most
 
 
 class FormatError(ValueError):
     """A file that cannot be read as the format it claims (one line naming the file and what to do)."""
+
+
+class CorpusChanged(ValueError):
+    """A local corpus file no longer as the run found it: a run's record ids and cursors describe that file."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,6 +87,8 @@ class DataFile:
     compression: str | None = None  # "gzip" | "zstd" for streamed text/JSONL
     size: int = 0
     remote: Remote | None = None
+    inode: tuple[int, int] | None = None  # a local file's (st_dev, st_ino): which paths are the same file
+    mtime_ns: int = 0  # a local file's modification time when the run found it
 
     def __str__(self) -> str:
         return self.path
@@ -147,21 +164,75 @@ def resolve(paths: list[str]) -> list[DataFile]:
         raise FileNotFoundError(
             f"no corpus files in {', '.join(paths)} (.txt, .jsonl, .parquet, .arrow, or .gz/.zst of text/JSONL)"
         )
+    out = _read_once(out)
     for f in out:
         require_extras(f)
     return out
 
 
+def _read_once(files: list[DataFile]) -> list[DataFile]:
+    """Each file once, where it first comes: a local file by its (device, inode), so another path to it (a
+    symlink, a hard link, ./a.txt) is the same file; a URL by itself. Read again, it would be trained twice
+    an epoch, unsaid. Its first place keeps the record ids of the files before the others."""
+    first: dict[object, DataFile] = {}
+    again: dict[DataFile, list[str]] = {}
+    out = []
+    for f in files:
+        # with its size and time: a file system that numbers inodes loosely cannot make two files one
+        key = (f.inode, f.size, f.mtime_ns) if f.inode is not None else f.path
+        kept = first.setdefault(key, f)
+        if kept is f:
+            out.append(f)
+        else:
+            again.setdefault(kept, []).append(f.path)
+    said = [f"{f} (again as {', '.join(paths)})" for f, paths in again.items()]
+    if said and "; ".join(said) not in _said_again:  # said by `lmpipe run` before it forks its producers
+        _said_again.add("; ".join(said))
+        more = f"; and {len(said) - SAID_AGAIN} more" if len(said) > SAID_AGAIN else ""
+        log.warning("--data reaches %d file(s) more than once; each is read once, where it first comes: %s%s",
+                    len(said), "; ".join(said[:SAID_AGAIN]), more)  # fmt: skip
+    return out
+
+
 def _local_file(path: Path) -> DataFile:
-    size = path.stat().st_size
+    st = path.stat()
 
     def peek(a: int, b: int) -> bytes:
         with open(path, "rb") as f:
             f.seek(a)
             return f.read(b - a)
 
-    fmt, compression = _classify(path.name, size, peek)
-    return DataFile(str(path), fmt, compression, size)
+    fmt, compression = _classify(path.name, st.st_size, peek)
+    return DataFile(
+        str(path), fmt, compression, st.st_size, inode=(st.st_dev, st.st_ino), mtime_ns=st.st_mtime_ns
+    )
+
+
+def check_unchanged(f: DataFile) -> None:
+    """Raise CorpusChanged when local file `f` is not as the run found it (size, modification time): record
+    ids and cursors number its records as they were, and an emptied file read as one would end the epoch."""
+    if f.inode is None:  # a URL: its size was taken at the start, and is what ranged reads stop at
+        return
+    try:
+        st = os.stat(f.path)
+    except FileNotFoundError:
+        what = "deleted or moved away"
+    else:
+        if stat.S_ISDIR(st.st_mode):
+            what = "now a directory"
+        elif not stat.S_ISREG(st.st_mode):
+            what = "no longer a regular file"
+        elif st.st_size != f.size:
+            what = f"{f.size:,} -> {st.st_size:,} bytes"
+        elif st.st_mtime_ns != f.mtime_ns:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.st_mtime_ns / 1e9))
+            what = f"still {f.size:,} bytes, but modified at {when}"
+        else:
+            return
+    raise CorpusChanged(
+        f"corpus file {f} changed during the run ({what}); the run cannot go on reading it as it was: "
+        "restore it or start a new run"
+    )
 
 
 def _resolve_local(p: str) -> list[DataFile]:
@@ -176,13 +247,17 @@ def _resolve_local(p: str) -> list[DataFile]:
         return [_local_file(path)]
     if path.exists():  # /dev/null, a FIFO, a socket: nothing a corpus can be read from twice
         raise ValueError(f"corpus path {p} is not a regular file or a directory")
+    if path.is_symlink():
+        raise FileNotFoundError(
+            f"corpus path {p} is a symbolic link to nothing (its target is missing, or a loop)"
+        )
     raise FileNotFoundError(f"corpus file not found: {p}")
 
 
 def left_out(paths: list[str]) -> list[str]:
     """What the local directories of `paths` hold that the corpus leaves out: files by their names (a.bin,
-    notes.json, hidden ones) and subfolders ("en/": directories are read one level deep). Said once at the
-    start, since a file given by itself is read whatever its name."""
+    notes.json, hidden ones), subfolders ("en/": directories are read one level deep) and symbolic links to
+    nothing. Said once at the start, since a file given by itself is read whatever its name."""
     out = []
     for p in paths:
         path = Path(p)
@@ -195,6 +270,7 @@ def left_out(paths: list[str]) -> list[str]:
             continue  # a file, a URL, a Hugging Face folder (read by its state.json), prepared shards
         out += [str(q) for q in entries if q.is_file() and not read_from_dir(q.name)]
         out += [f"{q}/" for q in entries if q.is_dir()]
+        out += [f"{q} (a link to nothing)" for q in entries if q.is_symlink() and not q.exists()]
     return out
 
 
@@ -336,6 +412,7 @@ class _Checked(io.RawIOBase):
         return n
 
     def _error(self, exc: Exception) -> FormatError:
+        check_unchanged(self.f)  # a file cut short since the start is not a corrupt one
         return FormatError(
             f"{self.f}: {self.f.compression} data is truncated or corrupt after {self.done:,} decompressed "
             f"bytes ({exc}); re-download or re-compress the file"
@@ -480,15 +557,23 @@ def _arrow_batches(f: DataFile, text_column: str) -> Iterator[tuple[Any, str]]:
     with source:
         head = source.read(6)
         source.seek(0)
+        # checked before each batch is read: a page of the memory map that a truncation cut off kills the
+        # process (SIGBUS) where this can say why
         if head == b"ARROW1":
             reader = pa.ipc.open_file(source)
             name, kind = _column(f, reader.schema, text_column)
             for k in range(reader.num_record_batches):
+                check_unchanged(f)
                 yield reader.get_batch(k).column(name), kind
         else:
             stream = pa.ipc.open_stream(source)
             name, kind = _column(f, stream.schema, text_column)
-            for batch in stream:
+            while True:
+                check_unchanged(f)
+                try:
+                    batch = stream.read_next_batch()
+                except StopIteration:
+                    return
                 yield batch.column(name), kind
 
 
@@ -507,8 +592,10 @@ def table_records(f: DataFile, first_rid: int, worker: int, num_workers: int, *,
     except pa.ArrowException as exc:
         if isinstance(exc, RemoteError):
             raise
+        check_unchanged(f)  # a file rewritten since the start is not a damaged one
         raise FormatError(
             f"{f}: unreadable {f.fmt.capitalize()} data after row {row} ({' '.join(str(exc).split())}); "
             "re-download or re-create the file"
         ) from None
+    check_unchanged(f)  # the whole pass read the file as it was
     return first_rid + row

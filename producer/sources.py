@@ -440,6 +440,9 @@ class Corpus:
             return
         rid = 0
         for p in self.paths:
+            # every pass reads the file the run found (its size, modification time), and all of it: one cut
+            # short, grown or rewritten would shift record ids and cursors, or end the epoch early
+            formats.check_unchanged(p)
             if p.fmt in formats.TABLES:  # yields only this worker's rows; returns the next file's first id
                 rid = yield from formats.table_records(
                     p, rid, worker, num_workers, text_column=self.text_column, vocab_size=self.vocab_size,
@@ -454,6 +457,7 @@ class Corpus:
                 rid = rec.rid + 1
                 if rec.rid % num_workers == worker:
                     yield rec
+            formats.check_unchanged(p)  # (a table's reader checks before each batch and at its end)
 
 
 def refuse_binary(path: DataFile) -> None:

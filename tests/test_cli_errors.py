@@ -1,7 +1,8 @@
 """Every usage mistake is one line on stderr naming the flag or variable, exit status 2, no traceback.
 
 Each case starts the real command (`python -m lmpipe ...`). The checks run before a model is built or a
-process started, so most cases take a fraction of a second.
+process started, so most cases take a fraction of a second. A mistake only a running producer can see (a
+corpus file changed under it) stops the run with one line too.
 """
 
 from __future__ import annotations
@@ -490,3 +491,30 @@ def test_a_value_from_the_environment_is_named_as_its_variable(port, name, varia
     )
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert out.stderr.count("\n") == 1 and out.stderr.startswith(start), out.stderr
+
+
+@pytest.mark.slow
+def test_a_corpus_file_changed_during_the_run_stops_it_in_one_line(procs, tmp_path, port):
+    """A corpus file emptied under --epochs 0 (train until stopped): the producer took the empty pass for the
+    end of its data, and the run ended with exit 0 as if complete. The producer now stops at the pass that
+    finds the file changed, with one line naming it and what changed; the run fails (not retried)."""
+    from lmpipe.producer import builtin_corpus
+
+    data = tmp_path / "c.txt"
+    data.write_text("\n\n".join(builtin_corpus.document(3, i) for i in range(40)) + "\n")
+    size = data.stat().st_size
+    p = procs.start(
+        "run", "--data", str(data), "--epochs", "0", "--steps", "0", "--consume-only", "--producers", "1",
+        "--port", str(port), "--metrics-port", "-1", "--log-every", "5", name="run",
+    )  # fmt: skip
+    procs.wait_for(p, "step 10")  # the producer started: the file it found is the run's
+    data.write_bytes(b"")
+    assert procs.wait(p, timeout=60) == 1, procs.log(p)
+    text = procs.log(p)
+    said = [line for line in text.splitlines() if "changed during the run" in line]
+    assert len(said) == 1, text
+    assert said[0].endswith(
+        f"[producer 0] corpus file {data} changed during the run ({size:,} -> 0 bytes); the run cannot go on "
+        "reading it as it was: restore it or start a new run"
+    ), said[0]
+    assert "producer 0 exited with code 2" in text and "Traceback" not in text

@@ -108,6 +108,137 @@ def test_the_fingerprint_of_thousands_of_files_or_odd_names_fits_a_hello(tmp_pat
     (tmp_path / odd).write_text("odd name\n")
     fp = Corpus([str(tmp_path)]).fingerprint()
     assert fp.startswith("blank|1201 files of ") and len(fp) < 100
-    assert fp != Corpus([str(tmp_path / odd), str(tmp_path)]).fingerprint(), "the list of files decides it"
+    first = str(tmp_path / "c4-train.00000-of-01200.json.txt")  # read first, then the folder's others
+    assert fp != Corpus([first, str(tmp_path)]).fingerprint(), "the list of files decides it"
     assert Corpus([str(tmp_path / odd)]).fingerprint() == "blank|bad\\xff.txt:9"
     msgpack.packb(fp)  # what failed: a surrogate in the name
+
+
+def test_a_file_reached_twice_is_read_once_and_said_once(tmp_path, caplog):
+    """`--data dir dir/a.txt`, a file named twice (or as ./a.txt), a symlink or hard link to a file the run
+    reads: every document of that file was trained twice an epoch, unsaid."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_text("alpha one\n\nalpha two\n")
+    (d / "b.txt").write_text("beta\n")
+    read = Corpus([str(d)]).fingerprint()
+    assert read == "blank|a.txt:21|b.txt:5", "a corpus without duplicates keeps its fingerprint (checkpoints)"
+    (d / "z.txt").symlink_to("a.txt")
+    os.link(d / "b.txt", tmp_path / "hard.txt")
+    given = [str(d), str(d / "a.txt"), f"{tmp_path}/./d/b.txt", str(tmp_path / "hard.txt"), str(d / "a.txt")]
+    for _ in range(2):  # the second time (a producer, after the checks) says nothing again
+        c = Corpus(given)
+        assert [str(p) for p in c.paths] == [str(d / "a.txt"), str(d / "b.txt")]
+        assert [r.text for r in c.records()] == ["alpha one", "alpha two", "beta"]
+        assert c.fingerprint() == read  # the files read, as a run without the duplicates
+    said = [r.getMessage() for r in caplog.records if "more than once" in r.getMessage()]
+    assert said == [
+        f"--data reaches 2 file(s) more than once; each is read once, where it first comes: {d}/a.txt (again "
+        f"as {d}/z.txt, {d}/a.txt, {d}/a.txt); {d}/b.txt (again as {d}/b.txt, {tmp_path}/hard.txt)"
+    ]
+
+
+def _change(path, how: str) -> None:
+    """Change corpus file `path` as someone might while a run reads it."""
+    st = path.stat()
+    if how == "emptied":
+        path.write_bytes(b"")
+    elif how == "appended":
+        with open(path, "ab") as f:
+            f.write(b"\n\none more document\n")
+    elif how == "rewritten":  # same size, other bytes; the clock of a coarse file system cannot hide it
+        path.write_bytes(bytes(reversed(path.read_bytes())))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+    elif how == "deleted":
+        path.unlink()
+    elif how == "a directory":
+        path.unlink()
+        path.mkdir()
+
+
+CHANGES = {
+    "emptied": r"\(([\d,]+) -> 0 bytes\)",
+    "appended": r"\(([\d,]+) -> ([\d,]+) bytes\)",
+    "rewritten": r"\(still [\d,]+ bytes, but modified at ",
+    "deleted": r"\(deleted or moved away\)",
+    "a directory": r"\(now a directory\)",
+}
+
+
+def _corpus_file(tmp_path, kind: str):
+    docs = [f"document {i} " + "words " * (i % 7) for i in range(3000)]
+    text = "\n\n".join(docs).encode() + b"\n"
+    path = tmp_path / f"c.{kind}"
+    if kind == "txt":
+        path.write_bytes(text)
+    elif kind == "jsonl.gz":
+        import gzip
+
+        path.write_bytes(gzip.compress(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in docs)))
+    elif kind == "txt.zst":
+        zstandard = pytest.importorskip("zstandard")
+        path.write_bytes(zstandard.ZstdCompressor().compress(text))
+    else:
+        pa = pytest.importorskip("pyarrow")
+        table = pa.table({"text": docs})
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, path, row_group_size=500)
+        else:
+            with pa.ipc.new_file(path, table.schema) as w:
+                for batch in table.to_batches(max_chunksize=500):
+                    w.write_batch(batch)
+    return path, len(docs)
+
+
+KINDS = ["txt", "jsonl.gz", "txt.zst", "parquet", "arrow"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("how", list(CHANGES))
+def test_a_file_changed_between_passes_stops_the_next_one(tmp_path, kind, how):
+    """A corpus file truncated, grown or rewritten between epochs was read as it now is: an emptied one
+    made an empty epoch, which ended an --epochs 0 run at exit 0 as if it were complete."""
+    path, n = _corpus_file(tmp_path, kind)
+    c = Corpus([str(path)])
+    assert sum(r.bad is None for r in c.records()) == n  # the first pass
+    _change(path, how)
+    with pytest.raises(ValueError, match=rf"^corpus file {path} changed during the run {CHANGES[how]}"):
+        list(c.records())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("how", ["emptied", "appended", "rewritten"])
+def test_a_file_changed_during_a_pass_stops_it(tmp_path, kind, how):
+    """Changed under a reader: the pass may have read some of it as it is now, so it cannot end as if
+    it had read the file the run started with (nor call a cut-short .gz corrupt)."""
+    path, n = _corpus_file(tmp_path, kind)
+    records = Corpus([str(path)]).records()
+    next(records)
+    _change(path, how)
+    with pytest.raises(ValueError, match=rf"^corpus file {path} changed during the run {CHANGES[how]}"):
+        list(records)
+
+
+@pytest.mark.slow
+def test_a_run_given_a_file_twice_trains_it_once_and_says_so_once(procs, tmp_path, port, tok):
+    """`lmpipe run --data dir dir/a.txt` (and a link in dir to a.txt) trained a.txt three times an epoch."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_text("\n\n".join(f"document {i} " + "words " * (i % 9) for i in range(60)) + "\n")
+    (d / "link.txt").symlink_to("a.txt")
+    summary = tmp_path / "s.json"
+    p = procs.start(
+        "run", "--data", str(d), str(d / "a.txt"), "--epochs", "1", "--steps", "0", "--consume-only",
+        "--producers", "2", "--port", str(port), "--metrics-port", "-1", "--summary-json", str(summary),
+        name="run",
+    )  # fmt: skip
+    assert procs.wait(p, timeout=120) == 0, procs.log(p)
+    said = [line for line in procs.log(p).splitlines() if "more than once" in line]
+    assert len(said) == 1 and said[0].endswith(  # by the launcher, before it forks its producers
+        f"[trainer] --data reaches 1 file(s) more than once; each is read once, where it first comes: "
+        f"{d}/a.txt (again as {d}/link.txt, {d}/a.txt)"
+    ), said
+    once = sum(len(doc.ids) for doc in DocStream(Corpus([str(d / "a.txt")]), tok, shuffle_window=0).docs(0))
+    assert json.loads(summary.read_text())["tokens"] == once
