@@ -11,10 +11,12 @@ by) and where each starts (`welcome`, one per shard, with the lease its batches 
 keeps them and builds their batches round robin. The loop polls both sockets, so an `assign` or
 `welcome` (a shard moved to or away from this producer, the trainer restarted from a checkpoint) or a
 `stop` is seen even while a batch waits to be sent. The hello is repeated every second, names the shards
-held and doubles as a heartbeat. When the control connection drops (the trainer died), the producer holds
-its batches until a trainer welcomes it again, instead of streaming into a session that is gone; the
-hello goes out as soon as the connection is back. A producer the trainer refuses (another wire version,
-another config, a stopped shard) exits 2 with the reason at once: a refusal is never retried.
+held and doubles as a heartbeat, also while a long document is tokenized: the streams' keepalive sends it
+between the tokenizer's calls, or the trainer would give this producer's shards away. When the control
+connection drops (the trainer died), the producer holds its batches until a trainer welcomes it again,
+instead of streaming into a session that is gone; the hello goes out as soon as the connection is back.
+A producer the trainer refuses (another wire version, another config, a stopped shard) exits 2 with the
+reason at once: a refusal is never retried.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class Producer:
         self._bye_due = False
         self.interrupted = False
         self._held = False  # the control connection dropped: send nothing until welcomed again
+        self._ctrl: zmq.Socket | None = None  # the control socket while the loop runs (for _keepalive)
+        self._last_hello = 0.0  # monotonic time of the last hello: the loop's and _keepalive's
         self._parent = os.getppid()
         self.metrics.info.info(
             {
@@ -133,6 +137,7 @@ class Producer:
             shuffle_window=self.cfg.shuffle_window,
             on_bad=bad_record,
             on_tokenize=self.metrics.tokenize.observe,
+            keepalive=self._keepalive,
             scan=self._scan,
         )
 
@@ -169,6 +174,18 @@ class Producer:
             )
         )
 
+    def _send_hello(self, ctrl: zmq.Socket, now: float) -> None:
+        with contextlib.suppress(zmq.Again):  # no trainer connected yet
+            ctrl.send(self._hello(), zmq.NOBLOCK)
+        self._last_hello = now
+
+    def _keepalive(self) -> None:
+        """Between a stream's encode calls, which run inside the loop (same thread, same socket): the hello
+        when one is due, so a long tokenization does not look like a producer gone."""
+        now = time.monotonic()
+        if self._ctrl is not None and now - self._last_hello >= HELLO_EVERY:
+            self._send_hello(self._ctrl, now)
+
     def request_stop(self, signum=None, _frame=None) -> None:
         if signum is not None:
             log.info("%s: stopping", signal.Signals(signum).name)
@@ -203,6 +220,7 @@ class Producer:
             log.error("cannot connect: %s", exc)
             return 2
         finally:
+            self._ctrl = None  # no stream sends on it from here on
             data.close(0)
             data_ctx.term()  # returns once the data connection is torn down
             if self._bye_due:  # the trainer waits for this before it closes its sockets
@@ -225,15 +243,13 @@ class Producer:
         poller.register(monitor, zmq.POLLIN)
         watch = HandshakeWatch(self.endpoints)
         self._pending: tuple[HeldShard, list, bool] | None = None  # the next message: shard, frames, is batch
-        last_hello = 0.0
+        self._ctrl, self._last_hello = ctrl, 0.0
         waiting_logged = 0.0
         started = time.monotonic()
         while not self._stop and not self._parent_gone():
             now = time.monotonic()
-            if now - last_hello >= HELLO_EVERY:
-                with contextlib.suppress(zmq.Again):  # no trainer connected yet
-                    ctrl.send(self._hello(), zmq.NOBLOCK)
-                last_hello = now
+            if now - self._last_hello >= HELLO_EVERY:
+                self._send_hello(ctrl, now)
                 watch.stalled(now)  # connected, never authenticated: say why instead of waiting
                 waiting = not self.session or self._held
                 if waiting and now - waiting_logged > 10:
@@ -265,7 +281,7 @@ class Producer:
                 event = parse_monitor_message(monitor.recv_multipart())
                 watch(event)  # raises HandshakeFailed once the trainer keeps refusing this producer
                 if self._connection_event(event):
-                    last_hello = 0.0  # (re)connected: say hello now, not at the next tick
+                    self._last_hello = 0.0  # (re)connected: say hello now, not at the next tick
                     self._skipped_sent.clear()  # a restarted trainer knows none of the counts
                 continue
             if ctrl in flags:

@@ -5,9 +5,14 @@ with id % n == w. Its good documents are numbered 0, 1, 2, ... in corpus order
 and shuffled in fixed windows (a bounded shuffle buffer whose permutation depends only on seed, epoch,
 worker and window), so position `pos` names the same document every time: a cursor is just a position.
 Sources with random access (the built-in corpus, pre-tokenized shards) get a full seeded permutation.
-A worker whose share turns out empty or a single document says so once: that is almost always a corpus
-split the wrong way (one-sentence-per-line text read as blank-line blocks) or more producers than
-documents, and training on it silently would look like a pipeline bug.
+A worker whose share turns out empty or a single document says so, once per process and corpus for all
+the shards like it: that is almost always a corpus split the wrong way (one-sentence-per-line text read as
+blank-line blocks) or more producers than documents, and training on it silently would look like a
+pipeline bug.
+
+Documents are tokenized a chunk at a time: `encode_batch` records, or fewer whose text reaches CALL_CHARS,
+so that the token arrays waiting to be yielded stay small however long the documents. The tokenizer cuts
+one long text into pieces itself (shared/tokenizer.py) and calls `keepalive` between its encode calls.
 """
 
 from __future__ import annotations
@@ -22,12 +27,12 @@ import numpy as np
 
 from lmpipe.producer.scan import SharedScan
 from lmpipe.producer.sources import Corpus, Record
-from lmpipe.shared.tokenizer import TokenizerInfo
+from lmpipe.shared.tokenizer import CALL_CHARS, TokenizerInfo
 
 log = logging.getLogger("lmpipe.producer")
-# corpora an empty shard was reported for: a producer holding 15 empty shards of a one-document corpus
-# says so once, not in 15 lines that bury the hint
-_SAID_EMPTY: set[str] = set()
+# (corpus, 0 or 1 documents) already reported: a producer holding 15 empty shards of a one-document corpus,
+# or 8 one-document shards of an 8-line one, says so once, not in lines that bury the hint
+_SAID_LONE: set[tuple[str, int]] = set()
 
 
 @dataclass
@@ -67,6 +72,7 @@ class DocStream:
         encode_batch: int = 512,
         on_bad: Callable[[str, str, str], None] | None = None,
         on_tokenize: Callable[[float], None] | None = None,
+        keepalive: Callable[[], None] | None = None,
         scan: SharedScan | None = None,
     ):
         if not 0 <= worker < num_workers or not 0 <= rank < world_size:
@@ -82,7 +88,8 @@ class DocStream:
         self.shuffle_window = shuffle_window
         self.encode_batch = encode_batch
         self.on_bad = on_bad
-        self.on_tokenize = on_tokenize  # called with the seconds of each encode_batch call
+        self.on_tokenize = on_tokenize  # called with the seconds each chunk of documents took to tokenize
+        self.keepalive = keepalive  # called between encode calls: a long document takes many
         self.stats = StreamStats()
         # the producer's one read of a streamed corpus for all the shards it holds (producer/scan.py)
         self.scan = scan if scan is not None and not corpus.random_access else None
@@ -111,25 +118,23 @@ class DocStream:
         if n > 1:
             return
         corpus = self.corpus.describe()[:200]
-        if n == 0 and corpus in _SAID_EMPTY:  # a producer holding many empty shards says it once
-            log.debug(
-                "shard %d of %d owns no documents of %s", self.worker_global, self.total_workers, corpus
-            )
+        owns = "no documents" if n == 0 else "a single document (nothing to shuffle)"
+        if (corpus, n) in _SAID_LONE:
+            log.debug("shard %d of %d owns %s of %s", self.worker_global, self.total_workers, owns, corpus)
             return
-        if n == 0:
-            _SAID_EMPTY.add(corpus)
+        _SAID_LONE.add((corpus, n))
         hints = ["the corpus has fewer documents than shards"] if n == 0 and self.total_workers > 1 else []
         if not self.corpus.random_access and self.corpus.doc_split == "blank":
             hints.append(
                 "plain text without blank lines is one document: for one per line, use --doc-split line"
             )
-        if n == 0:
-            hints.append("said once: other empty shards of it are not named")
+        if self.total_workers > 1:
+            hints.append("said once: other shards like it are not named")
         log.warning(
             "shard %d of %d owns %s of %s%s",
             self.worker_global,
             self.total_workers,
-            "no documents" if n == 0 else "a single document (nothing to shuffle)",
+            owns,
             corpus,
             "".join(f"; {h}" for h in hints),
         )
@@ -182,22 +187,34 @@ class DocStream:
                     yield pos, chunk[j]
             k += 1
 
+    def _chunks(self, it: Iterator[tuple[int, Record]]) -> Iterator[list[tuple[int, Record]]]:
+        """`encode_batch` records at a time, fewer once their text reaches CALL_CHARS characters."""
+        chunk: list[tuple[int, Record]] = []
+        size = 0
+        for item in it:
+            chunk.append(item)
+            rec = item[1]
+            if rec.ids is None:
+                size += len(rec.text or "")
+            size += len(rec.prompt or "")
+            if len(chunk) >= self.encode_batch or size >= CALL_CHARS:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
     def docs(self, epoch: int, start_pos: int = 0) -> Iterator[Doc]:
-        """Tokenized documents of `epoch` from position `start_pos`, tokenized `encode_batch` at a time."""
+        """Tokenized documents of `epoch` from position `start_pos`, tokenized a chunk at a time."""
         eos = self.tok.eos_id
-        it = self._ordered(epoch, start_pos)
-        while True:
-            chunk = list(islice(it, self.encode_batch))
-            if not chunk:
-                return
+        for chunk in self._chunks(self._ordered(epoch, start_pos)):
             # (chunk index, text); a prompt/completion record encodes both, the prompt under key -1 - i
             texts = [(i, rec.text or "") for i, (_, rec) in enumerate(chunk) if rec.ids is None]
             texts += [(-1 - i, rec.prompt) for i, (_, rec) in enumerate(chunk) if rec.prompt is not None]
-            encoded: dict[int, list[int]] = {}
+            encoded: dict[int, np.ndarray] = {}
             if texts:
                 t0 = time.perf_counter()
                 # encoded in Rust, in threads unless TOKENIZERS_PARALLELISM=false, with the GIL released
-                ids_of = self.tok.encode_ids([t for _, t in texts])
+                ids_of = self.tok.encode_arrays([t for _, t in texts], self.keepalive)
                 if self.on_tokenize:
                     self.on_tokenize(time.perf_counter() - t0)
                 encoded = {i: ids for (i, _), ids in zip(texts, ids_of)}
@@ -208,7 +225,7 @@ class DocStream:
                     prompt = encoded[-1 - i]
                     mask = np.zeros(len(prompt) + len(ids) + 1, dtype=np.uint8)
                     mask[len(prompt) :] = 1
-                    ids = prompt + ids
+                    ids = np.concatenate([prompt, ids])
                 elif rec.loss_mask is not None:
                     mask = np.empty(len(ids) + 1, dtype=np.uint8)
                     mask[:-1] = rec.loss_mask

@@ -1,0 +1,233 @@
+"""One huge document: tokenized in bounded pieces with the ids of the whole, and the producer heard meanwhile.
+
+A text file without blank lines is one document. Encoding 60 MB of one in a single call took 10 GB and 40 s,
+and a producer silent that long loses its shards to another, which tokenizes the same document again.
+shared/tokenizer.py cuts long texts into pieces and calls the producer's keepalive between its encode calls.
+Everything here uses the real built-in tokenizer; `spy` only records what each encode call is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import pytest
+import zmq
+
+from lmpipe.producer import builtin_corpus, manager
+from lmpipe.producer.sources import Corpus
+from lmpipe.producer.stream import DocStream
+from lmpipe.shared import messages, tokenizer
+from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.sockets import TRAINER_CONTROL, TRAINER_DATA, open_socket
+from lmpipe.shared.tokenizer import CALL_CHARS, PIECE_CHARS, TokenizerInfo
+from tests.helpers import WIKITEXT
+
+SMALL_PIECE, SMALL_CALL = 512, 4096
+
+
+def prose(chars: int, seed: int = 0) -> str:
+    """At least `chars` characters of the built-in corpus (CI has no WikiText), a line per paragraph and no
+    blank line: one document as a text file."""
+    out: list[str] = []
+    size = i = 0
+    while size < chars:
+        doc = "\n".join(line for line in builtin_corpus.document(seed, i).splitlines() if line.strip())
+        out.append(doc)
+        size += len(doc) + 1
+        i += 1
+    return "\n".join(out)
+
+
+SEPARATORS = [" "] * 8 + ["  ", "   ", "\t", " \t", "\n", "\n\n", " \n", "\n ", "\r\n", "\u3000", "\xa0"]
+UNICODE = [
+    "naïve café", "Ελληνικά κείμενα", "Привет, мир!", "漢字かな交じり文", "العربية", "हिन्दी",
+    "e\u0301 combining", "🙂👍🏽", "👩\u200d👩\u200d👧", "don't it's we'll", "3.14159 12345678", "x²+y²",
+]  # fmt: skip
+
+
+def whitespace_runs(chars: int) -> str:
+    """Prose whose words are parted by runs of spaces, tabs, newlines, CRLF and Unicode spaces."""
+    rng = random.Random(1)
+    return "".join(w + rng.choice(SEPARATORS) for w in prose(chars, seed=1).split())
+
+
+def unicode_mix(chars: int) -> str:
+    rng = random.Random(2)
+    words = prose(chars, seed=2).split()
+    return " ".join(rng.choice(UNICODE) if rng.random() < 0.2 else w for w in words)
+
+
+def wikitext(chars: int) -> str:
+    path = WIKITEXT / "valid.txt"
+    if not path.exists():
+        pytest.skip("WikiText-2 not present beside the checkout")
+    return path.read_text()[:chars]
+
+
+class Spy:
+    """The real tokenizer; records the length of every text each encode call is given, and the call."""
+
+    def __init__(self, real):
+        self.real = real
+        self.calls: list[list[int]] = []
+        self.events: list[str] = []  # "encode", and whatever a test adds in between
+
+    def encode_batch_fast(self, texts, **kw):
+        self.calls.append([len(t) for t in texts])
+        self.events.append("encode")
+        return self.real.encode_batch_fast(texts, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def pieces(self) -> list[int]:
+        return [n for call in self.calls for n in call]
+
+    def whole(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text encoded whole, in one call (not recorded)."""
+        return [e.ids for e in self.real.encode_batch(texts, add_special_tokens=False)]
+
+
+@pytest.fixture
+def spy(tok, monkeypatch) -> Spy:
+    s = Spy(tok.tokenizer)
+    monkeypatch.setattr(TokenizerInfo, "tokenizer", property(lambda self: s))
+    return s
+
+
+@pytest.fixture
+def small_pieces(monkeypatch) -> None:
+    """Pieces of at most SMALL_PIECE characters: hundreds of cuts in a text a test can afford."""
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", SMALL_PIECE)
+    monkeypatch.setattr(tokenizer, "CUT_SEARCH", 128)
+    monkeypatch.setattr(tokenizer, "CALL_CHARS", SMALL_CALL)
+
+
+# -- the same ids, in bounded calls ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [prose, whitespace_runs, unicode_mix, wikitext])
+def test_a_long_text_encoded_in_pieces_has_the_ids_of_the_whole_text(tok, spy, small_pieces, make):
+    text = make(150_000)
+    got = tok.encode_arrays([text])[0]
+    assert got.tolist() == spy.whole([text])[0]
+    pieces = spy.pieces()
+    assert len(pieces) > 250 and max(pieces) <= SMALL_PIECE and sum(pieces) == len(text)
+    assert max(map(sum, spy.calls)) <= SMALL_CALL
+
+
+@pytest.mark.parametrize("minified", [True, False])
+def test_text_without_whitespace_is_cut_hard_and_loses_nothing(tok, spy, small_pieces, minified):
+    if minified:
+        text = "".join(prose(60_000).split())
+    else:  # binary-ish: any printable character but whitespace
+        rng = random.Random(3)
+        text = "".join(c for c in (chr(rng.randint(33, 0x7FF)) for _ in range(60_000)) if not c.isspace())
+    got = tok.encode_arrays([text])[0].tolist()
+    pieces = spy.pieces()
+    assert max(pieces) == SMALL_PIECE and len(pieces) == -(-len(text) // SMALL_PIECE)
+    assert tok.tokenizer.decode(got) == text  # byte-level: every character survives a hard cut
+    assert abs(len(got) - len(spy.whole([text])[0])) <= 3 * len(pieces)  # only tokens at the cuts differ
+
+
+def test_each_encode_call_gets_a_bounded_share_of_a_long_document_or_of_many_medium_ones(tmp_path, tok, spy):
+    long = prose(CALL_CHARS + CALL_CHARS // 4)  # one document, more than a call's share
+    medium = [prose(100_000, seed=s) for s in range(1, 17)]  # together more than a call's share too
+    path = tmp_path / "c.txt"
+    path.write_text("\n\n".join([long, *medium]) + "\n")
+    texts = [r.text or "" for r in Corpus([str(path)]).records()]
+    assert len(texts) == 17 and len(texts[0]) > CALL_CHARS
+    docs = list(DocStream(Corpus([str(path)]), tok, shuffle_window=0).docs(0))
+    assert max(map(sum, spy.calls)) <= CALL_CHARS and max(spy.pieces()) <= PIECE_CHARS
+    assert len(spy.calls) >= 3 and sum(spy.pieces()) == sum(map(len, texts))
+    want = spy.whole(texts[:1]) + spy.whole(texts[1:])
+    assert [d.ids[:-1].tolist() for d in docs] == want
+    assert all(d.ids[-1] == tok.eos_id for d in docs)
+
+
+def test_the_stream_calls_keepalive_after_every_encode_call(tmp_path, tok, spy, small_pieces):
+    path = tmp_path / "one.txt"
+    path.write_text(prose(20_000) + "\n")
+    stream = DocStream(Corpus([str(path)]), tok, keepalive=lambda: spy.events.append("keepalive"))
+    (doc,) = stream.docs(0)
+    n = spy.events.count("encode")
+    assert n >= 5 and spy.events == ["encode", "keepalive"] * n
+
+
+# -- the producer's hello while it tokenizes ---------------------------------------------------------------
+
+
+def test_a_producer_says_hello_between_the_encode_calls_of_one_long_document(
+    tmp_path, port, spy, small_pieces, monkeypatch
+):
+    """A real producer loop and a stand-in trainer on real sockets: assign, welcome, one batch, stop. Every
+    keepalive is due (HELLO_EVERY 0), so the test asks nothing of the clock: while the loop is inside the
+    tokenizer, the only hellos that can go out are the keepalive's, one after each encode call."""
+    path = tmp_path / "one.txt"
+    path.write_text(prose(30_000) + "\n")
+    monkeypatch.setattr(manager, "HELLO_EVERY", 0.0)
+    cfg = PipelineConfig(
+        data=[str(path)], port=port, producers=1, epochs=1, runtime_dir=str(tmp_path / "run")
+    )
+    p = manager.Producer(cfg, manager.ProducerOptions())
+    build = p._hello
+
+    def hello(skipped=None):
+        spy.events.append("hello")
+        return build(skipped)
+
+    monkeypatch.setattr(p, "_hello", hello)
+    ctx = zmq.Context()
+    router = open_socket(ctx, TRAINER_CONTROL, cfg, p.endpoints)
+    pull = open_socket(ctx, TRAINER_DATA, cfg, p.endpoints)
+    exits: list[int] = []
+    thread = threading.Thread(target=lambda: exits.append(p.run()), daemon=True)
+    thread.start()
+    heard: list = []
+    try:
+        assert router.poll(20_000), "no hello from the producer"
+        ident, raw = router.recv_multipart()
+        heard.append(messages.unpack(raw))
+        for msg in (messages.Assign("s", [0], 1, 1), messages.Welcome("s", 0, lease="L", shards=1)):
+            router.send_multipart([ident, messages.pack(msg)])
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        deadline = time.monotonic() + 60
+        while pull not in dict(poller.poll(100)):  # hellos drained meanwhile: none waits in a full queue
+            assert time.monotonic() < deadline, "no batch from the producer"
+            while router.poll(0):
+                heard.append(messages.unpack(router.recv_multipart()[1]))
+        router.send_multipart([ident, messages.pack(messages.Stop("test over"))])
+        thread.join(20)
+        assert exits == [0]
+        while router.poll(0):
+            heard.append(messages.unpack(router.recv_multipart()[1]))
+    finally:
+        p.request_stop()
+        thread.join(20)
+        router.close(0)
+        pull.close(0)
+        ctx.term()
+    encodes = [i for i, e in enumerate(spy.events) if e == "encode"]
+    assert len(encodes) >= 5
+    assert spy.events[encodes[0] : encodes[-1] + 1] == ["encode", "hello"] * (len(encodes) - 1) + ["encode"]
+    serving = [m for m in heard if isinstance(m, messages.Hello) and m.session == "s" and m.holding == [0]]
+    assert len(serving) >= len(encodes), "every keepalive's hello reached the trainer"
+    assert isinstance(heard[-1], messages.Bye)
+
+
+# -- a tiny corpus's notices -------------------------------------------------------------------------------
+
+
+def test_shards_of_a_tiny_corpus_say_single_document_once(tmp_path, tok, caplog):
+    path = tmp_path / "eight.txt"
+    path.write_text("".join(f"line {i}\n" for i in range(8)))
+    with caplog.at_level(logging.WARNING, logger="lmpipe.producer"):
+        for w in range(8):
+            list(DocStream(Corpus([str(path)], doc_split="line"), tok, w, 8).docs(0))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("shard 0 of 8 owns a single document") and "said once" in line
