@@ -43,8 +43,8 @@ def run(
                "--vocab-size", str(args.vocab_size), "--lr", "6e-4", "--warmup", "10", "--log-every", "10",
                "--port", str(port), "--metrics-port", "-1", "--summary-json", str(summary)]  # fmt: skip
         if args.compile:
-            cmd.append("--compile")
-        cmd += extra
+            cmd += ["--compile", "--compile-mode", args.compile_mode]
+        cmd += ["--residual-dtype", args.residual_dtype, *extra]
         env = {**os.environ, **SAFE_NCCL, "TOKENIZERS_PARALLELISM": "true"}
         t0 = time.perf_counter()
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
