@@ -265,8 +265,11 @@ class Producer:
                         self._count(h, batch)
                     elif all(x.finished for x in self.holdings.shards.values()):
                         log.info(
-                            "finished its %d epoch(s) on shard(s) %s%s",
-                            self.cfg.epochs,
+                            "finished %s on shard(s) %s%s",
+                            # --epochs 0 (until stopped) ends early only where the shards own no documents
+                            f"its {self.cfg.epochs} epoch(s)"
+                            if self.cfg.epochs
+                            else "(its shards own no documents)",
                             ",".join(map(str, self.holdings.held())),
                             f"; {self._bad.summary()}" if self._bad.total else "",
                         )

@@ -165,6 +165,19 @@ def test_a_folder_of_1200_files_trains(procs, tmp_path, port):
     assert json.loads(summary.read_text())["stopped_by"] == "end of data"
 
 
+def test_a_producer_whose_shards_own_no_documents_says_so_not_that_it_finished_0_epochs(
+    procs, tmp_path, port
+):
+    one = tmp_path / "one.txt"
+    one.write_text("a single document, no blank line in it, " * 50 + "\n")
+    p = procs.start("run", "--data", str(one), "--producers", "2", "--steps", "20", "--port", str(port),
+                    "--metrics-port", "-1", "--seq-len", "32", "--batch-size", "2", name="run")  # fmt: skip
+    assert p.wait(timeout=120) == 0, procs.log(p)[-2000:]
+    text = procs.log(p)
+    assert "finished (its shards own no documents) on shard(s)" in text
+    assert "finished its 0 epoch(s)" not in text
+
+
 def test_hostile_messages_are_counted_and_training_goes_on(procs, tmp_path, port):
     summary = tmp_path / "s.json"
     common = [
