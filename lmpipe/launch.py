@@ -169,7 +169,7 @@ def say_left_out(data: list[str]) -> None:
     if skipped := left_out(data):
         more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
         log.info("--data: %d file(s) or folder(s) in its directories not read (not corpus files by name, "
-                 "hidden, or subfolders: a folder is read one level deep): %s%s",
+                 "hidden, links to nothing, or subfolders: a folder is read one level deep): %s%s",
                  len(skipped), ", ".join(skipped[:3]), more)  # fmt: skip
 
 
