@@ -1,6 +1,6 @@
 """Precision: fp32, fp16 without scaling, fp16 static, fp16 dynamic, bf16 on WikiText-2, the one-pass
 loss kernel (--loss-kernel) against torch's cross-entropy in fp32 and bf16, and a bf16 residual stream
-(--residual-dtype bf16) against autocast's fp32 one.
+(--residual-dtype bf16, the default on CUDA) against autocast's fp32 one, which the other modes keep.
 
     python -m bench.precision                    # GPT-2 124M, T=1024, 300 steps each, eager
     python -m bench.precision --only bf16 fp32   # the modes whose names contain one of these

@@ -214,7 +214,7 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--vocab-size", type=int, default=50304)
     p.add_argument("--compile-mode", default="default", help="as the trainer's --compile-mode")
-    p.add_argument("--residual-dtype", default="fp32", help="as the trainer's --residual-dtype")
+    p.add_argument("--residual-dtype", default="auto", help="as the trainer's --residual-dtype")
     p.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=False,
                    help="liger's fused linear + cross-entropy (default: off, as in the trainer)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=20, help="untimed steps (compile, warm-up)")
@@ -231,6 +231,5 @@ def apply_smoke(args: argparse.Namespace) -> argparse.Namespace:
         args = copy.copy(args)
         args.model, args.seq_len, args.batch_size, args.producers = "tiny", 128, 4, 2
         args.precision, args.compile, args.vocab_size, args.warmup, args.steps = "fp32", False, 0, 5, 10
-        args.residual_dtype = "fp32"
         args.out = smoke_out(args.out)
     return args

@@ -57,12 +57,11 @@ def build(
     mcfg = preset(tcfg.model, vocab_size=max(tcfg.vocab_size, vocab_size), block_size=pcfg.seq_len)
     model = GPT(mcfg).to(device)
     model.grad_checkpointing = tcfg.grad_checkpointing
-    if tcfg.residual_dtype == "bf16":
-        if autocast_dtype == torch.bfloat16:
-            model.residual_dtype = torch.bfloat16
-        else:  # --precision auto on a CPU: fp32 (cross_check refuses fp32 and fp16 asked for by name)
-            log.warning("--residual-dtype bf16 needs bf16 matmuls; %s trains in %s, the stream stays fp32",
-                        device.type, precision)  # fmt: skip
+    if tcfg.residual_dtype != "fp32" and autocast_dtype == torch.bfloat16:
+        model.residual_dtype = torch.bfloat16
+    elif tcfg.residual_dtype == "bf16":  # --precision auto on a CPU (fp32 and fp16 by name: cross_check)
+        log.warning("--residual-dtype bf16 needs bf16 matmuls; %s trains in %s, the stream stays fp32",
+                    device.type, precision)  # fmt: skip
     if precision == "fp8":
         if n_fp8 := to_float8(model):
             log.info("fp8: %d linear layers use torchao float8 matmuls", n_fp8)

@@ -87,12 +87,14 @@ class TrainConfig:
         help="auto: bf16 on CUDA, fp32 on CPU; fp8: bf16 with torchao float8 matmuls in the blocks (H100/H200)",
     )
     # autocast leaves the residual stream (embeddings, each block's input and output) in fp32; in bf16 the
-    # layer norms and residual adds, the memory-bound part of a GPT-2 124M step, move half the bytes
-    # (bench/results/kernels-h100-*.md; what it buys and costs: bench/results/ablation-h100-*.md)
+    # layer norms and residual adds, the memory-bound part of a GPT-2 124M step, move half the bytes: 1.055x
+    # at 32 rows on an H100, the loss within 1.4% of fp32's either way over 300-1000 steps in four runs
+    # (bench/results/residual-h100-*.md)
     residual_dtype: str = setting(
-        "fp32",
-        choices=("fp32", "bf16"),
-        help="dtype of the residual stream between blocks (bf16: with --precision bf16 or fp8 only)",
+        "auto",
+        choices=("auto", "fp32", "bf16"),
+        help="dtype of the residual stream between blocks (auto: bf16 where the matmuls run in bf16, else "
+        "fp32; fp32: as autocast leaves it; bf16: with --precision bf16 or fp8 only)",
     )
     loss_scale: str = setting(
         "dynamic", check=loss_scale_problem, metavar="dynamic|static:VALUE|none", help="fp16 loss scaling"

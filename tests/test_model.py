@@ -338,32 +338,38 @@ def test_flash_attention_trains_like_dense(L):
         assert (g - grads[0]).norm() < 2e-2 * grads[0].norm()
 
 
-def test_bf16_residual_stream_keeps_every_block_in_bf16_and_trains_like_fp32():
-    """--residual-dtype bf16: the blocks read and write bf16 under bf16 autocast (fp32 by default), and
-    the loss and gradients stay within bf16's rounding of the fp32 stream's."""
+def _block_dtypes(residual: str, precision: str, autocast_dtype, inp) -> tuple[set, float, torch.Tensor]:
+    """The dtypes the blocks read and write, the loss and the head's gradient, under `precision` on CPU."""
+    tcfg = TrainConfig(model="tiny", precision=precision, residual_dtype=residual, metrics_port=None)
+    torch.manual_seed(5)
+    model = build(
+        PipelineConfig(seq_len=48), tcfg, 97, torch.device("cpu"), precision, autocast_dtype, Dist()
+    ).model
+    seen: list[torch.dtype] = []
+    for block in model.transformer.h:
+        block.register_forward_hook(lambda _m, args, out: seen.extend([args[0].dtype, out.dtype]))
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        _, loss = model(inp.idx, inp.pos, inp.attn, inp.targets)
+    loss.backward()
+    return set(seen), loss.item(), model.lm_head.weight.grad.float()
+
+
+def test_the_residual_stream_is_bf16_where_the_matmuls_are_and_trains_like_fp32():
+    """--residual-dtype auto (the default) and bf16: the blocks read and write bf16 under bf16 autocast;
+    fp32 keeps autocast's fp32 stream, as does auto where the matmuls run in fp32. The loss and gradients
+    stay within bf16's rounding of the fp32 stream's."""
     tokens = torch.randint(1, 97, (2, 48))
     seg = torch.tensor([[0] * 20 + [1] * 28, [0] * 48])
     inp = build_inputs(tokens, torch.tensor([48, 40]), seg, attention="dense")
-    results = {}
-    for residual in ("fp32", "bf16"):
-        tcfg = TrainConfig(model="tiny", precision="bf16", residual_dtype=residual, metrics_port=None)
-        torch.manual_seed(5)
-        model = build(
-            PipelineConfig(seq_len=48), tcfg, 97, torch.device("cpu"), "bf16", torch.bfloat16, Dist()
-        ).model
-        seen: list[torch.dtype] = []
-        for block in model.transformer.h:
-            block.register_forward_hook(
-                lambda _m, args, out, seen=seen: seen.extend([args[0].dtype, out.dtype])
-            )
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = model(inp.idx, inp.pos, inp.attn, inp.targets)
-        loss.backward()
-        results[residual] = (loss.item(), model.lm_head.weight.grad.float())
-        assert set(seen) == {torch.float32 if residual == "fp32" else torch.bfloat16}
-    (ref, g_ref), (got, g) = results["fp32"], results["bf16"]
-    assert got == pytest.approx(ref, rel=1e-2)
-    assert torch.nn.functional.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0) > 0.99
+    seen, ref, g_ref = _block_dtypes("fp32", "bf16", torch.bfloat16, inp)
+    assert seen == {torch.float32}
+    for residual in ("auto", "bf16"):
+        seen, got, g = _block_dtypes(residual, "bf16", torch.bfloat16, inp)
+        assert seen == {torch.bfloat16}, residual
+        assert got == pytest.approx(ref, rel=1e-2)
+        assert torch.nn.functional.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0) > 0.99
+    assert TrainConfig().residual_dtype == "auto"
+    assert _block_dtypes("auto", "fp32", None, inp)[0] == {torch.float32}
 
 
 def test_bf16_residual_stream_needs_bf16_matmuls():
