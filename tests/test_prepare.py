@@ -118,8 +118,8 @@ def test_files_a_directory_leaves_out_are_named(tmp_path, corpus, capsys):
     assert prepare("--data", str(corpus), "--out", str(tmp_path / "shards")) == 0
     err = capsys.readouterr().err
     assert (
-        "--data: 4 file(s) or folder(s) in its directories not read (not corpus files by name, hidden, or "
-        in err
+        "--data: 4 file(s) or folder(s) in its directories not read (not corpus files by name, hidden, "
+        "links to nothing, or subfolders" in err
     )
     assert f"{corpus / '._a.txt'}, {corpus / 'a.bin'}, {corpus / 'config.json'} and 1 more" in err
 
