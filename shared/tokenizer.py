@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,12 +37,18 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
 PIECE_CHARS = 64 * 1024  # above most documents, so those are encoded whole as before
 CALL_CHARS = 1024 * 1024
 CUT_SEARCH = 4096  # how far before a piece's longest end a cut at whitespace is looked for
-CUT_TRIES = 16  # candidate cuts checked with the pre-tokenizer before falling back to any whitespace
-CUT_CONTEXT = 32  # characters either side of a candidate the pre-tokenizer sees
-# Where a piece ends (see TokenizerInfo._cut): just before a whitespace character that follows a non-space
-# one. Python's \s (str.isspace) holds every character the tokenizers' regexes call whitespace.
-_CUT_AT = re.compile(r"(?<=\S)\s")
+CUT_TRIES = 16  # candidate cuts checked (of each kind) before falling back to any whitespace
+CUT_CONTEXT = 64  # characters either side of a candidate cut that the check encodes
+# Where a piece ends (see TokenizerInfo._cut): just before a space, else any whitespace character, that
+# follows a non-space one. Python's \s (str.isspace) holds every character the tokenizers' regexes call
+# whitespace; a space first, since a tokenizer that adds one at a text's start (ByteLevel's
+# add_prefix_space, Metaspace) adds none to a piece that starts with one.
+_CUT_BEFORE = (re.compile(r"(?<=\S) "), re.compile(r"(?<=\S)\s"))
 _WHITESPACE = re.compile(r"\s")
+_inexact: set[str] = set()  # tokenizer files for which no cut kept the ids: not checked again
+_said_inexact: set[str] = set()  # tokenizer files whose cut pieces were said to differ, once per process
+
+log = logging.getLogger("lmpipe")
 
 
 # What a run needs to know of a tokenizer, besides the tokenizer itself. `lmpipe prepare` records them in a
@@ -133,36 +140,47 @@ class TokenizerInfo:
     def _cut(self, text: str, start: int) -> int:
         """Where the piece of `text` from `start` ends, at most PIECE_CHARS on.
 
-        Exactness: the pieces' ids, concatenated, are the whole text's ids when the tokenizer has no
-        normalizer, its pre-tokenizer splits at every cut (checked at each with its own pre_tokenize_str on
-        the cut's surroundings) and no added token that strips the whitespace after it (rstrip) ends at one:
-        BPE, WordPiece, Unigram and WordLevel never merge across pre-tokens. The built-in tokenizer, a
-        byte-level BPE with GPT-2's regex, splits before every whitespace character that follows a non-space
-        one (no pattern holds a non-space then a whitespace character) and nothing there looks behind, so
-        the piece from the cut on splits as the whole text does: exact. Where no such cut lies in the last
-        CUT_SEARCH characters, or none passes the check, the cut is before the last whitespace there, else
-        a hard cut (text without whitespace: minified, binary-ish): memory stays bounded, the few tokens at
-        such a cut may differ. A tokenizer with a normalizer (a SentencePiece one that prepends '▁') gets
-        the same cuts, not guaranteed exact."""
+        Exactness: a cut is taken where the tokenizer itself gives the same ids to the text around it whole
+        and in two pieces (_exact_at), before a space first, then before any whitespace, that follows a
+        non-space character. So the pieces' ids are the whole text's wherever the tokenizer never merges
+        across such a cut: pre-tokenizers that split at whitespace (GPT-2's regex, the built-in tokenizer:
+        always exact), whatever a normalizer or added token does at the cut caught by the check. Where no
+        candidate in the last CUT_SEARCH characters passes (a tokenizer that prepends '▁' to every text, no
+        pre-tokenizer, text without spaces), the cut is before the last whitespace there, else a hard cut
+        (minified, binary-ish text): memory stays bounded, the tokens at that cut may differ, and the first
+        such cut is said once per tokenizer."""
         end = start + PIECE_CHARS
         if end >= len(text):
             return len(text)
         lo = max(start + 1, end - CUT_SEARCH)  # a cut after `start`: every piece holds something
-        cuts = [m.start() for m in _CUT_AT.finditer(text, lo, end + 1)]
-        for c in reversed(cuts[-CUT_TRIES:]):
-            if self._splits_at(text, c):
-                return c
+        checked = 0
+        if self.path not in _inexact:  # a tokenizer that failed every check once is not asked again
+            for before in _CUT_BEFORE:
+                cuts = [m.start() for m in before.finditer(text, lo, end + 1)]
+                for c in reversed(cuts[-CUT_TRIES:]):
+                    checked += 1
+                    if self._exact_at(text, c):
+                        return c
+        if checked:
+            _inexact.add(self.path)
         spaces = [m.start() for m in _WHITESPACE.finditer(text, lo, end + 1)]
+        if self.path not in _said_inexact:
+            _said_inexact.add(self.path)
+            log.warning(
+                "%s: a document over %d characters is tokenized in pieces, and near character %d %s: the "
+                "tokens at such cuts may differ from the whole document's",
+                self.path, PIECE_CHARS, end,
+                "no cut keeps this tokenizer's ids as they are whole" if spaces else "there is no whitespace",
+            )  # fmt: skip
         return spaces[-1] if spaces else end
 
-    def _splits_at(self, text: str, c: int) -> bool:
-        """Whether the tokenizer's pre-tokenizer puts a boundary at `c` (no pre-tokenizer: nothing to ask)."""
-        pre = self.tokenizer.pre_tokenizer
-        if pre is None:
-            return True
-        lo = max(0, c - CUT_CONTEXT)
-        at = c - lo
-        return all(not s < at < e for _, (s, e) in pre.pre_tokenize_str(text[lo : c + CUT_CONTEXT]))
+    def _exact_at(self, text: str, c: int) -> bool:
+        """Whether the tokenizer gives the text around `c` the same ids whole and cut at `c`: asked of the
+        tokenizer itself, so its pre-tokenizer, normalizer and added tokens all have their say."""
+        lo, hi = max(0, c - CUT_CONTEXT), c + CUT_CONTEXT
+        tok = self.tokenizer
+        whole, left, right = tok.encode_batch([text[lo:hi], text[lo:c], text[c:hi]], add_special_tokens=False)
+        return whole.ids == left.ids + right.ids
 
 
 def load_tokenizer(path: str | Path | None = None, data: Sequence[str] = ()) -> TokenizerInfo:
@@ -214,9 +232,17 @@ def _parse(path: str, mtime_ns: int, size: int) -> Tokenizer:
     if (st.st_mtime_ns, st.st_size) != (mtime_ns, size):
         raise ValueError("the tokenizer file changed while in use; start again")
     try:
-        return Tokenizer.from_file(path)
+        tok = Tokenizer.from_file(path)
     except Exception as exc:
         raise ValueError(f"not a Hugging Face tokenizer.json ({exc})") from None
+    # A file saved with padding or truncation on would pad every document to the longest of its encode call
+    # and cut long ones (each piece of one, too): lmpipe packs, pads and splits documents itself.
+    if tok.padding is not None or tok.truncation is not None:
+        log.info("%s: its padding and truncation settings are left off (lmpipe packs and splits documents)",
+                 path)  # fmt: skip
+        tok.no_padding()
+        tok.no_truncation()
+    return tok
 
 
 def _facts(key: tuple[str, int, int], file_sha256: str) -> TokenizerInfo:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from pathlib import Path
+
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from lmpipe.shared import tokenizer
 from lmpipe.shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
@@ -98,3 +101,70 @@ def test_shards_facts_count_only_for_the_very_file_they_were_recorded_from(tmp_p
     _forget_loaded()
     assert load_tokenizer(path, [str(shards)]).eos_id == 0
     assert tokenizer._parse.cache_info().misses == 1
+
+
+# -- long texts in pieces, with tokenizers unlike the built-in one ------------------------------------------
+
+
+def _words(n: int, sep: str) -> str:
+    rng = random.Random(0)
+    vocab = ["the", "cat", "sat", "on", "a", "mat", "naïve", "café", "of", "history", "1905", "—"]
+    return sep.join(rng.choice(vocab) for _ in range(n))
+
+
+def _bpe(tmp_path: Path, name: str, pre=None, normalizer=None) -> tokenizer.TokenizerInfo:
+    """A small BPE with `pre` as its pre-tokenizer, trained on the words the texts are made of, saved and
+    loaded as a user's tokenizer.json is."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer, tok.normalizer = pre, normalizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"], show_progress=False
+    )
+    tok.train_from_iterator([_words(2000, " "), _words(2000, "\n")], trainer=trainer)
+    path = tmp_path / f"{name}.json"
+    tok.save(str(path))
+    return load_tokenizer(path)
+
+
+def test_a_prefix_space_tokenizer_gets_its_whole_text_ids_from_cuts_before_spaces(
+    tmp_path, monkeypatch, caplog
+):
+    """ByteLevel(add_prefix_space=True) adds a space to a piece that starts with a newline (one id more a
+    cut, found by a hostile sweep), none to one that starts with a space: cuts go before spaces first."""
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 512)
+    monkeypatch.setattr(tokenizer, "CUT_SEARCH", 128)
+    info = _bpe(tmp_path, "prefix", pre=pre_tokenizers.ByteLevel(add_prefix_space=True))
+    text = "\n".join(_words(12, " ") for _ in range(600))  # lines of words: spaces and newlines to cut at
+    with caplog.at_level("WARNING", logger="lmpipe"):
+        [ids] = info.encode_arrays([text])
+    assert ids.tolist() == info.tokenizer.encode(text, add_special_tokens=False).ids
+    assert "tokenized in pieces" not in caplog.text
+
+
+def test_a_tokenizer_that_prepends_to_every_piece_is_said_once_to_differ(tmp_path, monkeypatch, caplog):
+    """A Llama-2-style normalizer prepends '▁' to every text, so no cut keeps its ids: said once, and the
+    pieces still hold every character."""
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 512)
+    monkeypatch.setattr(tokenizer, "CUT_SEARCH", 128)
+    info = _bpe(tmp_path, "prepend", normalizer=normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]))  # fmt: skip
+    text = _words(1500, " ")
+    with caplog.at_level("WARNING", logger="lmpipe"):
+        info.encode_arrays([text])
+        info.encode_arrays([text])
+    assert caplog.text.count("tokenized in pieces, and near character") == 1, caplog.text
+    assert "no cut keeps this tokenizer's ids as they are whole" in caplog.text
+
+
+def test_padding_and_truncation_saved_in_a_tokenizer_file_are_left_off(tmp_path):
+    """A tokenizer.json saved with padding on padded every document to the longest of its encode call (and
+    with truncation, cut each piece of a long one): 20,161 pad ids inside one document, found by a sweep."""
+    tok = Tokenizer.from_file(str(BUILTIN_PATH))
+    tok.enable_padding(pad_id=0)
+    tok.enable_truncation(max_length=16)
+    path = tmp_path / "padded.json"
+    tok.save(str(path))
+    info, plain = load_tokenizer(path), load_tokenizer()
+    texts = ["a short document", "a much longer document, " * 40]
+    assert [a.tolist() for a in info.encode_arrays(texts)] == [a.tolist() for a in plain.encode_arrays(texts)]
+    assert info.encode_ids(texts) == plain.encode_ids(texts)
