@@ -245,9 +245,30 @@ def _jsonl_records(
                     "missing_text",
                     'object has no "text" string, "ids" list, or "prompt" and "completion" strings',
                 )
+            if rec.bad is None and _SURROGATE_ESCAPE.search(raw) and not _utf8(rec.text, rec.prompt):
+                rec.bad = (
+                    "invalid_utf8",
+                    "a lone UTF-16 surrogate escape (\\ud800-\\udfff), which UTF-8 cannot hold",
+                )
             if rec.bad is None:
                 _say_unread(path, where, obj)
         yield rec
+
+
+# JSON may escape half of a UTF-16 pair ("\ud800"); json.loads keeps it as a lone surrogate, which no UTF-8
+# text holds and the tokenizer refuses with a TypeError that stopped the producer. Pairs decode to one
+# character. Only lines with such an escape are checked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _utf8(*texts: str | None) -> bool:
+    try:
+        for t in texts:
+            if t is not None:
+                t.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 KNOWN_KEYS = ("text", "ids", "input_ids", "prompt", "completion", "loss_mask")

@@ -45,6 +45,21 @@ def test_bad_records_are_skipped_named_and_counted(tmp_path, tok):
     assert [d.doc_id for d in docs] == [0, 1, 3, 5, 6, 10, 13]
 
 
+def test_a_lone_surrogate_escape_is_a_bad_record_not_a_crash(tmp_path, tok):
+    """JSON can escape half a UTF-16 pair; the tokenizer refused the lone surrogate with a TypeError that
+    stopped the producer with a traceback (a hostile sweep). A pair is one character, and trains."""
+    jl = tmp_path / "s.jsonl"
+    jl.write_text(
+        '{"text": "abc \\ud800 def"}\n{"text": "a pair \\ud83d\\ude00 is fine"}\n'
+        '{"prompt": "q \\uDFFF", "completion": "a"}\n{"text": "plain"}\n'
+    )
+    bad = []
+    stream = DocStream(Corpus([str(jl)]), tok, shuffle_window=0, on_bad=lambda *r: bad.append(r[:2]))
+    texts = [tok.tokenizer.decode(d.ids[:-1].tolist()) for d in stream.docs(0)]
+    assert texts == ["a pair \U0001f600 is fine", "plain"]
+    assert bad == [("invalid_utf8", f"{jl}:1"), ("invalid_utf8", f"{jl}:3")]
+
+
 def test_each_bad_record_is_reported_by_exactly_one_worker(tmp_path, tok):
     txt, jl = write_bad_corpus(tmp_path)
     reports = []
