@@ -7,24 +7,29 @@ once and deals each record to a queue per shard. Every shard this producer holds
 when the pass starts, so a shard that begins reading later (its first batch, its next epoch, a restart
 at a cursor) takes its records from its queue; the first shard to start its next epoch starts the next
 pass, and the others are enrolled in it for when they get there, even while they are still an epoch or
-more behind (a shard reads the oldest pass it is enrolled in).
+more behind (a shard reads the oldest pass it is enrolled in) - but in at most PENDING_PASSES passes it has
+not begun: a shard that finishes an epoch every batch (it owns a few small records) would otherwise enroll
+a shard stuck on huge documents in a new pass each epoch, and every pass would keep that shard's records
+until it got there. One further behind starts a new pass when it gets there: a read more, no memory more.
 
 A shard reads exactly what `Corpus.records(shard, n)` gives it, in the same order, so documents, cursors
-and batches do not change. Queues are bounded: when a pass holds more than `budget` bytes (a shard far
-behind the others, huge documents), the shard with the longest queue leaves the pass and reads the rest
-of its records on its own, as before. A lagging shard costs reads, never unbounded memory.
+and batches do not change. Queues are bounded: when the passes hold more than `budget` bytes in all (a
+shard far behind the others, huge documents), the shard with the longest queue leaves its pass and reads
+the rest of its records on its own, as before. A lagging shard costs reads, never unbounded memory: at
+most `budget` bytes, in at most PENDING_PASSES + 1 passes a shard.
 Random-access corpora (shards from `lmpipe prepare`, the built-in corpus) read by index and need none
 of this.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 
 from lmpipe.producer.sources import Corpus, Record
 
-SCAN_BUDGET_BYTES = 256 << 20  # records read ahead for the shards of one pass, at most
+SCAN_BUDGET_BYTES = 256 << 20  # records read ahead for the shards this producer holds, at most
+PENDING_PASSES = 2  # passes a shard is enrolled in before it begins reading them, at most
 
 
 def record_bytes(rec: Record) -> int:
@@ -40,7 +45,6 @@ class _Pass:
         self.records = records
         self.queues: dict[int, deque[Record]] = {}  # member shard -> records read, not yet taken
         self.readers: dict[int, object] = {}  # member shard -> the read taking its records
-        self.bytes = 0  # queued, by record_bytes
         self.done = False
 
 
@@ -49,6 +53,7 @@ class SharedScan:
         self.corpus, self.total, self.budget = corpus, total, budget
         self.held: set[int] = set()  # shards enrolled in every new pass
         self.passes: list[_Pass] = []
+        self.bytes = 0  # queued in all passes, by record_bytes
 
     def hold(self, shard: int) -> None:
         self.held.add(shard)
@@ -78,7 +83,7 @@ class SharedScan:
                     return
                 if q:
                     rec = q.popleft()
-                    p.bytes -= record_bytes(rec)
+                    self.bytes -= record_bytes(rec)
                     last = rec.rid
                     yield rec
                 elif p.done:
@@ -93,10 +98,13 @@ class SharedScan:
         for p in self.passes:  # enrolled when it started, not read yet: its queue holds every record so far
             if shard in p.queues and shard not in p.readers:
                 return p
-        # every held shard, also one still behind in an older pass: it reads this one when it gets here
+        # every held shard, also one still behind in an older pass: it reads this one when it gets here;
+        # unless PENDING_PASSES already wait for it (`shard` itself waits for none: it found none above)
+        waiting = Counter(s for o in self.passes for s in o.queues if s not in o.readers)
         p = _Pass(self.corpus.records(0, 1))
         for s in self.held | {shard}:
-            p.queues[s] = deque()
+            if waiting[s] < PENDING_PASSES:
+                p.queues[s] = deque()
         self.passes.append(p)
         return p
 
@@ -109,15 +117,18 @@ class SharedScan:
         if q is None:  # not held here: another producer's
             return
         q.append(rec)
-        p.bytes += record_bytes(rec)
-        if p.bytes > self.budget:
-            longest = max(p.queues, key=lambda s: len(p.queues[s]))
-            self._drop_queue(p, longest)
+        self.bytes += record_bytes(rec)
+        # over budget: the longest queue of any pass goes (most likely the shard furthest behind)
+        while self.bytes > self.budget:
+            longest = max(
+                ((o, s) for o in self.passes for s in o.queues), key=lambda os: len(os[0].queues[os[1]])
+            )
+            self._drop_queue(*longest)
 
     def _drop_queue(self, p: _Pass, shard: int) -> None:
         q = p.queues.pop(shard, None)
         if q:
-            p.bytes -= sum(record_bytes(r) for r in q)
+            self.bytes -= sum(record_bytes(r) for r in q)
         if not p.queues:
             self.passes.remove(p)
             close = getattr(p.records, "close", None)

@@ -4,6 +4,7 @@ served in, however far apart their epochs are, when they restart at a cursor or 
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from lmpipe.producer.batching import BatchSpec
 from lmpipe.producer.held import Holdings
-from lmpipe.producer.scan import SharedScan
+from lmpipe.producer.scan import PENDING_PASSES, SharedScan, record_bytes
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared.batch import Cursor
@@ -138,3 +139,51 @@ def test_a_shard_given_up_leaves_no_queue(corpus_files, tok):
     holdings.keep_only([0])
     assert set(scan.passes[0].queues) == {0}
     assert scan.held == {0}
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 30_000])
+def test_a_shard_epochs_ahead_of_slow_ones_keeps_passes_and_bytes_bounded(tmp_path, budget):
+    """The shape that grew a producer to 15 GB: shard 1 owns small records and ends an epoch whenever it
+    reads, shards 0 and 2 own huge ones and sit in one pass meanwhile. Each of shard 1's epochs starts a
+    pass; the slow shards wait in at most PENDING_PASSES of them, so passes and queued bytes stay bounded
+    (and within a small budget), and every shard still reads exactly its records, every epoch."""
+    path = tmp_path / "mid.jsonl"
+    lines = [
+        json.dumps({"text": f"small {i}" if i % 3 == 1 else f"{i} " + "word " * 2000}) for i in range(12)
+    ]
+    path.write_text("".join(f"{line}\n" for line in lines))
+    corpus = CountingCorpus([str(path)])
+    scan = SharedScan(corpus, 3, budget=budget)
+    for s in range(3):
+        scan.hold(s)
+
+    def reads(s: int):  # shard s reading epoch after epoch, a record at a time
+        epoch = 0
+        while True:
+            for rec in scan.records(s):
+                yield epoch, rec
+            epoch += 1
+
+    got: dict[int, list[list[tuple[int, str | None]]]] = {s: [] for s in range(3)}
+    slow = {s: reads(s) for s in (0, 2)}
+    most_passes = most_bytes = 0
+    for _ in range(30):
+        for s, it in slow.items():
+            epoch, rec = next(it)
+            if epoch == len(got[s]):
+                got[s].append([])
+            got[s][epoch].append((rec.rid, rec.text))
+        for _ in range(10):
+            got[1].append([(rec.rid, rec.text) for rec in scan.records(1)])
+        held = sum(record_bytes(r) for p in scan.passes for q in p.queues.values() for r in q)
+        assert held == scan.bytes
+        most_passes, most_bytes = max(most_passes, len(scan.passes)), max(most_bytes, held)
+    assert most_passes <= PENDING_PASSES + 1, most_passes  # not one per epoch of shard 1 (300 of them)
+    assert most_bytes <= min(budget, (PENDING_PASSES + 1) * path.stat().st_size), most_bytes
+    for s in range(3):
+        want = [(rec.rid, rec.text) for rec in Corpus([str(path)]).records(s, 3)]
+        assert len(got[s]) >= 7
+        assert all(epoch == want for epoch in got[s][:-1]), s
+        assert got[s][-1] == want[: len(got[s][-1])], s
+    if budget > 4 * path.stat().st_size:  # the slow shards read the passes shard 1 starts: none of their own
+        assert corpus.reads == len(got[1]), corpus.reads
