@@ -22,6 +22,7 @@ from lmpipe.consumer.slots import HostSlot
 from lmpipe.shared.metrics import TrainerMetrics
 
 log = logging.getLogger("lmpipe.trainer")
+HEALTH_EVERY = 0.2  # seconds between health checks (a waitpid per local producer: cheap)
 
 
 class DeviceFeed:
@@ -48,6 +49,7 @@ class DeviceFeed:
         self._h2d_timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, done) of each copy
         self.h2d_seconds = 0.0  # copies observed so far (the summary's per-batch copy time)
         self.health_check: Callable[[], str | None] | None = None  # a reason to stop (e.g. a dead producer)
+        self._health_at = 0.0  # when health_check last ran
 
     # -- taking batches ------------------------------------------------------------------------------
 
@@ -60,6 +62,13 @@ class DeviceFeed:
         while len(got) < n and not stopping():
             if self.table.all_finished():
                 break
+            # asked while batches flow too: a producer that stopped on bad data must stop the run even while
+            # the others keep the queue full (a changed corpus file was noticed 7 s late, after shard moves)
+            now = time.monotonic()
+            if self.health_check and now - self._health_at >= HEALTH_EVERY:
+                self._health_at = now
+                if problem := self.health_check():
+                    return got, waited, problem
             t0 = time.perf_counter()
             try:
                 item = self.receiver.ready.get(timeout=0.01)
@@ -67,8 +76,6 @@ class DeviceFeed:
                 waited += time.perf_counter() - t0
                 self.release_done()
                 self.check_receiver()
-                if self.health_check and (problem := self.health_check()):
-                    return got, waited, problem
                 now = time.monotonic()
                 if now - last_news > 10:
                     missing = self.table.missing(now)

@@ -113,6 +113,24 @@ def test_run_stops_loudly_when_its_producer_is_killed(procs, port):
     assert "producer exit codes: [-9]" in procs.log(p)
 
 
+def test_a_dead_producer_stops_the_run_while_another_keeps_it_fed(procs, port):
+    """The trainer asked about its producers only while it waited for data: with another producer keeping
+    the queue full (a trainer slower than its producers), one that stopped (a changed corpus file, exit 2)
+    went unnoticed while its shards moved. Now the run stops within a step."""
+    p = procs.start(
+        "run", "--steps", "400", "--producers", "2", "--model", "small", "--seq-len", "256", "--batch-size",
+        "8", "--port", str(port), "--metrics-port", "-1", "--log-every", "1", name="run",
+    )  # fmt: skip
+    procs.wait_for(p, "step 3/", timeout=120)
+    pid = int(procs.log(p).split("pids ")[1].split()[0])
+    os.kill(pid, signal.SIGKILL)
+    assert procs.wait(p, timeout=120) == 1, procs.log(p)[-2000:]
+    text = procs.log(p)
+    assert "producer 0 exited with code -9" in text
+    last = max(int(m) for m in re.findall(r"^step (\d+)/400", text, re.M))
+    assert last < 30, f"trained on to step {last} after its producer died"
+
+
 def test_bad_corpus_records_are_skipped_and_the_run_goes_on(procs, tmp_path, port):
     txt, jl = write_bad_corpus(tmp_path)
     summary = tmp_path / "s.json"
