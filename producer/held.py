@@ -84,7 +84,9 @@ class Holdings:
         with data left that has sent the fewest (lowest seq; ties: lowest shard). That is round robin
         when the shards start together, keeps a moved-in shard from racing ahead of the others, and
         depends only on the cursors: a producer restarted from a checkpoint's cursors sends its batches
-        in the order an uninterrupted one would have. None when nothing is left to send."""
+        in the order an uninterrupted one would have. None when nothing is left to send. An exception from
+        the stream (the producer's keepalive, stopping it) leaves that shard's batches unusable: the producer
+        exits."""
         live = [h for h in self.shards.values() if not h.finished]
         if not live or not self.assigned <= self.shards.keys():
             return None

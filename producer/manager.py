@@ -12,9 +12,12 @@ keeps them and builds their batches round robin. The loop polls both sockets, so
 `welcome` (a shard moved to or away from this producer, the trainer restarted from a checkpoint) or a
 `stop` is seen even while a batch waits to be sent. The hello is repeated every second, names the shards
 held and doubles as a heartbeat, also while a long document is tokenized: the streams' keepalive sends it
-between the tokenizer's calls, or the trainer would give this producer's shards away. When the control
-connection drops (the trainer died), the producer holds its batches until a trainer welcomes it again,
-instead of streaming into a session that is gone; the hello goes out as soon as the connection is back.
+between the tokenizer's calls, or the trainer would give this producer's shards away. A stop (a signal, the
+trainer's `stop` or `refuse`) is taken there too, abandoning the batch being built (never sent: the trainer's
+cursors say where each shard resumes); other control messages read there wait for the loop, which handles
+them in order once the batch is built (the shards are mid-update until then). When the control connection
+drops (the trainer died), the producer holds its batches until a trainer welcomes it again, instead of
+streaming into a session that is gone; the hello goes out as soon as the connection is back.
 A producer the trainer refuses (another wire version, another config, a stopped shard) exits 2 with the
 reason at once: a refusal is never retried.
 """
@@ -27,6 +30,7 @@ import os
 import signal
 import socket
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +76,10 @@ class Refused(RuntimeError):
     pass
 
 
+class _Stopping(Exception):
+    """Raised by Producer._keepalive, inside the tokenizer, once the producer is to stop."""
+
+
 class Producer:
     def __init__(self, cfg: PipelineConfig, opts: ProducerOptions):
         if not -1 <= opts.worker < cfg.producers:
@@ -105,6 +113,7 @@ class Producer:
         self.interrupted = False
         self._held = False  # the control connection dropped: send nothing until welcomed again
         self._ctrl: zmq.Socket | None = None  # the control socket while the loop runs (for _keepalive)
+        self._deferred: deque[bytes] = deque()  # control messages _keepalive read: the loop handles them
         self._last_hello = 0.0  # monotonic time of the last hello: the loop's and _keepalive's
         self._parent = os.getppid()
         self.metrics.info.info(
@@ -181,10 +190,27 @@ class Producer:
 
     def _keepalive(self) -> None:
         """Between a stream's encode calls, which run inside the loop (same thread, same socket): the hello
-        when one is due, so a long tokenization does not look like a producer gone."""
-        now = time.monotonic()
-        if self._ctrl is not None and now - self._last_hello >= HELLO_EVERY:
-            self._send_hello(self._ctrl, now)
+        when one is due, so a long tokenization does not look like a producer gone, and a stop taken at once:
+        _Stopping ends the batch being built (the loop stops). The trainer's `stop` and `refuse` are handled
+        here; any other control message is kept for the loop, which handles it after the batch, in order."""
+        ctrl = self._ctrl
+        if ctrl is not None:
+            now = time.monotonic()
+            if now - self._last_hello >= HELLO_EVERY:
+                self._send_hello(ctrl, now)
+            while ctrl.poll(0):
+                raw = ctrl.recv()
+                try:
+                    final = isinstance(messages.unpack(raw), (messages.Stop, messages.Refuse))
+                except WireError:
+                    final = False  # the loop's _control says so
+                if final:
+                    self._control(raw)  # sets _stop, or raises Refused
+                    break  # (a stop repeated to the hellos meanwhile is not said twice)
+                else:
+                    self._deferred.append(raw)
+        if self._stop or self._parent_gone():
+            raise _Stopping
 
     def request_stop(self, signum=None, _frame=None) -> None:
         if signum is not None:
@@ -255,9 +281,12 @@ class Producer:
                 if waiting and now - waiting_logged > 10:
                     log.info("waiting for the trainer at %s (%.0f s)", self.endpoints.control, now - started)
                     waiting_logged = now
-            if self.session and self._pending is None and not self._held:
+            if self.session and self._pending is None and not self._held and not self._deferred:
                 t0 = time.perf_counter()
-                nxt = self.holdings.next_message(self.session)
+                try:
+                    nxt = self.holdings.next_message(self.session)
+                except _Stopping:  # the batch being built is dropped: nothing of it was sent
+                    break
                 if nxt is not None:
                     h, frames, batch = nxt
                     self._pending = (h, frames, batch is not None)
@@ -279,13 +308,17 @@ class Producer:
                         h.seq,
                         1e3 * (time.perf_counter() - t0),
                     )
-            flags = dict(poller.poll(timeout=50 if self._pending is None or self._held else 0))
+            busy = self._deferred or (self._pending is not None and not self._held)
+            flags = dict(poller.poll(timeout=0 if busy else 50))
             if monitor in flags:
                 event = parse_monitor_message(monitor.recv_multipart())
                 watch(event)  # raises HandshakeFailed once the trainer keeps refusing this producer
                 if self._connection_event(event):
                     self._last_hello = 0.0  # (re)connected: say hello now, not at the next tick
                     self._skipped_sent.clear()  # a restarted trainer knows none of the counts
+                continue
+            if self._deferred:  # read while the last batch was built: before any newer one
+                self._control(self._deferred.popleft())
                 continue
             if ctrl in flags:
                 self._control(ctrl.recv())

@@ -12,7 +12,8 @@ pipeline bug.
 
 Documents are tokenized a chunk at a time: `encode_batch` records, or fewer whose text reaches CALL_CHARS,
 so that the token arrays waiting to be yielded stay small however long the documents. The tokenizer cuts
-one long text into pieces itself (shared/tokenizer.py) and calls `keepalive` between its encode calls.
+one long text into pieces itself (shared/tokenizer.py) and calls `keepalive` between its encode calls; a
+keepalive that raises (the producer stopping) abandons the chunk and ends that docs() iterator.
 """
 
 from __future__ import annotations

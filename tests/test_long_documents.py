@@ -8,8 +8,11 @@ Everything here uses the real built-in tokenizer; `spy` only records what each e
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import random
+import signal
 import threading
 import time
 
@@ -231,3 +234,158 @@ def test_shards_of_a_tiny_corpus_say_single_document_once(tmp_path, tok, caplog)
             list(DocStream(Corpus([str(path)], doc_split="line"), tok, w, 8).docs(0))
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("shard 0 of 8 owns a single document") and "said once" in line
+
+
+# -- a stop while a long document is tokenized -------------------------------------------------------------
+
+STOP_AT = 3  # the encode call after which a stop comes
+
+
+class Cue(Spy):
+    """The spy, and at chosen encode calls (counted from 1) an action in the producer's thread: a control
+    message from the stand-in trainer (`sends`), waited for until it is readable at the producer's control
+    socket before the call returns, so the keepalive after the call can see it (nothing left to the clock);
+    or a stop as the signal handler makes it. `events` also records each control message the producer handles."""
+
+    def __init__(self, real):
+        super().__init__(real)
+        self.at: dict[int, object] = {}  # call -> a message, or "signal"
+        self.sends: queue.Queue = queue.Queue()
+        self.producer: manager.Producer | None = None
+
+    def encode_batch_fast(self, texts, **kw):
+        out = super().encode_batch_fast(texts, **kw)
+        what, p = self.at.get(len(self.calls)), self.producer
+        if what == "signal":
+            assert p is not None
+            p.request_stop(signal.SIGTERM)
+        elif what is not None:
+            assert p is not None and p._ctrl is not None
+            self.sends.put(what)
+            assert p._ctrl.poll(20_000), "the message did not arrive"
+        return out
+
+
+@pytest.fixture
+def cue(tok, monkeypatch) -> Cue:
+    c = Cue(tok.tokenizer)
+    monkeypatch.setattr(TokenizerInfo, "tokenizer", property(lambda self: c))
+    return c
+
+
+def serve_one_document(tmp_path, port, cue: Cue, monkeypatch, text: str) -> tuple[list[int], list, bool]:
+    """A real producer loop on a one-document corpus and a stand-in trainer on real sockets: assign and
+    welcome shard 0, then whatever `cue` sends, until the producer's run() returns. (exit codes, the control
+    messages heard, whether any batch arrived)."""
+    path = tmp_path / "one.txt"
+    path.write_text(text + "\n")
+    cfg = PipelineConfig(
+        data=[str(path)], port=port, producers=1, epochs=1, runtime_dir=str(tmp_path / "run")
+    )
+    p = cue.producer = manager.Producer(cfg, manager.ProducerOptions())
+    handle = p._control
+
+    def control(raw):
+        cue.events.append(f"control {type(messages.unpack(raw)).__name__}")
+        return handle(raw)
+
+    monkeypatch.setattr(p, "_control", control)
+    ctx = zmq.Context()
+    router = open_socket(ctx, TRAINER_CONTROL, cfg, p.endpoints)
+    pull = open_socket(ctx, TRAINER_DATA, cfg, p.endpoints)
+    exits: list[int] = []
+    thread = threading.Thread(target=lambda: exits.append(p.run()), daemon=True)
+    thread.start()
+    heard: list = []
+    try:
+        assert router.poll(20_000), "no hello from the producer"
+        ident, raw = router.recv_multipart()
+        heard.append(messages.unpack(raw))
+        for msg in (messages.Assign("s", [0], 1, 1), messages.Welcome("s", 0, lease="L", shards=1)):
+            router.send_multipart([ident, messages.pack(msg)])
+        deadline = time.monotonic() + 120
+        while thread.is_alive():
+            assert time.monotonic() < deadline, "the producer did not stop"
+            while router.poll(0):  # hellos drained meanwhile: none waits in a full queue
+                heard.append(messages.unpack(router.recv_multipart()[1]))
+            with contextlib.suppress(queue.Empty):
+                router.send_multipart([ident, messages.pack(cue.sends.get(timeout=0.05))])
+        while router.poll(1000):  # the bye, if any, was queued before run() returned
+            heard.append(messages.unpack(router.recv_multipart()[1]))
+        batch = bool(pull.poll(0))
+    finally:
+        p.request_stop()
+        thread.join(20)
+        router.close(0)
+        pull.close(0)
+        ctx.term()
+    return exits, heard, batch
+
+
+def handled(cue: Cue) -> list[str]:
+    """The encode calls and control messages handled, in order, runs of encode calls counted."""
+    out: list[str] = []
+    n = 0
+    for e in cue.events:
+        if e == "encode":
+            n += 1
+            continue
+        if n:
+            out.append(f"{n} encode")
+            n = 0
+        out.append(e)
+    return out + ([f"{n} encode"] if n else [])
+
+
+def test_the_trainers_stop_ends_a_long_tokenization_at_the_next_encode_call(
+    tmp_path, port, cue, small_pieces, monkeypatch
+):
+    """The stop is read between two encode calls of a document that takes dozens: the producer drops the
+    batch it was building (never sent: the trainer's cursors say where the shard resumes) and says bye."""
+    cue.at[STOP_AT] = messages.Stop("test over")
+    exits, heard, batch = serve_one_document(tmp_path, port, cue, monkeypatch, prose(200_000))
+    assert exits == [0]
+    assert handled(cue) == ["control Assign", "control Welcome", f"{STOP_AT} encode", "control Stop"]
+    assert isinstance(heard[-1], messages.Bye) and not batch
+
+
+def test_a_signal_ends_a_long_tokenization_at_the_next_encode_call(
+    tmp_path, port, cue, small_pieces, monkeypatch
+):
+    """SIGTERM or SIGINT to a producer (its handler: request_stop) mid-document: it stops after the encode
+    call running then, not after the whole document."""
+    cue.at[STOP_AT] = "signal"
+    exits, heard, batch = serve_one_document(tmp_path, port, cue, monkeypatch, prose(200_000))
+    assert exits == [0] and cue.producer is not None and cue.producer.interrupted
+    assert handled(cue) == ["control Assign", "control Welcome", f"{STOP_AT} encode"]
+    assert not batch
+
+
+def test_other_control_messages_read_mid_document_wait_for_the_batch_then_come_in_order(
+    tmp_path, port, cue, small_pieces, monkeypatch, tok
+):
+    """A welcome that restarts the shard, read by the keepalive mid-document, is handled only once the
+    batch is built (the holdings are mid-update until then), before it is sent: the document is tokenized
+    again from the shard's start, and a stop read during that second pass still ends it at once."""
+    text = prose(200_000)
+    probe = tmp_path / "probe.txt"
+    probe.write_text(text + "\n")
+    (rec,) = Corpus([str(probe)]).records()
+    tok.encode_arrays([rec.text or ""])  # how many calls the document takes
+    per_document = len(cue.calls)
+    cue.calls.clear()
+    cue.events.clear()
+    assert per_document > 2 * STOP_AT
+    cue.at[STOP_AT] = messages.Welcome("s", 0, lease="L", shards=1, force=True)
+    cue.at[per_document + STOP_AT] = messages.Stop("test over")
+    exits, heard, batch = serve_one_document(tmp_path, port, cue, monkeypatch, text)
+    assert exits == [0]
+    assert handled(cue) == [
+        "control Assign",
+        "control Welcome",
+        f"{per_document} encode",
+        "control Welcome",
+        f"{STOP_AT} encode",
+        "control Stop",
+    ]
+    assert isinstance(heard[-1], messages.Bye) and not batch
