@@ -125,7 +125,8 @@ class DocStream:
             return
         _SAID_LONE.add((corpus, n))
         hints = ["the corpus has fewer documents than shards"] if n == 0 and self.total_workers > 1 else []
-        if not self.corpus.random_access and self.corpus.doc_split == "blank":
+        text = any(f.fmt == "text" for f in self.corpus.paths)  # JSONL and tables: a record is a document
+        if text and self.corpus.doc_split == "blank":
             hints.append(
                 "plain text without blank lines is one document: for one per line, use --doc-split line"
             )

@@ -129,6 +129,16 @@ def test_doc_split_line_makes_every_line_a_document_and_lone_shares_are_warned(t
     assert text.count("owns no documents") == 1, "empty shards of one corpus are said once, not 3 times"
 
 
+def test_a_lone_jsonl_record_is_not_told_to_split_by_line(tmp_path, tok, caplog):
+    """--doc-split applies to plain text: a JSONL record is a document however its lines fall."""
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"text": "the only record"}\n')
+    with caplog.at_level("WARNING", logger="lmpipe.producer"):
+        list(DocStream(Corpus([str(path)]), tok, 0, 1).docs(0))
+    assert f"shard 0 of 1 owns a single document (nothing to shuffle) of {path}" in caplog.text
+    assert "--doc-split" not in caplog.text
+
+
 def test_a_binary_file_is_refused_by_name(tmp_path):
     junk = tmp_path / "weights.bin"
     junk.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 8)
