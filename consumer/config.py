@@ -196,8 +196,10 @@ class TrainConfig:
         # said before any producer starts; on a GPU or auto device the trainer checks with torch
         if self.device == "cpu" and self.precision == "fp8":
             out.append("--precision fp8 needs a GPU with FP8 matmuls; --device cpu is the CPU")
-        if self.residual_dtype == "bf16" and self.precision in ("fp32", "fp16"):
-            out.append(f"--residual-dtype bf16 needs --precision bf16 or fp8, not {self.precision}")
+        cpu_auto = self.precision == "auto" and self.device == "cpu"  # auto is fp32 on a CPU
+        if self.residual_dtype == "bf16" and (self.precision in ("fp32", "fp16") or cpu_auto):
+            given = "auto, which is fp32 on --device cpu" if cpu_auto else self.precision
+            out.append(f"--residual-dtype bf16 needs --precision bf16 or fp8, not {given}")
         if self.device == "cpu" and self.attention == "flash":
             out.append("--attention flash needs a CUDA GPU; --device cpu is the CPU")
         return out

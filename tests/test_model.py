@@ -378,4 +378,7 @@ def test_bf16_residual_stream_needs_bf16_matmuls():
             SettingsError, match=f"--residual-dtype bf16 needs --precision bf16 or fp8, not {precision}"
         ):
             TrainConfig(precision=precision, residual_dtype="bf16")
+    with pytest.raises(SettingsError, match="not auto, which is fp32 on --device cpu"):
+        TrainConfig(device="cpu", residual_dtype="bf16")
     assert TrainConfig(precision="fp8", residual_dtype="bf16").residual_dtype == "bf16"
+    assert TrainConfig(device="cpu", precision="bf16", residual_dtype="bf16").residual_dtype == "bf16"
