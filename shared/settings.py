@@ -345,6 +345,8 @@ def _name_variable(message: str, spec: Spec, var: str, value: Any) -> str:
     written = {" ".join(map(str, items)), " ".join(shlex.quote(str(x)) for x in items)}
     if isinstance(value, float):
         written.add(f"{value:g}")
+    if type(value) is int:  # messages print counts with thousands separators: 1,000
+        written.add(f"{value:,}")
     for text in sorted(written - {""}, key=len, reverse=True):
         # the value ends where the sentence goes on: `--device cuda: ...`, but not `--device cuda:1`
         sub(rf"--{flag} {re.escape(text)}(?=$|[\s,;)]|:(\s|$))", f"{var}={text}")

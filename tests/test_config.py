@@ -170,6 +170,7 @@ def test_only_a_mention_of_the_value_the_environment_gave_names_the_variable(env
     env("LMPIPE_DATA", "a.txt 'my corpus.txt'")
     env("LMPIPE_LR", "0.5")
     env("LMPIPE_CHECKPOINT_DIR", r"C:\runs\1")
+    env("LMPIPE_MAX_LINE_BYTES", "100000")
     ns = parse("run", "--accum", "2")
     for message, said in [
         ("--device cuda: no GPU here; use --device cpu", "LMPIPE_DEVICE=cuda: no GPU here; use --device cpu"),
@@ -180,6 +181,7 @@ def test_only_a_mention_of_the_value_the_environment_gave_names_the_variable(env
         ("--data: nothing there", "LMPIPE_DATA: nothing there"),
         ("--lr 0.5, higher than 0.1", "LMPIPE_LR=0.5, higher than 0.1"),
         (r"--checkpoint-dir C:\runs\1: not writable", r"LMPIPE_CHECKPOINT_DIR=C:\runs\1: not writable"),
+        ("a line exceeds --max-line-bytes 100,000", "a line exceeds LMPIPE_MAX_LINE_BYTES=100,000"),
         ("--accum 2 with --seq-len 128", None),  # a flag, and a default
         ("--compile-mode default; --lr 0.55; --device cudas", None),  # other flags, other values
     ]:
