@@ -420,3 +420,26 @@ def test_only_order_deciding_settings_must_match_on_the_built_in_corpus_and_shar
     for other in ({"shuffle_window": 50}, {"doc_split": "heading"}):
         with pytest.raises(CheckpointError, match=f"stream.{next(iter(other))}: checkpoint has"):
             compare(header, {"stream": {**stream, **other}}, tmp_path)
+
+
+def test_a_checkpoint_that_read_a_file_twice_is_refused_with_why(tmp_path, monkeypatch):
+    """lmpipe before 2026-11-27 trained a file reached twice (`--data a.txt a.txt`) twice an epoch; it now
+    reads it once, so such a checkpoint cannot resume, and "resume with the same --data" was wrong advice."""
+    from lmpipe.consumer import checkpoint
+    from lmpipe.consumer.config import TrainConfig
+    from lmpipe.launch import check_resume_corpus
+    from lmpipe.producer.sources import Corpus
+    from lmpipe.shared.settings import SettingsError
+
+    a = tmp_path / "a.txt"
+    a.write_text("one document\n\nanother\n")
+    corpus = Corpus([str(a), str(a)])
+    split, _, files = corpus.fingerprint().partition("|")
+    header = {"data": f"{split}|{files}|{files}"}  # what the older version recorded
+    monkeypatch.setattr(checkpoint, "resolve_resume", lambda *_: tmp_path / "step-00000004")
+    monkeypatch.setattr(checkpoint, "read_header", lambda _path: header)
+    tcfg = TrainConfig(checkpoint_dir=str(tmp_path), resume="auto", metrics_port=None)
+    with pytest.raises(SettingsError, match="more than once an epoch, which lmpipe now reads once"):
+        check_resume_corpus(corpus, tcfg)
+    header["data"] = f"{split}|{files}"
+    check_resume_corpus(corpus, tcfg)  # the same files once: resumes
