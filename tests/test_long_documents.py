@@ -163,58 +163,85 @@ def test_the_stream_calls_keepalive_after_every_encode_call(tmp_path, tok, spy, 
 # -- the producer's hello while it tokenizes ---------------------------------------------------------------
 
 
+class StandIn:
+    """A real producer on a one-document corpus, its run() in a thread, and a stand-in trainer on real
+    sockets that has assigned and welcomed shard 0 (stand_in_trainer)."""
+
+    def __init__(self, producer: manager.Producer, router: zmq.Socket, pull: zmq.Socket):
+        self.producer, self.router, self.pull = producer, router, pull
+        self.exits: list[int] = []
+        self.thread = threading.Thread(target=lambda: self.exits.append(producer.run()), daemon=True)
+        self.heard: list = []  # control messages from the producer, in order
+        self.ident = b""
+
+    def drain(self, timeout_ms: int = 0) -> None:
+        """Hellos read as they come: none waits in a full queue."""
+        while self.router.poll(timeout_ms):
+            self.heard.append(messages.unpack(self.router.recv_multipart()[1]))
+
+    def send(self, msg) -> None:
+        self.router.send_multipart([self.ident, messages.pack(msg)])
+
+
+@contextlib.contextmanager
+def stand_in_trainer(tmp_path, port, text: str, prepare=lambda p: None):
+    """`prepare(producer)` runs before the producer's loop starts (to wrap its methods)."""
+    path = tmp_path / "one.txt"
+    path.write_text(text + "\n")
+    cfg = PipelineConfig(
+        data=[str(path)], port=port, producers=1, epochs=1, runtime_dir=str(tmp_path / "run")
+    )
+    p = manager.Producer(cfg, manager.ProducerOptions())
+    prepare(p)
+    ctx = zmq.Context()
+    t = StandIn(
+        p,
+        open_socket(ctx, TRAINER_CONTROL, cfg, p.endpoints),
+        open_socket(ctx, TRAINER_DATA, cfg, p.endpoints),
+    )
+    t.thread.start()
+    try:
+        assert t.router.poll(20_000), "no hello from the producer"
+        t.ident, raw = t.router.recv_multipart()
+        t.heard.append(messages.unpack(raw))
+        t.send(messages.Assign("s", [0], 1, 1))
+        t.send(messages.Welcome("s", 0, lease="L", shards=1))
+        yield t
+    finally:
+        p.request_stop()
+        t.thread.join(20)
+        t.router.close(0)
+        t.pull.close(0)
+        ctx.term()
+
+
 def test_a_producer_says_hello_between_the_encode_calls_of_one_long_document(
     tmp_path, port, spy, small_pieces, monkeypatch
 ):
     """A real producer loop and a stand-in trainer on real sockets: assign, welcome, one batch, stop. Every
     keepalive is due (HELLO_EVERY 0), so the test asks nothing of the clock: while the loop is inside the
     tokenizer, the only hellos that can go out are the keepalive's, one after each encode call."""
-    path = tmp_path / "one.txt"
-    path.write_text(prose(30_000) + "\n")
     monkeypatch.setattr(manager, "HELLO_EVERY", 0.0)
-    cfg = PipelineConfig(
-        data=[str(path)], port=port, producers=1, epochs=1, runtime_dir=str(tmp_path / "run")
-    )
-    p = manager.Producer(cfg, manager.ProducerOptions())
-    build = p._hello
 
-    def hello(skipped=None):
-        spy.events.append("hello")
-        return build(skipped)
+    def spied_hello(p: manager.Producer) -> None:
+        build = p._hello
 
-    monkeypatch.setattr(p, "_hello", hello)
-    ctx = zmq.Context()
-    router = open_socket(ctx, TRAINER_CONTROL, cfg, p.endpoints)
-    pull = open_socket(ctx, TRAINER_DATA, cfg, p.endpoints)
-    exits: list[int] = []
-    thread = threading.Thread(target=lambda: exits.append(p.run()), daemon=True)
-    thread.start()
-    heard: list = []
-    try:
-        assert router.poll(20_000), "no hello from the producer"
-        ident, raw = router.recv_multipart()
-        heard.append(messages.unpack(raw))
-        for msg in (messages.Assign("s", [0], 1, 1), messages.Welcome("s", 0, lease="L", shards=1)):
-            router.send_multipart([ident, messages.pack(msg)])
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
+        def hello(skipped=None):
+            spy.events.append("hello")
+            return build(skipped)
+
+        monkeypatch.setattr(p, "_hello", hello)
+
+    with stand_in_trainer(tmp_path, port, prose(30_000), spied_hello) as t:
         deadline = time.monotonic() + 60
-        while pull not in dict(poller.poll(100)):  # hellos drained meanwhile: none waits in a full queue
+        while not t.pull.poll(100):
             assert time.monotonic() < deadline, "no batch from the producer"
-            while router.poll(0):
-                heard.append(messages.unpack(router.recv_multipart()[1]))
-        router.send_multipart([ident, messages.pack(messages.Stop("test over"))])
-        thread.join(20)
-        assert exits == [0]
-        while router.poll(0):
-            heard.append(messages.unpack(router.recv_multipart()[1]))
-    finally:
-        p.request_stop()
-        thread.join(20)
-        router.close(0)
-        pull.close(0)
-        ctx.term()
+            t.drain()
+        t.send(messages.Stop("test over"))
+        t.thread.join(20)
+        assert t.exits == [0]
+        t.drain()
+    heard = t.heard
     encodes = [i for i, e in enumerate(spy.events) if e == "encode"]
     assert len(encodes) >= 5
     assert spy.events[encodes[0] : encodes[-1] + 1] == ["encode", "hello"] * (len(encodes) - 1) + ["encode"]
@@ -274,52 +301,28 @@ def cue(tok, monkeypatch) -> Cue:
 
 
 def serve_one_document(tmp_path, port, cue: Cue, monkeypatch, text: str) -> tuple[list[int], list, bool]:
-    """A real producer loop on a one-document corpus and a stand-in trainer on real sockets: assign and
-    welcome shard 0, then whatever `cue` sends, until the producer's run() returns. (exit codes, the control
-    messages heard, whether any batch arrived)."""
-    path = tmp_path / "one.txt"
-    path.write_text(text + "\n")
-    cfg = PipelineConfig(
-        data=[str(path)], port=port, producers=1, epochs=1, runtime_dir=str(tmp_path / "run")
-    )
-    p = cue.producer = manager.Producer(cfg, manager.ProducerOptions())
-    handle = p._control
+    """stand_in_trainer, then whatever `cue` sends, until the producer's run() returns. (exit codes, the
+    control messages heard, whether any batch arrived)."""
 
-    def control(raw):
-        cue.events.append(f"control {type(messages.unpack(raw)).__name__}")
-        return handle(raw)
+    def spied_control(p: manager.Producer) -> None:
+        cue.producer, handle = p, p._control
 
-    monkeypatch.setattr(p, "_control", control)
-    ctx = zmq.Context()
-    router = open_socket(ctx, TRAINER_CONTROL, cfg, p.endpoints)
-    pull = open_socket(ctx, TRAINER_DATA, cfg, p.endpoints)
-    exits: list[int] = []
-    thread = threading.Thread(target=lambda: exits.append(p.run()), daemon=True)
-    thread.start()
-    heard: list = []
-    try:
-        assert router.poll(20_000), "no hello from the producer"
-        ident, raw = router.recv_multipart()
-        heard.append(messages.unpack(raw))
-        for msg in (messages.Assign("s", [0], 1, 1), messages.Welcome("s", 0, lease="L", shards=1)):
-            router.send_multipart([ident, messages.pack(msg)])
+        def control(raw):
+            cue.events.append(f"control {type(messages.unpack(raw)).__name__}")
+            return handle(raw)
+
+        monkeypatch.setattr(p, "_control", control)
+
+    with stand_in_trainer(tmp_path, port, text, spied_control) as t:
         deadline = time.monotonic() + 120
-        while thread.is_alive():
+        while t.thread.is_alive():
             assert time.monotonic() < deadline, "the producer did not stop"
-            while router.poll(0):  # hellos drained meanwhile: none waits in a full queue
-                heard.append(messages.unpack(router.recv_multipart()[1]))
+            t.drain()
             with contextlib.suppress(queue.Empty):
-                router.send_multipart([ident, messages.pack(cue.sends.get(timeout=0.05))])
-        while router.poll(1000):  # the bye, if any, was queued before run() returned
-            heard.append(messages.unpack(router.recv_multipart()[1]))
-        batch = bool(pull.poll(0))
-    finally:
-        p.request_stop()
-        thread.join(20)
-        router.close(0)
-        pull.close(0)
-        ctx.term()
-    return exits, heard, batch
+                t.send(cue.sends.get(timeout=0.05))
+        t.drain(1000)  # the bye, if any, was queued before run() returned
+        batch = bool(t.pull.poll(0))
+    return t.exits, t.heard, batch
 
 
 def handled(cue: Cue) -> list[str]:
