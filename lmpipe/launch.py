@@ -147,8 +147,9 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
             "--doc-split"
         )
     had_list, now_list = had_files.split("|"), files.split("|")
+    # lmpipe before 2026-11-27 read a file reached twice (a link, a folder and a file in it) twice an epoch
     if had_split == split and set(had_list) == set(now_list) and len(had_list) > len(now_list):
-        raise SettingsError(  # lmpipe before 2026-11-27 read a file reached twice (a link, a folder and a file in it) twice
+        raise SettingsError(
             f"{path} was trained reading a file of --data more than once an epoch, which lmpipe now reads "
             "once: that checkpoint's record ids cannot be followed; start a new run"
         )
