@@ -15,7 +15,10 @@ causal triangle is masked), is checked against the trainer's kernel (outputs and
   cu_seqlens, the row length as the longest piece), where flash_attn.cute is installed;
 - flex, FLASH backend: the trainer's FlexAttention with kernel_options BACKEND=FLASH (FlashAttention-4's
   kernels behind FlexAttention's block mask), where torch and flash_attn.cute allow it;
-- SDPA causal: plain causal attention ignoring documents, the work a row would cost without the mask.
+- cuDNN varlen: cuDNN's fused attention over the same pieces (torch.ops.aten._cudnn_attention_forward with
+  cumulative offsets, the path torch.nn.attention.varlen keeps switched off), where this torch has it;
+- SDPA causal: plain causal attention ignoring documents, the work a row would cost without the mask, with
+  torch's default kernel and with cuDNN's.
 Writes bench/results/attention-<date>.md.
 """
 
@@ -88,6 +91,39 @@ def fa4_fn():
         out = flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
                                      max_seqlen_k=max_len, causal=True)  # fmt: skip
         return (out[0] if isinstance(out, tuple) else out).view(B, L, H, D)
+
+    return run
+
+
+def cudnn_varlen_fn():
+    """cuDNN's fused attention over document pieces; q, k, v [B, L, H, D] -> [B, L, H, D]."""
+    if not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
+        return None
+
+    class CudnnVarlen(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, cu, max_len):
+            scale = q.shape[-1] ** -0.5
+            out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+                q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale
+            )
+            ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+            ctx.max_len, ctx.scale = max_len, scale
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+            dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+                dout.contiguous(), q, k, v, out, lse, seed, offset, q.new_empty(0), cu, cu,
+                ctx.max_len, ctx.max_len, 0.0, True, scale=ctx.scale,
+            )  # fmt: skip
+            return dq, dk, dv, None, None
+
+    def run(q, k, v, cu, max_len):
+        B, L, H, D = q.shape
+        flat = [t.reshape(B * L, H, D) for t in (q, k, v)]
+        return CudnnVarlen.apply(*flat, cu, max_len).view(B, L, H, D)
 
     return run
 
@@ -165,6 +201,9 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/lmpipe-bench")
     p.add_argument("--out", default=None)
     p.add_argument("--fa4-tiles", action="store_true", help="only FlashAttention-4's tile choices, timed")
+    p.add_argument(
+        "--only", nargs="+", default=None, help="only the kernels whose names contain one of these"
+    )
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention needs a CUDA GPU")
@@ -197,6 +236,7 @@ def main() -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     vl = varlen_fn()
     fa4 = fa4_fn()
+    cudnn = cudnn_varlen_fn()
 
     def make(name: str, block: int = 128, tuned: bool = False, options: dict | None = None):
         """(prepare(batch) -> state, call(q, k, v, state) -> out [B, H, L, D])"""
@@ -215,8 +255,8 @@ def main() -> None:
                 return varlen_attention(*(t.transpose(1, 2) for t in (q, k, v)), cu).transpose(1, 2)
 
             return prep_padded, call_op
-        if name.startswith("varlen") or name.startswith("FA4"):
-            fn = vl if name.startswith("varlen") else fa4
+        if name.startswith(("varlen", "FA4", "cuDNN varlen")):
+            fn = vl if name.startswith("varlen") else cudnn if name.startswith("cuDNN") else fa4
             assert fn is not None
 
             def prep(bt):
@@ -228,6 +268,13 @@ def main() -> None:
                 return out.transpose(1, 2)
 
             return prep, call
+        if "cuDNN" in name:
+
+            def sdpa_cudnn(q, k, v, _):
+                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                    return sdpa(q, k, v, is_causal=True)
+
+            return (lambda bt: None), sdpa_cudnn
         return (lambda bt: None), (lambda q, k, v, _: sdpa(q, k, v, is_causal=True))
 
     variants: list[tuple[str, dict]] = [
@@ -245,7 +292,15 @@ def main() -> None:
             ("FA4 varlen, as the trainer calls it (--attention flash)", {}),
             ("flex, 128-blocks, FLASH backend", {"options": {"BACKEND": "FLASH"}}),
         ]
-    variants += [("SDPA causal, no document mask (reference work)", {})]
+    variants += (
+        [("cuDNN varlen (aten._cudnn_attention_forward, exact offsets)", {})] if cudnn is not None else []
+    )
+    variants += [
+        ("SDPA causal, no document mask (reference work)", {}),
+        ("SDPA causal, cuDNN kernel, no document mask (reference work)", {}),
+    ]
+    if a.only:  # the first row stays: it is the reference every other row is checked and timed against
+        variants = variants[:1] + [v for v in variants[1:] if any(o in v[0] for o in a.only)]
     ref: list[tuple[torch.Tensor, torch.Tensor]] = []
     rows = []
     for name, kw in variants:
