@@ -40,6 +40,14 @@ VARIANTS: list[tuple] = [
         {"compile_mode": "max-autotune-no-cudagraphs"},
         {"max_autotune_gemm_backends": "ATEN"},
     ),
+    # Triton's persistent TMA matmul templates (Hopper) join cuBLAS in the autotuning, and a template may take
+    # its epilogue (the GELU after c_fc, a bias, a residual add) instead of a separate pass over the output
+    (
+        "max-autotune with persistent TMA matmul templates (fused epilogues, no CUDA graphs)",
+        {},
+        {"compile_mode": "max-autotune-no-cudagraphs"},
+        {"triton.enable_persistent_tma_matmul": True},
+    ),
     ("fp8 matmuls in the blocks (torchao float8)", {}, {"precision": "fp8"}),
     ("fp32 residual stream, as autocast leaves it (--residual-dtype fp32)", {}, {"residual_dtype": "fp32"}),
     # gpt-fast's and modded-nanogpt's setting: inductor tunes each generated kernel's launch parameters
