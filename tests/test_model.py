@@ -127,6 +127,33 @@ def test_accumulation_equals_one_big_batch(strategy):
     assert not torch.equal(pa[0], next(base.parameters())), "the step changed the weights"
 
 
+@pytest.mark.parametrize("grad_clip", [0.05, 1e6])  # clipping, and a limit no gradient reaches
+def test_clipping_inside_the_fused_step_equals_clip_grad_norm(grad_clip):
+    """The fused AdamW divides the gradients by the clip factor as it reads them (no pass of its own):
+    the same update, and the same norm reported, as clip_grad_norm_'s multiply followed by the step."""
+    micro = [build_inputs(*_masked_packed_batch(48, seed)[:3], attention="dense") for seed in (0, 1)]
+    cfg = TrainConfig(grad_clip=grad_clip, fused_adamw=True)
+    runs = []
+    for inside in (True, False):
+        model = tiny_model(seed=5).train()
+        opt = make_optimizer(model, cfg, torch.device("cpu"))
+        assert opt.defaults["fused"] is True and opt._step_supports_amp_scaling  # type: ignore[attr-defined]
+        if not inside:  # the step as it was: clip the gradients in place, then a plain fused step
+            opt._step_supports_amp_scaling = False  # type: ignore[attr-defined]
+        runner = StepRunner(model, opt, cfg, None)
+        norms = [runner.step([m], 100.0, lr=1e-2)[1] for m in micro]  # two steps: Adam's moments matter
+        assert not any(hasattr(opt, k) for k in ("grad_scale", "found_inf"))
+        runs.append((norms, [p.detach().clone() for p in model.parameters()]))
+    (n_in, p_in), (n_ref, p_ref) = runs
+    assert n_in[0] > 0.05  # the small limit clips
+    torch.testing.assert_close(n_in, n_ref)
+    for a, b in zip(p_in, p_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(
+        p_in[0], tiny_model(seed=5).state_dict()[next(iter(tiny_model(seed=5).state_dict()))]
+    )
+
+
 def test_fused_adamw_is_used_when_available():
     opt = make_optimizer(tiny_model(), TrainConfig(fused_adamw=True), torch.device("cpu"))
     assert opt.defaults["fused"] is True
