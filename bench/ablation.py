@@ -8,6 +8,8 @@ Prints a table of tokens/s and peak GPU memory and writes bench/results/ablation
 from __future__ import annotations
 
 import argparse
+import contextlib
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -23,7 +25,7 @@ from bench.trainbench import (
     train_config,
 )
 
-# (name, pipeline overrides, trainer overrides[, torch._inductor.config overrides])
+# (name, pipeline overrides, trainer overrides[, torch._inductor.config overrides[, module constants]])
 VARIANTS: list[tuple] = [
     ("all on", {}, {}),
     ("CUDA graphs (compile mode reduce-overhead)", {}, {"compile_mode": "reduce-overhead"}),
@@ -52,6 +54,20 @@ VARIANTS: list[tuple] = [
     ("fp32 residual stream, as autocast leaves it (--residual-dtype fp32)", {}, {"residual_dtype": "fp32"}),
     # gpt-fast's and modded-nanogpt's setting: inductor tunes each generated kernel's launch parameters
     ("coordinate-descent tuning (inductor)", {}, {}, {"coordinate_descent_tuning": True}),
+    (
+        "loss kernel with a program per row (PER_SM 0, as before)",
+        {},
+        {},
+        {},
+        {"lmpipe.consumer.loss.PER_SM": 0},
+    ),
+    (
+        "clipping in a pass of its own (clip_grad_norm_), not in the fused AdamW",
+        {},
+        {},
+        {},
+        {"lmpipe.consumer.step.CLIP_IN_STEP": False},
+    ),
     ("no copy stream (H2D on the compute stream)", {}, {"copy_stream": False}),
     ("no torch.compile", {}, {"compile": False}),
     ("no fused AdamW (foreach)", {}, {"fused_adamw": False}),
@@ -77,13 +93,16 @@ def main() -> None:
     tok, shards = bench_data(Path(args.work))
     rows = []
     base = None
-    for name, pover, tover, *inductor in VARIANTS:
+    for name, pover, tover, *more in VARIANTS:
+        inductor, constants = (more + [{}, {}])[:2]
         if args.only and not any(w in name for w in args.only):
             continue
         # --smoke runs on CPU, where fp8 and FlashAttention are refused
         if args.smoke and (tover.get("precision") == "fp8" or tover.get("attention") == "flash"):
             continue
-        with torch._inductor.config.patch(**(inductor[0] if inductor else {})):
+        with torch._inductor.config.patch(**inductor), contextlib.ExitStack() as stack:
+            for target, value in constants.items():  # (a module imported only when its row runs)
+                stack.enter_context(unittest.mock.patch(target, value))
             r = measure_pipeline(
                 pipeline_config(shards, tok, args, **pover), train_config(args, **tover), args.warmup
             )

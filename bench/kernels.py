@@ -47,6 +47,26 @@ def classify(name: str) -> str:
     return next((c for c, pat in CLASSES if re.search(pat, name, re.I)), "other")
 
 
+def gpu_idle(events, steps: int, top: int = 8) -> tuple[float, list[list]]:
+    """ms per step with no kernel running (between the first kernel and the last, over all streams), and the
+    `top` longest gaps: [ms, the kernel before, the kernel after]."""
+    ks = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation),
+        key=lambda e: e.time_range.start,
+    )
+    if not ks:
+        return float("nan"), []
+    idle, gaps, end, last = 0.0, [], ks[0].time_range.end, ks[0]
+    for e in ks[1:]:
+        if e.time_range.start > end:
+            gap = (e.time_range.start - end) / 1e3
+            idle += gap
+            gaps.append([round(gap, 3), last.name[:60], e.name[:60]])
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e
+    return idle / steps, sorted(gaps, key=lambda g: -g[0])[:top]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(p)
@@ -68,7 +88,13 @@ def main() -> None:
             step(args.warmup + i)
         sync()
         wall = (time.perf_counter() - t0) / args.steps
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # user annotations (Optimizer.step#AdamW.step) span kernels that are counted on their own: left out
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    idle, gaps = gpu_idle(prof.events(), args.steps)
     per_class: dict[str, float] = defaultdict(float)
     for e in kernels:
         per_class[classify(e.key)] += e.self_device_time_total / 1e3 / args.steps  # ms per step
@@ -94,6 +120,7 @@ def main() -> None:
             f"{(flops - attention_flops) / (mm / 1e3) / 1e12:.0f} TFLOP/s" if mm else "n/a",
         ],
         ["time outside matmuls", f"{gpu - mm:.2f} ms per step ({100 * (gpu - mm) / gpu:.1f}% of GPU time)"],
+        ["GPU idle between the first and the last kernel", f"{idle:.2f} ms per step"],
     ]
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[: args.top]
     top_rows = [[e.key[:90], classify(e.key), e.count // args.steps, f"{e.self_device_time_total / 1e3 / args.steps:.3f}"]
@@ -107,6 +134,8 @@ def main() -> None:
         + table(["kind", "ms per step", "% of GPU time"], rows)
         + f"\n\n## The {args.top} kernels that take longest\n\n"
         + table(["kernel", "kind", "calls per step", "ms per step"], top_rows)
+        + "\n\n## The longest GPU idle gaps (the GPU waiting on the host)\n\n"
+        + table(["gap ms", "after kernel", "before kernel"], gaps)
     )
     print(body)
     write_result("kernels", "Where a step's GPU time goes", body, args.out)

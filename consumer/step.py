@@ -21,6 +21,9 @@ from lmpipe.consumer.scaler import LossScaler
 
 log = logging.getLogger("lmpipe.trainer")
 
+# With a fused AdamW, clip inside its step (see StepRunner.step); False: clip_grad_norm_'s own pass (bench)
+CLIP_IN_STEP = True
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * lr over lr_decay_steps (or `steps`)."""
@@ -101,7 +104,11 @@ class StepRunner:
                 torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.cfg.grad_clip, norm)
             self.scaler.step(self.optimizer)  # skipped on the device when gradients overflowed
             self.scaler.update()
-        elif self.cfg.grad_clip > 0 and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+        elif (
+            self.cfg.grad_clip > 0
+            and CLIP_IN_STEP
+            and getattr(self.optimizer, "_step_supports_amp_scaling", False)
+        ):
             # A fused optimizer divides each gradient by `grad_scale` as it reads it (GradScaler's
             # protocol), so clipping needs no pass of its own over the gradients: 0.4 ms of a GPT-2 124M
             # step on an H100. clip_grad_norm_ multiplies by grad_clip / (norm + 1e-6), at most 1.
