@@ -55,13 +55,6 @@ VARIANTS: list[tuple] = [
     # gpt-fast's and modded-nanogpt's setting: inductor tunes each generated kernel's launch parameters
     ("coordinate-descent tuning (inductor)", {}, {}, {"coordinate_descent_tuning": True}),
     (
-        "loss kernel with a program per row (PER_SM 0, as before)",
-        {},
-        {},
-        {},
-        {"lmpipe.consumer.loss.PER_SM": 0},
-    ),
-    (
         "clipping in a pass of its own (clip_grad_norm_), not in the fused AdamW",
         {},
         {},

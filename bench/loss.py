@@ -40,7 +40,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--blocks", default="2048,4096,8192,16384,32768")
     p.add_argument("--warps", default="8,16,32")
-    p.add_argument("--per-sm", default="0,1,2,4", help="programs per SM (0: one program per row)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -61,19 +60,18 @@ def main() -> None:
         return step
 
     base = timed(run(torch_loss), a.steps)
-    rows = [["torch.compile cross-entropy", "", "", "", base, 1.0]]
+    rows = [["torch.compile cross-entropy", "", "", base, 1.0]]
     print(f"torch: {base:.3f} ms", flush=True)
-    for per_sm in map(int, a.per_sm.split(",")):
-        for block in map(int, a.blocks.split(",")):
-            for warps in map(int, a.warps.split(",")):
-                L.BLOCK, L.WARPS, L.PER_SM = block, warps, per_sm
-                ms = timed(run(lambda h, w, t: L._HeadLoss.apply(h, w, t, IGNORE)), a.steps)
-                rows.append(["one-pass kernel", per_sm or "a row each", block, warps, ms, base / ms])
-                print(f"kernel per SM={per_sm} BLOCK={block} warps={warps}: {ms:.3f} ms", flush=True)
+    for block in map(int, a.blocks.split(",")):
+        for warps in map(int, a.warps.split(",")):
+            L.BLOCK, L.WARPS = block, warps
+            ms = timed(run(lambda h, w, t: L._HeadLoss.apply(h, w, t, IGNORE)), a.steps)
+            rows.append(["one-pass kernel", block, warps, ms, base / ms])
+            print(f"kernel BLOCK={block} warps={warps}: {ms:.3f} ms", flush=True)
     body = (
         f"lm_head [{a.vocab} x {a.dim}] over {a.tokens:,} tokens, bf16, forward + backward (both matmuls "
         f"included), mean of {a.steps} after a warm-up.\n\n"
-        + table(["loss", "programs per SM", "BLOCK", "warps", "ms", "speed-up"], rows)
+        + table(["loss", "BLOCK", "warps", "ms", "speed-up"], rows)
     )
     print(body)
     write_result("loss", "The LM head's loss: torch against the one-pass kernel", body, a.out)

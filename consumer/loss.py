@@ -19,44 +19,33 @@ import triton.language as tl
 
 BLOCK = 8192  # vocabulary entries a program reads at a time (bench.loss: best of 2k-32k x 8-32 warps)
 WARPS = 8
-# Programs per SM, each looping over rows (0: one program per row). A row is read twice, and its second read
-# should come from L2: with a program per row, an H100 keeps ~1,000 rows of GPT-2's 100 KB in flight, twice
-# its 50 MB L2, so the second read went to memory too. A few programs an SM keep the rows in flight in L2.
-PER_SM = 2
 
 
 @triton.jit
-def _ce_rows(logits, stride, targets, losses, rows, vocab, ignore, BLOCK: tl.constexpr):
+def _ce_rows(logits, stride, targets, losses, vocab, ignore, BLOCK: tl.constexpr):
     """Per row: loss = logsumexp(x) - x[target] (0 where target == ignore); x := softmax(x) - one-hot
-    (0 where ignored), in place. Program p takes rows p, p + programs, ..."""
-    for r in range(tl.program_id(0), rows, tl.num_programs(0)):
-        row = tl.cast(r, tl.int64)  # (the interpreter gives plain ints)
-        base = logits + row * stride
-        target = tl.load(targets + row)
-        valid = target != ignore
-        m = float("-inf")
-        s = 0.0
-        for off in range(0, vocab, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-            m = m_new
-        lse = m + tl.log(s)
-        picked = tl.load(base + target, mask=valid, other=0.0).to(tl.float32)
-        tl.store(losses + row, tl.where(valid, lse - picked, 0.0))
-        for off in range(0, vocab, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < vocab, other=0.0).to(tl.float32)
-            g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-            g = tl.where(valid, g, 0.0)
-            tl.store(base + cols, g.to(logits.dtype.element_ty), mask=cols < vocab)
-
-
-def _programs(rows: int, device: torch.device) -> int:
-    if PER_SM <= 0 or device.type != "cuda":  # Triton's interpreter (tests): a program per row
-        return rows
-    return max(1, min(rows, PER_SM * torch.cuda.get_device_properties(device).multi_processor_count))
+    (0 where ignored), in place."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    target = tl.load(targets + row)
+    valid = target != ignore
+    m = float("-inf")
+    s = 0.0
+    for off in range(0, vocab, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    lse = m + tl.log(s)
+    picked = tl.load(base + target, mask=valid, other=0.0).to(tl.float32)
+    tl.store(losses + row, tl.where(valid, lse - picked, 0.0))
+    for off in range(0, vocab, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+        g = tl.where(valid, g, 0.0)
+        tl.store(base + cols, g.to(logits.dtype.element_ty), mask=cols < vocab)
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -64,17 +53,8 @@ class _HeadLoss(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ignore: int) -> torch.Tensor:
         logits = h @ w.t()
         losses = torch.empty(logits.size(0), device=logits.device, dtype=torch.float32)
-        rows = logits.size(0)
-        _ce_rows[(_programs(rows, logits.device),)](
-            logits,
-            logits.stride(0),
-            targets,
-            losses,
-            rows,
-            logits.size(1),
-            ignore,
-            BLOCK=BLOCK,
-            num_warps=WARPS,
+        _ce_rows[(logits.size(0),)](
+            logits, logits.stride(0), targets, losses, logits.size(1), ignore, BLOCK=BLOCK, num_warps=WARPS
         )
         ctx.save_for_backward(h, w, logits)  # logits now hold d(loss)/d(logits)
         return losses.sum()

@@ -16,10 +16,7 @@ pytest.importorskip("triton", reason="Triton is not installed (it comes with tor
 CHECK = """
 import torch, torch.nn.functional as F
 from lmpipe.consumer import loss as L
-import sys
 L.BLOCK = 128  # several blocks a row, the last one partial
-if sys.argv[1:] == ["looping"]:  # fewer programs than rows, as on a GPU: each loops over several rows
-    L._programs = lambda rows, device: 7
 torch.manual_seed(0)
 n, c, v = 48, 16, 300
 for upstream in (1.0, 0.37):
@@ -45,15 +42,9 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("programs", ["one per row", "looping"])
-def test_loss_kernel_equals_torchs_cross_entropy_in_the_interpreter(programs):
+def test_loss_kernel_equals_torchs_cross_entropy_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when the kernel is defined: a fresh process
     out = subprocess.run(
-        [sys.executable, "-c", CHECK, programs],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
