@@ -43,6 +43,12 @@ CLASSES = [
 ]
 
 
+BLOCKING = (
+    r"^cuda(Stream|Device|Event)Synchronize|^cudaMemcpy$|^cudaMemcpyAsync|^cuda(Malloc|Free)|^cudaHostAlloc"
+    r"|^aten::(item|_local_scalar_dense|nonzero|is_nonzero|masked_select|unique)"
+)
+
+
 def classify(name: str) -> str:
     return next((c for c, pat in CLASSES if re.search(pat, name, re.I)), "other")
 
@@ -95,6 +101,13 @@ def main() -> None:
         if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
     ]
     idle, gaps = gpu_idle(prof.events(), args.steps)
+    # what makes the host wait for the GPU (a sync ends the host's lead, and the GPU idles while the host
+    # launches the next kernels): CUDA runtime calls and the aten ops that sync, by host time per step
+    blocking = [
+        [e.key[:70], e.count // args.steps, f"{e.cpu_time_total / 1e3 / args.steps:.3f}"]
+        for e in sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total)
+        if e.device_type == torch.autograd.DeviceType.CPU and re.search(BLOCKING, e.key)
+    ][:12]
     per_class: dict[str, float] = defaultdict(float)
     for e in kernels:
         per_class[classify(e.key)] += e.self_device_time_total / 1e3 / args.steps  # ms per step
@@ -136,6 +149,8 @@ def main() -> None:
         + table(["kernel", "kind", "calls per step", "ms per step"], top_rows)
         + "\n\n## The longest GPU idle gaps (the GPU waiting on the host)\n\n"
         + table(["gap ms", "after kernel", "before kernel"], gaps)
+        + "\n\n## Host calls that can wait for the GPU\n\n"
+        + table(["call", "calls per step", "host ms per step"], blocking)
     )
     print(body)
     write_result("kernels", "Where a step's GPU time goes", body, args.out)
