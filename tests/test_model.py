@@ -127,16 +127,21 @@ def test_accumulation_equals_one_big_batch(strategy):
     assert not torch.equal(pa[0], next(base.parameters())), "the step changed the weights"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("grad_clip", [0.05, 1e6])  # clipping, and a limit no gradient reaches
-def test_clipping_inside_the_fused_step_equals_clip_grad_norm(grad_clip):
+def test_clipping_inside_the_fused_step_equals_clip_grad_norm(grad_clip, device):
     """The fused AdamW divides the gradients by the clip factor as it reads them (no pass of its own):
     the same update, and the same norm reported, as clip_grad_norm_'s multiply followed by the step."""
-    micro = [build_inputs(*_masked_packed_batch(48, seed)[:3], attention="dense") for seed in (0, 1)]
+    dev = torch.device(device)
+    micro = [
+        build_inputs(*(t.to(dev) for t in _masked_packed_batch(48, seed)[:3]), attention="dense")
+        for seed in (0, 1)
+    ]
     cfg = TrainConfig(grad_clip=grad_clip, fused_adamw=True)
     runs = []
     for inside in (True, False):
-        model = tiny_model(seed=5).train()
-        opt = make_optimizer(model, cfg, torch.device("cpu"))
+        model = tiny_model(seed=5).to(dev).train()
+        opt = make_optimizer(model, cfg, dev)
         assert opt.defaults["fused"] is True and opt._step_supports_amp_scaling  # type: ignore[attr-defined]
         if not inside:  # the step as it was: clip the gradients in place, then a plain fused step
             opt._step_supports_amp_scaling = False  # type: ignore[attr-defined]
@@ -149,9 +154,7 @@ def test_clipping_inside_the_fused_step_equals_clip_grad_norm(grad_clip):
     torch.testing.assert_close(n_in, n_ref)
     for a, b in zip(p_in, p_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert not torch.equal(
-        p_in[0], tiny_model(seed=5).state_dict()[next(iter(tiny_model(seed=5).state_dict()))]
-    )
+    assert not torch.equal(p_in[0].cpu(), next(tiny_model(seed=5).parameters()))  # the steps changed them
 
 
 def test_fused_adamw_is_used_when_available():
