@@ -21,10 +21,15 @@ Row r of a table is one record; a null, empty, non-UTF-8 or out-of-vocabulary ro
 `FILE:row R` (R counts from 0 in that file, as `dataset[R]` does), counted and skipped like a bad line.
 A file that cannot be decoded at all (a truncated gzip or zstd stream, a damaged Parquet file) stops the
 reader with one line naming the file: re-download or re-create it (`lmpipe prepare` reads every byte).
-A local file is checked against its size and modification time when the run found it, before each pass
-opens it and after each pass reads it (an Arrow file: before each batch too): one changed (truncated,
-appended to, rewritten, replaced) stops the reader with one line (CorpusChanged), never a shorter epoch
-passed off as the corpus (a file emptied under --epochs 0 ended a run as if complete).
+A local file is checked against its size, modification and status-change times and inode when the run
+found it, before each pass opens it and after each pass reads it (an Arrow file: before each batch too):
+one changed (truncated, appended to, rewritten, replaced) stops the reader with one line (CorpusChanged),
+never a shorter epoch passed off as the corpus (a file emptied under --epochs 0 ended a run as if
+complete). One of the same size whose times or inode changed (touched, copied over with the same bytes) is
+hashed again and compared with the digest taken when it was found (blake2b of its size and content, the
+first, middle and last 64 KiB of a file over 256 KiB): the same, it is read on, said once in an info line;
+other bytes, it stops the run as any other change. A file:// URL of a local file is that file for "reached
+more than once".
 
 pyarrow (lmpipe[parquet]) and zstandard (lmpipe[zstd]) are needed only for the files that use them.
 """
@@ -32,15 +37,17 @@ pyarrow (lmpipe[parquet]) and zstandard (lmpipe[zstd]) are needed only for the f
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import logging
 import os
 import stat
+import threading
 import time
 import zlib
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
@@ -70,6 +77,9 @@ _said_unread: set[str] = set()  # files whose text column is read over ids or pr
 ROWS_PER_BATCH = 4096  # rows decoded at a time from a Parquet row group
 _said_again: set[str] = set()  # files reached more than once, said once per process (forked producers too)
 SAID_AGAIN = 3  # duplicate files named in that one line, at most
+DIGEST_WHOLE = 256 << 10  # a local file this size or smaller is hashed whole when found (and when rechecked)
+DIGEST_SAMPLE = 64 << 10  # a larger one: its first, middle and last this many bytes
+_recheck = threading.Lock()  # one thread hashes a changed-looking file again; the others then see its answer
 
 
 class FormatError(ValueError):
@@ -89,6 +99,11 @@ class DataFile:
     remote: Remote | None = None
     inode: tuple[int, int] | None = None  # a local file's (st_dev, st_ino): which paths are the same file
     mtime_ns: int = 0  # a local file's modification time when the run found it
+    ctime_ns: int = 0  # and its status-change time: a rewrite that sets the modification time back moves it
+    # blake2b of a local file's size and content when found (_content_digest); None: it could not be read
+    digest: bytes | None = field(default=None, repr=False)
+    # (st_dev, st_ino, st_mtime_ns, st_ctime_ns) it has had since, hashed again and found the same content
+    same_content: set[tuple[int, int, int, int]] = field(default_factory=set, repr=False)
 
     def __str__(self) -> str:
         return self.path
@@ -172,14 +187,15 @@ def resolve(paths: list[str]) -> list[DataFile]:
 
 def _read_once(files: list[DataFile]) -> list[DataFile]:
     """Each file once, where it first comes: a local file by its (device, inode), so another path to it (a
-    symlink, a hard link, ./a.txt) is the same file; a URL by itself. Read again, it would be trained twice
-    an epoch, unsaid. Its first place keeps the record ids of the files before the others."""
+    symlink, a hard link, ./a.txt, a file:// URL of it) is the same file; any other URL by itself. Read
+    again, it would be trained twice an epoch, unsaid. Its first place keeps the record ids of the files
+    before the others."""
     first: dict[object, DataFile] = {}
     again: dict[DataFile, list[str]] = {}
     out = []
     for f in files:
         # with its size and time: a file system that numbers inodes loosely cannot make two files one
-        key = (f.inode, f.size, f.mtime_ns) if f.inode is not None else f.path
+        key = (f.inode, f.size, f.mtime_ns) if f.inode is not None else _local_key(f)
         kept = first.setdefault(key, f)
         if kept is f:
             out.append(f)
@@ -194,8 +210,69 @@ def _read_once(files: list[DataFile]) -> list[DataFile]:
     return out
 
 
+def _local_key(f: DataFile) -> object:
+    """What tells a URL apart from other files read: a file:// URL, the local file it names (as a path to
+    it would be keyed); any other, itself."""
+    if f.remote is None or f.remote.proto not in ("file", "local"):
+        return f.path
+    try:
+        st = os.stat(f.remote.key(f.path))
+    except (OSError, ValueError):
+        return f.path
+    return ((st.st_dev, st.st_ino), f.size, st.st_mtime_ns)
+
+
+def _content_digest(fd: int, size: int) -> bytes:
+    """blake2b of a file's size and bytes: all of them up to DIGEST_WHOLE, else its first, middle and last
+    DIGEST_SAMPLE (a touch, a copy of the same bytes, a shuffled or regenerated table are told apart from
+    the file as found for a few reads, not a pass over it)."""
+    h = hashlib.blake2b(size.to_bytes(8, "little"), digest_size=16)
+    if size <= DIGEST_WHOLE:
+        spans = [(0, size)]
+    else:
+        spans = [
+            (0, DIGEST_SAMPLE),
+            ((size - DIGEST_SAMPLE) // 2, DIGEST_SAMPLE),
+            (size - DIGEST_SAMPLE, DIGEST_SAMPLE),
+        ]
+    for at, n in spans:
+        while n > 0:
+            data = os.pread(fd, min(n, 1 << 20), at)
+            if not data:  # cut short while hashed: the stat after it says so
+                break
+            h.update(data)
+            at, n = at + len(data), n - len(data)
+    return h.digest()
+
+
+def _state(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _snapshot(path: str) -> tuple[os.stat_result, bytes | None]:
+    """A file's stat and content digest, of the same bytes: hashed again while it changes under the hash
+    (no digest after three tries, nor for what is not a regular file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put in its place does not block the open
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return st, None
+        for _ in range(3):
+            digest = _content_digest(fd, st.st_size)
+            after = os.fstat(fd)
+            if _state(after) == _state(st) and after.st_size == st.st_size:
+                return st, digest
+            st = after
+        return st, None
+    finally:
+        os.close(fd)
+
+
 def _local_file(path: Path) -> DataFile:
-    st = path.stat()
+    try:
+        st, digest = _snapshot(str(path))
+    except OSError:
+        st, digest = path.stat(), None  # unreadable: reading it says so; without a digest any change stops
 
     def peek(a: int, b: int) -> bytes:
         with open(path, "rb") as f:
@@ -204,13 +281,26 @@ def _local_file(path: Path) -> DataFile:
 
     fmt, compression = _classify(path.name, st.st_size, peek)
     return DataFile(
-        str(path), fmt, compression, st.st_size, inode=(st.st_dev, st.st_ino), mtime_ns=st.st_mtime_ns
+        str(path),
+        fmt,
+        compression,
+        st.st_size,
+        inode=(st.st_dev, st.st_ino),
+        mtime_ns=st.st_mtime_ns,
+        ctime_ns=st.st_ctime_ns,
+        digest=digest,
     )
 
 
+def _when(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
+
+
 def check_unchanged(f: DataFile) -> None:
-    """Raise CorpusChanged when local file `f` is not as the run found it (size, modification time): record
-    ids and cursors number its records as they were, and an emptied file read as one would end the epoch."""
+    """Raise CorpusChanged when local file `f` is not as the run found it: record ids and cursors number its
+    records as they were, and an emptied file read as one would end the epoch. Its size, times and inode
+    are compared (a stat); a file of the same size whose times or inode changed is hashed again (once per
+    new state) and read on if its content is as found."""
     if f.inode is None:  # a URL: its size was taken at the start, and is what ranged reads stop at
         return
     try:
@@ -224,15 +314,50 @@ def check_unchanged(f: DataFile) -> None:
             what = "no longer a regular file"
         elif st.st_size != f.size:
             what = f"{f.size:,} -> {st.st_size:,} bytes"
-        elif st.st_mtime_ns != f.mtime_ns:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.st_mtime_ns / 1e9))
-            what = f"still {f.size:,} bytes, but modified at {when}"
-        else:
+        elif _state(st) == (*f.inode, f.mtime_ns, f.ctime_ns) or _state(st) in f.same_content:
             return
+        else:
+            with _recheck:
+                changed = _changed_content(f)
+            if changed is None:
+                return
+            what = changed
     raise CorpusChanged(
         f"corpus file {f} changed during the run ({what}); the run cannot go on reading it as it was: "
         "restore it or start a new run"
     )
+
+
+def _changed_content(f: DataFile) -> str | None:
+    """How local file `f`, of its size but not its times or inode when found, changed; None if its
+    content is as found (then its new state is remembered, and said once)."""
+    try:
+        st, digest = _snapshot(f.path)
+    except FileNotFoundError:
+        return "deleted or moved away"
+    except OSError as exc:
+        return f"no longer readable: {exc.strerror or exc}"
+    state = _state(st)
+    if not stat.S_ISREG(st.st_mode):
+        return "no longer a regular file"
+    if st.st_size != f.size:
+        return f"{f.size:,} -> {st.st_size:,} bytes"
+    if state in f.same_content:  # another thread hashed it while this one waited
+        return None
+    same = digest is not None and digest == f.digest
+    if (st.st_dev, st.st_ino) != f.inode:
+        how = "replaced by another file" + (
+            f" modified at {_when(st.st_mtime_ns)}" if st.st_mtime_ns != f.mtime_ns else " of the same time"
+        )
+    elif st.st_mtime_ns != f.mtime_ns:
+        how = f"modified at {_when(st.st_mtime_ns)}"
+    else:  # only its status-change time: written (or its metadata changed), its modification time kept
+        how = f"{'its status changed' if same else 'rewritten'} at {_when(st.st_ctime_ns)} (its time kept)"
+    if not same:
+        return f"still {f.size:,} bytes, but {how}"
+    f.same_content.add(state)
+    log.info("corpus file %s: %s, but its content is as the run found it; reading on", f, how)
+    return None
 
 
 def _resolve_local(p: str) -> list[DataFile]:
