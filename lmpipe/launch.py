@@ -143,8 +143,9 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
     (had_split, _, had_files), (split, _, files) = str(had).partition("|"), now.partition("|")
     if had_files == files and not corpus.random_access:
         raise SettingsError(
-            f"{path} was trained with --doc-split {had_split}, this run has {split}: resume with the same "
-            "--doc-split"
+            # the value as `--doc-split X`, so that the CLI names LMPIPE_DOC_SPLIT where that gave it
+            f"{path} was trained with --doc-split {had_split}, this run has --doc-split {split}: resume with "
+            "the same --doc-split"
         )
     had_list, now_list = had_files.split("|"), files.split("|")
     # lmpipe before 2026-11-27 read a file reached twice (a link, a folder and a file in it) twice an epoch
@@ -165,8 +166,9 @@ def check_not_read_back(flag: str, path: str | None, data: list[str]) -> None:
         folder = Path(path).resolve().parent
         for d in data:
             if Path(d).is_dir() and Path(d).resolve() == folder:
-                raise SettingsError(f"{flag} {path} is in --data's folder {d}, where a later run reads it as "
-                                    "corpus; write it elsewhere")  # fmt: skip
+                # `--data D`: the CLI names it `D (in LMPIPE_DATA)` where the variable gave it
+                raise SettingsError(f"{flag} {path} is in the folder --data {d}, where a later run reads it "
+                                    "as corpus; write it elsewhere")  # fmt: skip
 
 
 def say_left_out(data: list[str]) -> None:

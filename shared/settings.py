@@ -322,13 +322,62 @@ def name_sources(message: str, ns: argparse.Namespace, classes: Iterable[type]) 
     """`message` with each mention of a setting's value that came from the environment naming its variable
     instead of its flag, as single-field errors do: `--seq-len 256` becomes `LMPIPE_SEQ_LEN=256`,
     `--data: ...` becomes `LMPIPE_DATA: ...`, a bool's `--compile` (`--no-compile`) `LMPIPE_COMPILE=on`
-    (`off`). A flag with another value than the setting's (advice: `--accum N`) stays a flag."""
+    (`off`). One item of a list the variable gave is named as in it: `--data b.txt` becomes
+    `b.txt (in LMPIPE_DATA)`. Settings said together, `--rank/--world-size 1/3`, are said one by one where
+    the environment gave any of them: `LMPIPE_RANK=1 and --world-size 3`. A flag with another value than
+    the setting's (advice: `--accum N`) stays a flag."""
     given = getattr(ns, _SOURCES, {})
-    for spec in {s.flag: s for cls in classes for s in specs(cls)}.values():
+    by_flag = {s.flag: s for cls in classes for s in specs(cls)}
+    message = _name_combined(message, ns, by_flag, given)
+    for spec in by_flag.values():
         var = given.get(spec.dest)
         if var and not var.startswith("-") and hasattr(ns, spec.dest):
             message = _name_variable(message, spec, var, getattr(ns, spec.dest))
     return message
+
+
+# a value ends where the sentence goes on: `--device cuda: ...`, but not `--device cuda:1`
+_VALUE_END = r"(?=$|[\s,;)]|:(\s|$))"
+
+
+def _written(spec: Spec, value: Any) -> set[str]:
+    """How a message may write the setting's value: as given, shell-quoted, `0.5` for 5e-1, `1,000`."""
+    items = (value if spec.many else [value]) if value is not None else []
+    written = {" ".join(map(str, items)), " ".join(shlex.quote(str(x)) for x in items)}
+    if isinstance(value, float):
+        written.add(f"{value:g}")
+    if type(value) is int:  # messages print counts with thousands separators: 1,000
+        written.add(f"{value:,}")
+    return written - {""}
+
+
+def _name_combined(message: str, ns: argparse.Namespace, by_flag: dict[str, Spec], given: dict) -> str:
+    """`--rank/--world-size 1/3`, where each value is its setting's and the environment gave one of them
+    at least: each said on its own, `LMPIPE_RANK=1 and --world-size 3`."""
+
+    def one_by_one(m: re.Match) -> str:
+        flags, values = m.group(1).split("/--"), m.group(2).split("/")
+        parts, named = [], False
+        if len(flags) != len(values):
+            return m.group(0)
+        for flag, text in zip(flags, values):
+            spec = by_flag.get(flag)
+            if spec is None or spec.type is bool or not hasattr(ns, spec.dest):
+                return m.group(0)
+            if text not in _written(spec, getattr(ns, spec.dest)):
+                return m.group(0)  # not the value set: advice, or another value
+            var = given.get(spec.dest)
+            if var and not var.startswith("-"):
+                parts.append(f"{var}={text}")
+                named = True
+            else:
+                parts.append(f"--{flag} {text}")
+        if not named:
+            return m.group(0)
+        return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+    flags, values = r"--([\w-]+(?:/--[\w-]+)+)", r"((?:[^\s/,;)]+?/)+[^\s/,;)]+?)"
+    return re.sub(rf"(?<![\w-]){flags} {values}{_VALUE_END}", one_by_one, message)
 
 
 def _name_variable(message: str, spec: Spec, var: str, value: Any) -> str:
@@ -341,15 +390,12 @@ def _name_variable(message: str, spec: Spec, var: str, value: Any) -> str:
         sub(rf"--{'' if value else 'no-'}{flag}(?![\w-])", f"{var}={_show(value)}")
         return message
     sub(rf"--{flag}(?=:(\s|$))", var)
-    items = (value if spec.many else [value]) if value is not None else []
-    written = {" ".join(map(str, items)), " ".join(shlex.quote(str(x)) for x in items)}
-    if isinstance(value, float):
-        written.add(f"{value:g}")
-    if type(value) is int:  # messages print counts with thousands separators: 1,000
-        written.add(f"{value:,}")
-    for text in sorted(written - {""}, key=len, reverse=True):
-        # the value ends where the sentence goes on: `--device cuda: ...`, but not `--device cuda:1`
-        sub(rf"--{flag} {re.escape(text)}(?=$|[\s,;)]|:(\s|$))", f"{var}={text}")
+    for text in sorted(_written(spec, value), key=len, reverse=True):
+        sub(rf"--{flag} {re.escape(text)}{_VALUE_END}", f"{var}={text}")
+    if spec.many and len(value or []) > 1:  # one of the items: `--data b.txt` is `b.txt (in LMPIPE_DATA)`
+        items = {str(x) for x in value} | {shlex.quote(str(x)) for x in value}
+        for text in sorted(items - {""}, key=len, reverse=True):
+            sub(rf"--{flag} {re.escape(text)}{_VALUE_END}", f"{text} (in {var})")
     return message
 
 

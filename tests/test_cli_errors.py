@@ -349,7 +349,7 @@ CASES = [
     (
         "doc-log-in-the-data-folder",
         lambda c: ["run", "--data", str(c.tmp), "--doc-log", str(c.tmp / "docs.jsonl"), *touch(c, "a.txt")],
-        "is in --data's folder",
+        "is in the folder --data",
     ),
 ]
 
@@ -491,6 +491,105 @@ def test_a_value_from_the_environment_is_named_as_its_variable(port, name, varia
     )
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert out.stderr.count("\n") == 1 and out.stderr.startswith(start), out.stderr
+
+
+# -- ... also where the message names one path of LMPIPE_DATA, settings said together, or "this run has" --
+
+
+def two_folders(c: Ctx) -> tuple[Path, Path]:
+    """Two corpus folders, each with a text file."""
+    out = []
+    for name in ("one", "two"):
+        (c.tmp / name).mkdir()
+        (c.tmp / name / "a.txt").write_text(f"A document in {name}.\n")
+        out.append(c.tmp / name)
+    return out[0], out[1]
+
+
+def doc_log_in_one_of_the_data_folders(c: Ctx) -> tuple[list[str], str]:
+    one, two = two_folders(c)
+    c.env["LMPIPE_DATA"] = f"{one} {two}"
+    return ["run", "--doc-log", str(one / "docs.jsonl")], f"is in the folder {one} (in LMPIPE_DATA), where"
+
+
+def doc_log_in_the_data_folder(c: Ctx) -> tuple[list[str], str]:
+    one, _ = two_folders(c)
+    c.env["LMPIPE_DATA"] = str(one)  # the whole list: named as the variable's value
+    return ["run", "--doc-log", str(one / "docs.jsonl")], f"is in the folder LMPIPE_DATA={one}, where"
+
+
+def shard_set_among_the_data(c: Ctx) -> tuple[list[str], str]:
+    one, _ = two_folders(c)
+    shards = c.tmp / "shards"  # what is_shard_dir looks for: meta.json and a shard file beside it
+    shards.mkdir()
+    (shards / "meta.json").write_text("{}")
+    (shards / "tokens-0.bin").write_bytes(b"")
+    c.env["LMPIPE_DATA"] = f"{one} {shards}"
+    said = f"{shards} (in LMPIPE_DATA) is a shard set (lmpipe prepare): give it as the only --data"
+    return ["produce"], said
+
+
+def under_torchrun(rank: str | None, world: str) -> Callable[[Ctx], tuple[list[str], str]]:
+    """`lmpipe train` as rank 0 of 2 under torchrun, with LMPIPE_WORLD_SIZE (and LMPIPE_RANK, or --rank)
+    that disagree: the combined "--rank/--world-size 1/3" names each value's source."""
+
+    def make(c: Ctx) -> tuple[list[str], str]:
+        c.env.update(WORLD_SIZE="2", RANK="0", LMPIPE_WORLD_SIZE=world)
+        said = f"LMPIPE_WORLD_SIZE={world} disagree with torchrun's 0/2"
+        if rank is not None:
+            c.env["LMPIPE_RANK"] = rank
+            return ["train"], f"LMPIPE_RANK={rank} and {said}"
+        return ["train", "--rank", "1"], f"--rank 1 and {said}"
+
+    return make
+
+
+def resume_with_another_doc_split(c: Ctx) -> tuple[list[str], str]:
+    """A checkpoint (its header is all that is read before the run starts) of --doc-split blank on the same
+    file, resumed with LMPIPE_DOC_SPLIT=line."""
+    from lmpipe.producer.sources import Corpus
+
+    one, _ = two_folders(c)
+    data = str(one / "a.txt")
+    ck = c.tmp / "ck"
+    ck.mkdir()
+    trained = Corpus([data], doc_split="blank").fingerprint()
+    (ck / "header.json").write_text(json.dumps({"format_version": 1, "data": trained}))
+    c.env["LMPIPE_DOC_SPLIT"] = "line"
+    said = "was trained with --doc-split blank, this run has LMPIPE_DOC_SPLIT=line: resume with the same --doc-split"
+    return ["run", "--data", data, "--resume", str(ck)], said
+
+
+LATER_CHECKS = [
+    doc_log_in_one_of_the_data_folders,
+    doc_log_in_the_data_folder,
+    shard_set_among_the_data,
+    under_torchrun("1", "3"),
+    under_torchrun(None, "3"),
+    resume_with_another_doc_split,
+]
+
+
+@pytest.mark.parametrize(
+    "make", LATER_CHECKS, ids=["doc-log-in-one-data-folder", "doc-log-in-the-data-folder", "shard-set-in-data",
+                               "rank-and-world-size", "rank-flag-and-world-size", "resume-doc-split"]
+)  # fmt: skip
+def test_a_later_checks_message_names_the_variable_that_gave_the_value(tmp_path, port, make):
+    """Said by a check after the settings were built (and by the producer's corpus, or consumer/config.py's
+    per_rank under torchrun): the value the environment gave is named as its variable there too."""
+    c = Ctx(tmp_path, port, tmp_path, tmp_path)
+    argv, said = make(c)
+    out = subprocess.run(
+        [sys.executable, "-m", "lmpipe", *argv, "--port", str(port), "--metrics-port", "-1"],
+        env={**lmpipe_env(), **c.env},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    assert said in out.stderr, out.stderr
 
 
 @pytest.mark.slow

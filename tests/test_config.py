@@ -179,6 +179,14 @@ def test_only_a_mention_of_the_value_the_environment_gave_names_the_variable(env
         ("--no-tf32 with --tf32", "LMPIPE_TF32=off with --tf32"),
         ("--data a.txt 'my corpus.txt' is empty", "LMPIPE_DATA=a.txt 'my corpus.txt' is empty"),
         ("--data: nothing there", "LMPIPE_DATA: nothing there"),
+        # one path of the list: named as in the variable (a message about it said --data, never typed)
+        (
+            "--data a.txt is a shard set: give it as the only --data",
+            "a.txt (in LMPIPE_DATA) is a shard set: give it as the only --data",
+        ),
+        ("--data 'my corpus.txt': no such file", "'my corpus.txt' (in LMPIPE_DATA): no such file"),
+        ("--data my corpus.txt, a folder", "my corpus.txt (in LMPIPE_DATA), a folder"),
+        ("--data b.txt is a shard set; --data a.txtx too", None),  # not one of its paths
         ("--lr 0.5, higher than 0.1", "LMPIPE_LR=0.5, higher than 0.1"),
         (r"--checkpoint-dir C:\runs\1: not writable", r"LMPIPE_CHECKPOINT_DIR=C:\runs\1: not writable"),
         ("a line exceeds --max-line-bytes 100,000", "a line exceeds LMPIPE_MAX_LINE_BYTES=100,000"),
@@ -186,6 +194,47 @@ def test_only_a_mention_of_the_value_the_environment_gave_names_the_variable(env
         ("--compile-mode default; --lr 0.55; --device cudas", None),  # other flags, other values
     ]:
         assert name_sources(message, ns, (PipelineConfig, TrainConfig)) == (said or message)
+
+
+def test_settings_said_together_are_named_each_by_its_source(env):
+    """per_rank's "--rank/--world-size 1/3 disagree with torchrun's 0/2": said as one, each value from the
+    environment is named as its variable; the message is left as it is unless the values are the run's."""
+    env("LMPIPE_RANK", "1")
+    env("LMPIPE_WORLD_SIZE", "3")
+    both, one = parse("train"), parse("train", "--world-size", "3")
+    said = "--rank/--world-size 1/3 disagree with torchrun's 0/2; leave them out under torchrun"
+    assert name_sources(said, both, (PipelineConfig,)) == (
+        "LMPIPE_RANK=1 and LMPIPE_WORLD_SIZE=3 disagree with torchrun's 0/2; leave them out under torchrun"
+    )
+    assert name_sources(said, one, (PipelineConfig,)).startswith("LMPIPE_RANK=1 and --world-size 3 disagree")
+    assert name_sources(said, parse("train", "--rank", "1", "--world-size", "3"), (PipelineConfig,)) == said
+    for other in ("--rank/--world-size 1/4 disagree", "--rank/--world-size 1/3/5 x", "--rank/--nope 1/3 x"):
+        assert name_sources(other, both, (PipelineConfig,)) == other
+
+
+def test_this_run_has_names_the_variable_that_gave_it(env, tmp_path):
+    """lmpipe/launch.py's refusal of a checkpoint of another --doc-split states this run's as the setting:
+    `this run has --doc-split line`, which names LMPIPE_DOC_SPLIT where that gave it (it said `this run has
+    line`, which nothing could name)."""
+    import json
+
+    from lmpipe.launch import check_resume_corpus
+    from lmpipe.producer.sources import Corpus
+
+    env("LMPIPE_DOC_SPLIT", "line")
+    data = tmp_path / "a.txt"
+    data.write_text("one document\n")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    had = Corpus([str(data)], doc_split="blank").fingerprint()
+    (ck / "header.json").write_text(json.dumps({"format_version": 1, "data": had}))
+    with pytest.raises(SettingsError) as info:
+        check_resume_corpus(Corpus([str(data)], doc_split="line"), TrainConfig(resume=str(ck)))
+    said = name_sources(str(info.value), parse("run"), (PipelineConfig, TrainConfig))
+    assert said == (
+        f"{ck} was trained with --doc-split blank, this run has LMPIPE_DOC_SPLIT=line: resume with the same "
+        "--doc-split"
+    )
 
 
 def test_an_invalid_config_cannot_be_made():

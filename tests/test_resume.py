@@ -397,7 +397,7 @@ def test_a_resume_on_another_corpus_is_refused_before_anything_starts(procs, tmp
     assert split.wait(timeout=60) == 2, procs.log(split)
     lines = procs.log(split).strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith(
-        "was trained with --doc-split blank, this run has line: resume with the same --doc-split"
+        "was trained with --doc-split blank, this run has --doc-split line: resume with the same --doc-split"
     )
     assert _tree_digest(ck) == before
     same = procs.start("run", *base, "--data", str(a), "--steps", "8", "--resume", "auto", name="same")
