@@ -17,7 +17,10 @@ trainer's `stop` or `refuse`) is taken there too, abandoning the batch being bui
 cursors say where each shard resumes); other control messages read there wait for the loop, which handles
 them in order once the batch is built (the shards are mid-update until then). When the control connection
 drops (the trainer died), the producer holds its batches until a trainer welcomes it again, instead of
-streaming into a session that is gone; the hello goes out as soon as the connection is back.
+streaming into a session that is gone; the hello goes out as soon as the connection is back. The keepalive
+reads the connection's events too, so a long document does not hide them: the drop is logged when it
+happens, and the hellos say `rejoin` from then on. An event that comes after a control message the
+keepalive kept for the loop waits behind it, so the two take effect in the order they came.
 A producer the trainer refuses (another wire version, another config, a stopped shard) exits 2 with the
 reason at once: a refusal is never retried.
 """
@@ -89,7 +92,10 @@ class Producer:
         self.cfg, self.opts = cfg, opts
         self.worker = opts.worker
         self.metrics = ProducerMetrics(cfg.strategy)  # every series labelled with its --worker number
-        self._bad = BadRecords(log)  # the first few logged by line, all counted
+        # the first few logged by line, all counted: this process's, each bad record once (the trainer's
+        # summary is the run's: each shard's highest count, from whichever producers read it)
+        self._bad = BadRecords(log, who="this producer")
+        self._bad_read: dict[tuple[int, int, str], int] = {}  # (shards, shard, reason) -> most read here
         self.metrics.bind(self.worker)
         self.tok = load_tokenizer(cfg.tokenizer, cfg.data)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
@@ -113,7 +119,12 @@ class Producer:
         self.interrupted = False
         self._held = False  # the control connection dropped: send nothing until welcomed again
         self._ctrl: zmq.Socket | None = None  # the control socket while the loop runs (for _keepalive)
-        self._deferred: deque[bytes] = deque()  # control messages _keepalive read: the loop handles them
+        self._monitor: zmq.Socket | None = None  # its monitor, and what reads the monitor's events (the same)
+        self._watch: HandshakeWatch | None = None
+        # control messages _keepalive read, and the connection's events read after them (event, when): the
+        # loop handles them in order
+        self._deferred: deque[bytes | tuple[Mapping[str, Any], float]] = deque()
+        self._pending: tuple[HeldShard, list, bool] | None = None  # the next message: shard, frames, is batch
         self._last_hello = 0.0  # monotonic time of the last hello: the loop's and _keepalive's
         self._parent = os.getppid()
         self.metrics.info.info(
@@ -133,7 +144,12 @@ class Producer:
 
         def bad_record(reason: str, where: str, detail: str) -> None:
             counts[reason] = counts.get(reason, 0) + 1
-            self._bad_record(reason, where, detail)
+            # the same records in the same order as any earlier stream of this shard here (one given up and
+            # taken back, a new session's): this process's count and log take only those past its highest
+            key = (shards, shard, reason)
+            if counts[reason] > self._bad_read.get(key, 0):
+                self._bad_read[key] = counts[reason]
+                self._bad_record(reason, where, detail)
 
         return DocStream(
             self.corpus,
@@ -192,9 +208,15 @@ class Producer:
         """Between a stream's encode calls, which run inside the loop (same thread, same socket): the hello
         when one is due, so a long tokenization does not look like a producer gone, and a stop taken at once:
         _Stopping ends the batch being built (the loop stops). The trainer's `stop` and `refuse` are handled
-        here; any other control message is kept for the loop, which handles it after the batch, in order."""
-        ctrl = self._ctrl
+        here; any other control message is kept for the loop, which handles it after the batch, in order.
+        The connection's events are handled here as the loop handles them: a trainer gone is logged when it
+        goes, and the batch being built is held; a trainer back gets a hello at once (saying `rejoin`);
+        refusals make the producer give up. One read after a control message kept for the loop is kept too,
+        behind it (_monitor_event)."""
+        ctrl, monitor = self._ctrl, self._monitor
         if ctrl is not None:
+            while monitor is not None and monitor.poll(0):
+                self._monitor_event(monitor)
             now = time.monotonic()
             if now - self._last_hello >= HELLO_EVERY:
                 self._send_hello(ctrl, now)
@@ -246,7 +268,7 @@ class Producer:
             log.error("cannot connect: %s", exc)
             return 2
         finally:
-            self._ctrl = None  # no stream sends on it from here on
+            self._ctrl = self._monitor = None  # no stream sends on it (or reads its monitor) from here on
             data.close(0)
             data_ctx.term()  # returns once the data connection is torn down
             if self._bye_due:  # the trainer waits for this before it closes its sockets
@@ -268,8 +290,9 @@ class Producer:
         poller.register(ctrl, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         watch = HandshakeWatch(self.endpoints)
-        self._pending: tuple[HeldShard, list, bool] | None = None  # the next message: shard, frames, is batch
+        self._pending = None
         self._ctrl, self._last_hello = ctrl, 0.0
+        self._monitor, self._watch = monitor, watch  # read by the loop, and by _keepalive mid-document
         waiting_logged = 0.0
         started = time.monotonic()
         while not self._stop and not self._parent_gone():
@@ -300,7 +323,11 @@ class Producer:
                             if self.cfg.epochs
                             else "(its shards own no documents)",
                             ",".join(map(str, self.holdings.held())),
-                            f"; {self._bad.summary()}" if self._bad.total else "",
+                            # this process's count; the run's is the trainer's summary
+                            f"; {self._bad.summary()} in the shards it read (the trainer's summary "
+                            "counts the run's)"
+                            if self._bad.total
+                            else "",
                         )
                     log.debug(
                         "shard %d message %d built in %.1f ms",
@@ -311,14 +338,14 @@ class Producer:
             busy = self._deferred or (self._pending is not None and not self._held)
             flags = dict(poller.poll(timeout=0 if busy else 50))
             if monitor in flags:
-                event = parse_monitor_message(monitor.recv_multipart())
-                watch(event)  # raises HandshakeFailed once the trainer keeps refusing this producer
-                if self._connection_event(event):
-                    self._last_hello = 0.0  # (re)connected: say hello now, not at the next tick
-                    self._skipped_sent.clear()  # a restarted trainer knows none of the counts
+                self._monitor_event(monitor)
                 continue
-            if self._deferred:  # read while the last batch was built: before any newer one
-                self._control(self._deferred.popleft())
+            if self._deferred:  # read while the last batch was built: before any newer one, in order
+                item = self._deferred.popleft()
+                if isinstance(item, bytes):
+                    self._control(item)
+                else:
+                    self._connection(*item)
                 continue
             if ctrl in flags:
                 self._control(ctrl.recv())
@@ -356,11 +383,33 @@ class Producer:
         m.cursor_pos.set(batch.cursor.pos)
         m.epoch.set(batch.cursor.epoch)
 
-    def _connection_event(self, event: Mapping[str, Any]) -> bool:
+    def _monitor_event(self, monitor: zmq.Socket) -> None:
+        """Read one event of the control connection's monitor (the loop, and _keepalive mid-document): handled
+        now, or, when control messages read before it wait in _deferred (a welcome read mid-document), kept
+        behind them, so that the trainer's messages and the connection's events take effect in the order they
+        came (a welcome from before a drop does not end the hold the drop began)."""
+        event = parse_monitor_message(monitor.recv_multipart())
+        if self._deferred:
+            self._deferred.append((event, time.monotonic()))
+        else:
+            self._connection(event)
+
+    def _connection(self, event: Mapping[str, Any], seen: float | None = None) -> None:
+        """Handle one event of the control connection's monitor (`seen`: when it was read, if kept since)."""
+        assert self._watch is not None  # set with the monitor
+        self._watch(event)  # raises HandshakeFailed once the trainer keeps refusing this producer
+        if self._connection_event(event, seen):
+            self._last_hello = 0.0  # (re)connected: say hello now, not at the next tick
+            self._skipped_sent.clear()  # a restarted trainer knows none of the counts
+
+    def _connection_event(self, event: Mapping[str, Any], seen: float | None = None) -> bool:
         """Track the control connection; True when it is (back) up and a hello should go out now."""
         if event["event"] == zmq.EVENT_DISCONNECTED and self.session and not self._held:
             self._held = True
-            log.info("lost the connection to the trainer; holding batches until it welcomes this producer")
+            ago = "" if seen is None else f" {time.monotonic() - seen:.1f} s ago, while a batch was built"
+            log.info(
+                "lost the connection to the trainer%s; holding batches until it welcomes this producer", ago
+            )
         return event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
 
     def _control(self, raw: bytes) -> None:

@@ -56,10 +56,13 @@ LOGGED_BAD_RECORDS = 10  # bad records a process logs one by one; the rest are c
 class BadRecords:
     """A process's bad records: the first LOGGED_BAD_RECORDS each get a line (file:line, what, why), then a
     line at 100, 1,000, ... says how many so far, so that a mis-encoded corpus cannot flood the log; every
-    one is counted, by reason."""
+    one is counted, by reason. `who`: whose count it is when the process does not read the whole corpus (a
+    producer reads the shards it holds): "this producer skipped N bad records", not "N bad records skipped",
+    which reads as the corpus's."""
 
-    def __init__(self, log: logging.Logger):
+    def __init__(self, log: logging.Logger, who: str = ""):
         self.log = log
+        self.who = who
         self.counts: dict[str, int] = {}
         self.total = 0
 
@@ -75,6 +78,8 @@ class BadRecords:
 
     def summary(self) -> str:
         by = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.counts.items()))
+        if self.who:
+            return f"{self.who} skipped {self.total:,} bad records ({by})"
         return f"{self.total:,} bad records skipped ({by})"
 
 

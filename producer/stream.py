@@ -98,7 +98,10 @@ class DocStream:
             raise ValueError(
                 f"a scan for {self.scan.total} shards cannot serve shard {self.worker_global} of {self.total_workers}"
             )
-        self._reported = False
+        # on_bad is told of each bad record once: those up to this record id were told (a pass reads them in
+        # id order). A shard restarted mid-pass (a resend) reads from its epoch's start again: its count
+        # (the trainer keeps each shard's highest) went on past the shard's bad records, twice those before.
+        self._reported_upto = -1
         self._share_checked = False
 
     def hold(self) -> None:
@@ -142,24 +145,27 @@ class DocStream:
         )
 
     def _owned(self) -> Iterator[Record]:
-        """Good records this worker owns, reporting bad ones (only on the first pass, not every epoch)."""
-        report = None if self._reported else self.on_bad
+        """Good records this worker owns, reporting bad ones once (not every epoch, nor again when the shard
+        restarts: only those past the last record reported)."""
+        report = self.on_bad
         good = 0
         if self.scan is not None:
             source = self.scan.records(self.worker_global)
         else:
             source = self.corpus.records(self.worker_global, self.total_workers)
         for rec in source:
-            if report is not None and rec.warnings:
+            new = rec.rid > self._reported_upto
+            if new:
+                self._reported_upto = rec.rid
+            if report is not None and new and rec.warnings:
                 for reason, where, detail in rec.warnings:
                     report(reason, where, detail)
             if rec.bad is not None:
-                if report is not None:
+                if report is not None and new:
                     report(rec.bad[0], rec.where, rec.bad[1])
                 continue
             good += 1
             yield rec
-        self._reported = True
         self._check_share(good)  # a whole pass was read: `good` is this worker's share
 
     def _ordered(self, epoch: int, start_pos: int) -> Iterator[tuple[int, Record]]:

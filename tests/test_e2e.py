@@ -149,6 +149,15 @@ def test_bad_corpus_records_are_skipped_and_the_run_goes_on(procs, tmp_path, por
     assert out["skipped"] == {"bad_ids": 1, "bad_json": 2, "empty": 1, "invalid_utf8": 2, "line_too_long": 1,
                               "missing_text": 1}  # fmt: skip
     assert "bad input skipped: 8 (1 bad_ids, 2 bad_json, 1 empty, 2 invalid_utf8, 1 line_too_long, " in text
+    # each of the 2 producers' own figure says whose it is: a shard read by both (given away when the second
+    # joined) counts in each, and the run's count is the trainer's summary above
+    said = [
+        line for line in text.splitlines() if "[producer" in line and "finished" in line and "bad" in line
+    ]
+    assert said and all(
+        "; this producer skipped " in line and "in the shards it read" in line for line in said
+    )
+    assert "bad records skipped" not in text, "worded as the corpus's count"
 
 
 def test_many_shards_with_many_kinds_of_bad_input_are_all_counted(procs, tmp_path, port):

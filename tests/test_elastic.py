@@ -204,7 +204,7 @@ def test_the_summarys_skipped_records_survive_a_join_and_a_kill(procs, tmp_path,
     t = procs.start("train", *common, "--producers", "1", "--shards", "8", "--steps", "0", "--threads", "1",
                     "--summary-json", str(summary), name="trainer")  # fmt: skip
     p0 = procs.start("produce", *common, name="p0")
-    wait_until(lambda: "bad records skipped" in procs.log(p0), 60, "p0's count of 100")
+    wait_until(lambda: "this producer skipped 100 bad records" in procs.log(p0), 60, "p0's count of 100")
     time.sleep(2)  # a heartbeat or two carry p0's counts of all 8 shards (the old sum kept them)
     p1 = procs.start("produce", *common, name="p1")
     wait_until(lambda: len(shards_of(procs.log(p1))) == 4, 60, "p1 holds 4 shards")

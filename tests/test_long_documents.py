@@ -272,11 +272,12 @@ class Cue(Spy):
     """The spy, and at chosen encode calls (counted from 1) an action in the producer's thread: a control
     message from the stand-in trainer (`sends`), waited for until it is readable at the producer's control
     socket before the call returns, so the keepalive after the call can see it (nothing left to the clock);
-    or a stop as the signal handler makes it. `events` also records each control message the producer handles."""
+    a stop as the signal handler makes it; or a function to call. `events` also records each control message
+    the producer handles."""
 
     def __init__(self, real):
         super().__init__(real)
-        self.at: dict[int, object] = {}  # call -> a message, or "signal"
+        self.at: dict[int, object] = {}  # call -> a message, "signal", or a function
         self.sends: queue.Queue = queue.Queue()
         self.producer: manager.Producer | None = None
 
@@ -286,6 +287,8 @@ class Cue(Spy):
         if what == "signal":
             assert p is not None
             p.request_stop(signal.SIGTERM)
+        elif callable(what):
+            what()
         elif what is not None:
             assert p is not None and p._ctrl is not None
             self.sends.put(what)
@@ -392,3 +395,148 @@ def test_other_control_messages_read_mid_document_wait_for_the_batch_then_come_i
         "control Stop",
     ]
     assert isinstance(heard[-1], messages.Bye) and not batch
+
+
+# -- the trainer gone while a long document is tokenized ---------------------------------------------------
+
+LOST = "lost the connection to the trainer"
+
+
+class EventLog(logging.Handler):
+    """The producer's log lines that say `wanted`, as events beside the encode calls (same thread)."""
+
+    def __init__(self, events: list[str], *wanted: str):
+        super().__init__(logging.INFO)
+        self.events, self.wanted = events, wanted
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.events += [f"log {w}" for w in self.wanted if w in record.getMessage()]
+
+
+def calls_per_document(tmp_path, tok, cue: Cue, text: str) -> int:
+    probe = tmp_path / "probe.txt"
+    probe.write_text(text + "\n")
+    (rec,) = Corpus([str(probe)]).records()
+    tok.encode_arrays([rec.text or ""])
+    n = len(cue.calls)
+    cue.calls.clear()
+    cue.events.clear()
+    return n
+
+
+def serve_through_a_drop(
+    tmp_path, port, cue: Cue, monkeypatch, caplog, text: str, per_document: int, hellos: bool
+) -> bool:
+    """stand_in_trainer on `text`, with `cue`'s actions; "trainer gone" closes the stand-in trainer's control
+    socket, and the cue waits until the producer's monitor has the event (nothing is left to the clock).
+    Runs until the producer has logged the drop and made the `per_document` encode calls of the document,
+    then stops it. `hellos`: each hello the producer builds is an event ("hello", or "hello rejoin").
+    Whether a batch reached the trainer."""
+    monitors: list[zmq.Socket] = []  # the producer's monitor of its control socket, however it is kept
+    real_monitor = zmq.Socket.get_monitor_socket
+
+    def get_monitor_socket(self, *args, **kwargs):
+        monitors.append(real_monitor(self, *args, **kwargs))
+        return monitors[-1]
+
+    monkeypatch.setattr(zmq.Socket, "get_monitor_socket", get_monitor_socket)
+    gone = threading.Event()
+
+    def trainer_gone() -> None:  # in the producer's thread, after the encode call cued
+        cue.sends.put("trainer gone")
+        assert gone.wait(20), "the stand-in trainer did not close its socket"
+        assert monitors[-1].poll(20_000), "the producer's monitor saw nothing"
+
+    for k, what in cue.at.items():
+        if what == "trainer gone":
+            cue.at[k] = trainer_gone
+
+    def spied(p: manager.Producer) -> None:
+        cue.producer, build, handle = p, p._hello, p._control
+
+        def hello(skipped=None):
+            raw = build(skipped)
+            cue.events.append("hello rejoin" if messages.unpack(raw).rejoin else "hello")
+            return raw
+
+        def control(raw):
+            cue.events.append(f"control {type(messages.unpack(raw)).__name__}")
+            return handle(raw)
+
+        if hellos:
+            monkeypatch.setattr(p, "_hello", hello)
+        monkeypatch.setattr(p, "_control", control)
+
+    said = EventLog(cue.events, LOST, "welcomed this producer back")
+    logger = logging.getLogger("lmpipe.producer")
+    logger.addHandler(said)
+    try:
+        with (
+            caplog.at_level(logging.INFO, logger="lmpipe.producer"),
+            stand_in_trainer(tmp_path, port, text, spied) as t,
+        ):
+            deadline = time.monotonic() + 120
+            while f"log {LOST}" not in cue.events or cue.events.count("encode") < per_document:
+                assert time.monotonic() < deadline, f"no document tokenized, or no drop said: {handled(cue)}"
+                assert t.thread.is_alive(), t.exits
+                with contextlib.suppress(queue.Empty):
+                    what = cue.sends.get(timeout=0.05)
+                    if what == "trainer gone":
+                        t.drain()
+                        t.router.close(0)  # the trainer's process ends: its connection closes
+                        gone.set()
+                    else:
+                        t.send(what)
+            batch = bool(t.pull.poll(200))
+    finally:
+        logger.removeHandler(said)
+    assert t.exits == [0]
+    return batch
+
+
+def test_a_trainer_gone_mid_document_is_noticed_at_the_next_encode_call(
+    tmp_path, port, cue, small_pieces, monkeypatch, tok, caplog
+):
+    """The trainer's control socket closes after encode call STOP_AT of a document that takes dozens. The
+    loop read the monitor only once the batch was built: the producer said "lost the connection" after the
+    whole document, and its hellos meanwhile said it was serving, not rejoining. The keepalive now handles
+    the event at the next encode call, as the loop would: logged then, the hellos from there on say
+    `rejoin`, and the batch built is held, not sent."""
+    monkeypatch.setattr(manager, "HELLO_EVERY", 0.0)  # a hello after every encode call: no clock
+    text = prose(200_000)
+    per_document = calls_per_document(tmp_path, tok, cue, text)
+    assert per_document > 2 * STOP_AT
+    cue.at[STOP_AT] = "trainer gone"
+    batch = serve_through_a_drop(tmp_path, port, cue, monkeypatch, caplog, text, per_document, hellos=True)
+    events = [e for e in cue.events if not e.startswith("control")]
+    lost = events.index(f"log {LOST}")
+    assert events[:lost].count("encode") == STOP_AT, handled(cue)  # noticed at the next encode call's end
+    assert events[lost:].count("encode") == per_document - STOP_AT  # while the document was tokenized
+    assert set(events[:lost]) == {"encode", "hello"} and "hello" not in events[lost:]
+    assert events[lost + 1 : lost + 3] == ["hello rejoin", "encode"]
+    assert not batch, "a batch went to the trainer that was gone"
+
+
+def test_a_drop_after_a_message_kept_for_the_loop_takes_effect_after_it(
+    tmp_path, port, cue, small_pieces, monkeypatch, tok, caplog
+):
+    """A welcome that restarts the shard is read mid-document (kept for the loop: the holdings are mid-update),
+    then the trainer goes away. Handled as they came: the welcome once the batch is built, then the drop,
+    which holds the restarted shard. The drop taken at once, before the welcome, would have been undone by
+    it ("the trainer welcomed this producer back"), and the producer would have gone on tokenizing."""
+    text = prose(200_000)
+    per_document = calls_per_document(tmp_path, tok, cue, text)
+    assert per_document > 2 * STOP_AT
+    cue.at[STOP_AT] = messages.Welcome("s", 0, lease="L", shards=1, force=True)
+    cue.at[STOP_AT + 1] = "trainer gone"
+    batch = serve_through_a_drop(tmp_path, port, cue, monkeypatch, caplog, text, per_document, hellos=False)
+    assert handled(cue) == [
+        "control Assign",
+        "control Welcome",
+        f"{per_document} encode",
+        "control Welcome",
+        f"log {LOST}",
+    ]
+    (said,) = [r.getMessage() for r in caplog.records if LOST in r.getMessage()]
+    assert " s ago, while a batch was built; holding batches" in said, said
+    assert not batch

@@ -70,6 +70,60 @@ def test_each_bad_record_is_reported_by_exactly_one_worker(tmp_path, tok):
     assert len(reports) == len(set(reports)) == 8  # the 8 of test_bad_records_are_skipped_named_and_counted
 
 
+def test_a_producer_counts_each_bad_record_once_however_often_it_reads_a_shard(tmp_path, tok, caplog):
+    """A real producer (no sockets: its control messages handed in) holds shard 0 of 2 of a JSONL corpus
+    whose shard 0 has 1,200 bad lines among 1,200 good ones (shard 1's are another producer's: never
+    counted here). The trainer asks for a resend after the first batch, mid-pass: the stream read its shard
+    from the start again and counted the bad lines before the batch twice, in the count the trainer takes
+    (each shard's highest) too. Then the shard is given up and taken back (a new stream, from the start):
+    the producer's "N bad records skipped" added every read. Now: 1,200, the first ten logged line by line
+    once, and the figure says whose it is."""
+    import logging
+
+    from lmpipe.producer.manager import Producer, ProducerOptions
+    from lmpipe.shared import messages
+    from lmpipe.shared.config import PipelineConfig
+
+    words = " ".join(f"w{i}" for i in range(20))
+    path = tmp_path / "c.jsonl"  # record i (line i + 1) is shard i % 2's; good when i % 4 == 0
+    path.write_text("".join(f'{{"text": "{i} {words}"}}\n' if i % 4 == 0 else '{"text": "broken\n'
+                            for i in range(4800)))  # fmt: skip
+    cfg = PipelineConfig(data=[str(path)], runtime_dir=str(tmp_path / "run"), seq_len=64, batch_size=2,
+                         shuffle_window=1, epochs=1)  # fmt: skip
+    p = Producer(cfg, ProducerOptions())
+
+    def tell(msg) -> None:
+        p._control(messages.pack(msg))
+
+    def read_to_the_end() -> None:
+        while p.holdings.next_message("s") is not None:
+            pass
+
+    with caplog.at_level(logging.WARNING, logger="lmpipe.producer"):
+        tell(messages.Assign("s", [0], 2, 1))
+        tell(messages.Welcome("s", 0, lease="L", shards=2))
+        assert p.holdings.next_message("s") is not None  # the first batch: the first chunk read
+        assert 0 < p._skipped[0]["bad_json"] < 1200, "mid-pass"
+        tell(messages.Welcome("s", 0, lease="L", shards=2, force=True))  # a resend: the same stream
+        read_to_the_end()
+        assert p._skipped_counts() == {"0:bad_json": 1200}, "what the trainer is told"
+        tell(messages.Assign("s", [], 2, 2))  # given up, then taken back: a new stream
+        tell(messages.Assign("s", [0], 2, 1))
+        tell(messages.Welcome("s", 0, lease="M", shards=2))
+        read_to_the_end()
+    assert p._skipped == {0: {"bad_json": 1200}}
+    assert p._bad.total == 1200
+    assert p._bad.summary() == "this producer skipped 1,200 bad records (1,200 bad_json)"
+    logged = [r.getMessage() for r in caplog.records]
+    lines = [f"{path}:{i + 1}:" for i in range(2, 4800, 4)][:10]  # the first ten, by line, once
+    assert [m.split()[0] for m in logged[:10]] == lines, logged
+    assert logged[10:] == [
+        "more bad records are counted, not logged one by one",
+        "this producer skipped 100 bad records (100 bad_json) so far",
+        "this producer skipped 1,000 bad records (1,000 bad_json) so far",
+    ]
+
+
 def test_wikitext_heading_split_gives_articles():
     path = WIKITEXT / "valid.txt"
     if not path.exists():
