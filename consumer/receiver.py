@@ -242,6 +242,9 @@ class Receiver(threading.Thread):
             fingerprint  # the trainer's own dict: the first producer pins "data" for checkpoints too
         )
         self.metrics, self.session, self.vocab_size = metrics, session, vocab_size
+        # the corpus files' contents (a hello's `data_content`), pinned by the first producer that sends one,
+        # for this process only (not in checkpoints: a restarted trainer pins it again); "": none yet
+        self.data_content = ""
         self.ready: queue.Queue = queue.Queue()
         self.bound = threading.Event()
         self._error: BaseException | None = None
@@ -756,8 +759,13 @@ class Receiver(threading.Thread):
         diff = mismatches(self.fingerprint, hello.fingerprint, skip=() if pinned else ("data",))
         if diff:
             return self._refuse(identity, where, "config mismatch: " + "; ".join(diff), "config_mismatch")
+        if self.data_content and hello.data_content and hello.data_content != self.data_content:
+            return self._refuse(identity, where, _other_content(hello.data_content, self.data_content),
+                                "config_mismatch")  # fmt: skip
         if not pinned:
             self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
+        if not self.data_content:
+            self.data_content = hello.data_content  # and the first that says it, the files' contents
         p = Producer(identity, f"p{self._joined}", where, hello.worker, fd, now)
         self._count_skipped(hello.skipped)
         self._joined += 1
@@ -885,6 +893,14 @@ class Receiver(threading.Thread):
         # once a minute per peer: a misconfigured producer exits, but a buggy or hostile one may not
         self._quiet(logging.ERROR, f"refuse {where}", "refused producer at %s: %s", where, _printable(reason))
         self._send(identity, messages.Refuse(reason))
+
+
+def _other_content(theirs: str, ours: str) -> str:
+    """The refusal of a producer whose corpus files match `data` (names and sizes) but not in content."""
+    return (
+        f"config mismatch: data_content: the producer's corpus files have the same names and sizes but other "
+        f"content (producer has {_printable(theirs, 40)!r}, trainer has {ours!r}); serve the same files"
+    )
 
 
 def _version_skew(wire: int) -> str:

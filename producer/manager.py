@@ -111,6 +111,7 @@ class Producer:
         for m in (self.metrics.tokens, self.metrics.padding):
             m.labels(cfg.strategy)
         self.fingerprint = fingerprint(cfg, self.tok.hash, self.tok.vocab_size, self.corpus.fingerprint())
+        self.data_content = self.corpus.content_digest()  # the files' contents as found (hello, receiver.py)
         self.session = ""
         check_connect(cfg.host, cfg.trusted_network, cfg.curve_dir)
         self.endpoints = endpoints(cfg)  # creates and checks the runtime directory (ValueError if unsafe)
@@ -196,6 +197,7 @@ class Producer:
                 holding=self.holdings.held() if self.session else [],
                 wire=WIRE_VERSION,
                 skipped=self._skipped_counts() if skipped is None else skipped,
+                data_content=self.data_content,
             )
         )
 

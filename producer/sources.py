@@ -435,6 +435,22 @@ class Corpus:
             files = f"{len(self.paths)} files of {sum(p.size for p in self.paths):,} bytes, sha256 {digest}"
         return f"{self.doc_split}|{files}"
 
+    def content_digest(self) -> str:
+        """A short sha256 over each file's name, size and content digest (formats.DataFile.digest, taken when
+        the file was found), in corpus order: what the hello's `data_content` says beside `data` (names and
+        sizes), so that the trainer refuses a later producer whose files have the same names and sizes but
+        other content. Host-independent (base names, as `data`). "" (not checked) for the built-in corpus
+        and shards (their `data` names their content), and when a file has no digest (remote, unreadable):
+        a local file and its remote copy agree in `data`, and must not be refused here."""
+        if self.shards is not None or self.builtin or any(p.digest is None for p in self.paths):
+            return ""
+        h = hashlib.sha256()
+        for p in self.paths:
+            name = _printable_name(p.name).encode()
+            h.update(len(name).to_bytes(4, "little") + name + p.size.to_bytes(8, "little"))
+            h.update(p.digest or b"")
+        return h.hexdigest()[:32]
+
     # -- random access (built-in corpus, shards) -----------------------------------------------------
 
     def owned(self, worker: int, num_workers: int) -> np.ndarray:

@@ -50,6 +50,10 @@ class Hello:
     # bad records skipped so far, "<shard>:<reason>" -> n, each shard counted from its epoch's start by the
     # stream this producer reads it with; the trainer keeps each shard's highest count (receiver.py)
     skipped: dict[str, int] = field(default_factory=dict)
+    # a digest of the corpus files' names, sizes and contents (Corpus.content_digest) beside the fingerprint's
+    # `data` (names and sizes); "": none (the built-in corpus, shards, a remote file, or an older producer).
+    # Outside the fingerprint, which an older trainer compares key by key; an older trainer ignores it.
+    data_content: str = ""
 
 
 @dataclass

@@ -214,3 +214,44 @@ def test_the_summarys_skipped_records_survive_a_join_and_a_kill(procs, tmp_path,
     assert t.wait(timeout=240) == 0, procs.log(t)[-3000:]
     assert "(end of data)" in procs.log(t)
     assert json.loads(summary.read_text())["skipped"] == {"bad_json": 16_000}
+
+
+@pytest.mark.slow
+def test_a_later_producer_with_other_content_under_the_same_names_and_sizes_is_refused(procs, tmp_path, port):
+    """The corpus check compared names and sizes only (`data`): a producer that joined later with files of
+    the same names and sizes but other content (rewritten, or another host's) was accepted and served other
+    text under the run's record ids. Its hello's `data_content` now differs from the first producer's: it
+    is refused, the run goes on with the first producer, and a producer with the same files joins."""
+    from lmpipe.producer import builtin_corpus
+
+    ours, other, copy = tmp_path / "ours", tmp_path / "other", tmp_path / "copy"
+    text = "\n\n".join(builtin_corpus.document(1, i) for i in range(300)).encode()
+    changed, mid = bytearray(text), len(text) // 2
+    changed[mid] = ord("x") if changed[mid] != ord("x") else ord("y")  # one byte other: the same size
+    for d, body in ((ours, text), (other, bytes(changed)), (copy, text)):
+        d.mkdir()
+        (d / "corpus.txt").write_bytes(body)
+    log = tmp_path / "docs.jsonl"
+    # --epochs 0, --steps 0: the trainer runs until it is stopped, however slow the machine
+    common = ["--port", str(port), "--epochs", "0", "--seq-len", "64", "--batch-size", "4", "--metrics-port",
+              "-1"]  # fmt: skip
+    t = procs.start("train", *common, "--producers", "1", "--shards", "4", "--steps", "0", "--threads", "1",
+                    "--doc-log", str(log), name="trainer")  # fmt: skip
+    p0 = procs.start("produce", *common, "--data", str(ours), name="p0")
+    wait_until(lambda: steps_logged(log) >= 2, 90, "steps with the first producer")
+
+    why = "the producer's corpus files have the same names and sizes but other content"
+    late = procs.start("produce", *common, "--data", str(other), name="other")
+    assert procs.wait(late, 60) == 2, procs.log(late)[-3000:]
+    assert f"trainer refused this producer: config mismatch: data_content: {why}" in procs.log(late)
+    procs.wait_for(t, why)
+    assert t.poll() is None and p0.poll() is None, "a refused producer takes nothing down"
+    assert procs.log(t).count("joined from") == 1
+    at = steps_logged(log)
+    wait_until(lambda: steps_logged(log) >= at + 3, 60, "steps after the refusal, with the first producer")
+
+    same = procs.start("produce", *common, "--data", str(copy), name="same")
+    wait_until(lambda: procs.log(t).count("joined from") == 2, 60, "the producer with the same files joins")
+    assert why not in procs.log(same) and same.poll() is None
+    t.send_signal(signal.SIGTERM)
+    assert procs.wait(t, 60) == 0, procs.log(t)[-3000:]

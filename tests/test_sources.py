@@ -183,6 +183,30 @@ def test_the_fingerprint_of_thousands_of_files_or_odd_names_fits_a_hello(tmp_pat
     msgpack.packb(fp)  # what failed: a surrogate in the name
 
 
+def test_the_content_digest_tells_files_of_the_same_names_and_sizes_apart(tmp_path):
+    """`data` (the fingerprint) holds names and sizes only; the hello's `data_content` digests the contents
+    too, the same on any host (base names, not paths), so that the trainer can refuse a later producer
+    whose files were rewritten or are another host's."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    body = bytearray(b"".join(b"document %d of the corpus\n\n" % i for i in range(6000)))
+    assert 64 * 1024 < len(body) < 256 * 1024  # hashed whole: any byte counts
+    for d in (a, b, c):
+        d.mkdir()
+        (d / "one.txt").write_text("the first file\n")
+    (a / "two.txt").write_bytes(body)
+    (b / "two.txt").write_bytes(body)  # the same bytes under another directory
+    body[len(body) // 3] ^= 1  # one byte changed: same name, same size
+    (c / "two.txt").write_bytes(body)
+    ca, cb, cc = (Corpus([str(d)]) for d in (a, b, c))
+    assert ca.fingerprint() == cb.fingerprint() == cc.fingerprint(), "names and sizes alike"
+    assert len(ca.content_digest()) == 32 and ca.content_digest() == Corpus([str(a)]).content_digest()
+    assert ca.content_digest() == cb.content_digest(), "the same content in another place: the same digest"
+    assert ca.content_digest() != cc.content_digest(), "one byte changed"
+    one, two = str(a / "one.txt"), str(a / "two.txt")
+    assert Corpus([one, two]).content_digest() != Corpus([two, one]).content_digest(), "in corpus order"
+    assert Corpus([]).content_digest() == "", "the built-in corpus: `data` says it all"
+
+
 def test_a_file_reached_twice_is_read_once_and_said_once(tmp_path, caplog):
     """`--data dir dir/a.txt`, a file named twice (or as ./a.txt), a symlink or hard link to a file the run
     reads: every document of that file was trained twice an epoch, unsaid."""

@@ -145,7 +145,7 @@ def test_end_message_round_trip():
 def test_control_messages_round_trip_and_reject_garbage():
     hello = messages.Hello(
         worker=1, fingerprint={"tokenizer": "abc", "seq_len": 128}, pid=7, host="h", holding=[0, 5],
-        wire=WIRE_VERSION, skipped={"bad_json": 3},
+        wire=WIRE_VERSION, skipped={"bad_json": 3}, data_content="0123abcd",
     )  # fmt: skip
     assert messages.unpack(messages.pack(hello)) == hello
     bye = messages.Bye(skipped={"empty": 2})
@@ -154,6 +154,11 @@ def test_control_messages_round_trip_and_reject_garbage():
     # an older producer's hello has no `wire`: it decodes, as version 0, for the trainer to refuse by name
     old = messages.unpack(msgpack.packb({"type": "hello", "worker": 1, "fingerprint": {}}))
     assert isinstance(old, messages.Hello) and old.wire == 0
+    assert old.data_content == "", "a hello without `data_content` (an older producer): nothing to check"
+    # and a key a trainer does not know (a newer producer's, as `data_content` is to an older trainer) is
+    # passed over, not refused
+    newer = messages.unpack(msgpack.packb({"type": "hello", "worker": 1, "fingerprint": {}, "later": "x"}))
+    assert isinstance(newer, messages.Hello) and newer.worker == 1
     w = messages.Welcome("sess", 1, Cursor(0, 5, 3, 0).to_dict(), 12, shards=16)
     assert messages.unpack(messages.pack(w)) == w
     a = messages.Assign("sess", [1, 4], 16, 3)
@@ -169,6 +174,10 @@ def test_control_messages_round_trip_and_reject_garbage():
         (
             msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "wire": "3"}),
             "hello.wire has type str",
+        ),
+        (
+            msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "data_content": 5}),
+            "hello.data_content has type int",
         ),
         (msgpack.packb({"type": "bye", "skipped": {"empty": "2"}}), r"bye.skipped\['empty'\] has type str"),
         (msgpack.packb({"type": "assign", "session": "s", "shards": [], "total": 0}), "impossible number"),
