@@ -31,8 +31,12 @@ ALIVE_SECONDS = 5.0  # a producer not heard from for this long no longer counts 
 # 30-32 s after a peer falls silent (shared/sockets.py); a holder silent this long loses it in any case.
 HOLDER_SILENCE = 40.0
 # How long a stopping trainer waits for every live producer's `bye`; a hello that arrives meanwhile is
-# answered with `stop` again. Longer than TCP's retransmission back-off after a short partition.
-STOP_GRACE = 20.0
+# answered with `stop` again. A producer behind a congested link gets the stop only once its acknowledgements
+# have queued through its link's buffer, plus TCP's retransmission back-off: 13-25 s behind 16 KiB at
+# 8 kbit/s (tests/test_multihost.py), where 20 s lost the stop about one run in four and left the producer
+# waiting for a trainer forever. A producer gone silent costs no more than before: the ZMTP heartbeat closes
+# its connection 30-32 s after it fell silent, which counts as its bye.
+STOP_GRACE = 60.0
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from lmpipe.shared.messages import STOP_GRACE
 from tests.helpers import (
     assert_exactly_once,
     builtin_lengths,
@@ -266,7 +267,7 @@ def test_a_slow_link_shows_in_its_producers_metrics(bed, tmp_path):
     assert got["p2"] * min_batch_bytes <= kbit * 125 * (t1 - t0) + burst + min_batch_bytes
     assert 3 * got["p2"] <= min(got["p0"], got["p1"])
     trainer.terminate()
-    assert trainer.wait(timeout=30) == 0, bed.log(trainer)
+    assert trainer.wait(timeout=STOP_GRACE + 10) == 0, bed.log(trainer)
     for host in PRODUCERS:  # p2 too: the trainer waits for its `bye` (see the test below)
         assert producers[host].wait(timeout=30) == 0, bed.log(producers[host])
 
@@ -286,7 +287,7 @@ def test_the_end_of_the_run_reaches_a_host_on_a_congested_link(bed, tmp_path):
 
     wait_until(control_backing_off, 60, "the control connection to back off")
     trainer.terminate()  # the end of the run, as a step limit or a Ctrl-C ends it
-    assert trainer.wait(timeout=30) == 0, bed.log(trainer)
+    assert trainer.wait(timeout=STOP_GRACE + 10) == 0, bed.log(trainer)  # it waits for p2's bye
     for host in PRODUCERS:
         assert exit_code(producers[host], 10) == 0, f"{host} is still up: {bed.log(producers[host])[-2000:]}"
 
