@@ -18,6 +18,7 @@ mistake is one line on stderr and exit status 2. Nothing here imports torch unti
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import replace
@@ -346,6 +347,20 @@ def _role(cmd: str, configs: list) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A torchrun rank leaves without the interpreter's teardown, everything written by now: freeing
+        # DDP's Reducer after the process group is gone has aborted a rank that had finished its run
+        # ("terminate called without an active exception", exit -6: torchrun then fails the job), and
+        # freeing it before has deadlocked on gloo's threads (tests/test_distributed.py says how).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     ns = build_parser().parse_args(argv)  # argparse mistakes exit here: one line, status 2
     prog = f"lmpipe {ns.cmd}"
 
