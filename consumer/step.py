@@ -99,27 +99,28 @@ class StepRunner:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if self.scaler:
-            if self.cfg.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.cfg.grad_clip, norm)
-            self.scaler.step(self.optimizer)  # skipped on the device when gradients overflowed
-            self.scaler.update()
-        elif (
+        # A fused optimizer divides each gradient by `grad_scale` as it reads it (GradScaler's protocol), so
+        # clipping needs no pass of its own over the gradients: 0.2 ms of a GPT-2 124M step on an H100, net
+        # of the kernel writing the gradients back (bench/results/levers-h100-2026-11-27.md).
+        in_step = (
             self.cfg.grad_clip > 0
+            and not self.scaler
             and CLIP_IN_STEP
             and getattr(self.optimizer, "_step_supports_amp_scaling", False)
-        ):
-            # A fused optimizer divides each gradient by `grad_scale` as it reads it (GradScaler's
-            # protocol), so clipping needs no pass of its own over the gradients: 0.4 ms of a GPT-2 124M
-            # step on an H100. clip_grad_norm_ multiplies by grad_clip / (norm + 1e-6), at most 1.
+        )
+        if self.cfg.grad_clip > 0 and not in_step:
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.cfg.grad_clip, norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # skipped on the device when gradients overflowed
+            self.scaler.update()
+        elif in_step:
+            # clip_grad_norm_ multiplies by grad_clip / (norm + 1e-6), at most 1
             self.optimizer.grad_scale = ((norm + 1e-6) / self.cfg.grad_clip).clamp(min=1.0)  # type: ignore[attr-defined]
             try:
                 self.optimizer.step()
             finally:
                 del self.optimizer.grad_scale  # type: ignore[attr-defined]
         else:
-            if self.cfg.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.cfg.grad_clip, norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, norm
