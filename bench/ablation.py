@@ -61,6 +61,11 @@ VARIANTS: list[tuple] = [
         {},
         {"lmpipe.consumer.step.CLIP_IN_STEP": False},
     ),
+    (
+        "the MLP's GELU as kernels of its own, not in cuBLASLt's GEMM epilogues (--no-gelu-epilogue)",
+        {},
+        {"gelu_epilogue": False},
+    ),
     ("no copy stream (H2D on the compute stream)", {}, {"copy_stream": False}),
     ("no torch.compile", {}, {"compile": False}),
     ("no fused AdamW (foreach)", {}, {"fused_adamw": False}),

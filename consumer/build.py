@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
 from lmpipe.consumer.flash import unavailable as flash_unavailable
-from lmpipe.consumer.model import GPT, fused_linear_cross_entropy, preset
+from lmpipe.consumer.mlp_kernel import unavailable as gelu_epilogue_unavailable
+from lmpipe.consumer.model import GPT, MLP, fused_linear_cross_entropy, preset
 from lmpipe.consumer.scaler import LossScaler, make_scaler
 from lmpipe.consumer.step import StepRunner, make_optimizer, to_float8
 from lmpipe.shared.config import PipelineConfig
@@ -81,6 +82,15 @@ def build(
         and model.fused_ce is None
         and importlib.util.find_spec("triton") is not None
     )
+    if tcfg.gelu_epilogue and device.type == "cuda":
+        why = f"it needs --precision bf16, not {precision}" if precision != "bf16" else None
+        if why := why or gelu_epilogue_unavailable(device, mcfg.bias, mcfg.n_embd):
+            log.info("the MLP's GELU runs as kernels of its own: %s", why)
+        else:
+            for module in model.modules():
+                if isinstance(module, MLP):
+                    module.gelu_epilogue = True
+            log.info("the MLP's GELU and its gradient run in cuBLASLt's GEMM epilogues (nvmath-python)")
     optimizer = make_optimizer(model, tcfg, device)
     scaler = make_scaler(tcfg.loss_scale, device) if precision == "fp16" else None
     if scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):

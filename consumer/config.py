@@ -114,6 +114,13 @@ class TrainConfig:
         help="CUDA, bf16/fp32: the LM head's cross-entropy in one Triton pass over the logits "
         "(--no-loss-kernel: torch's two passes)",
     )
+    # The MLP's GELU and its gradient inside the GEMMs around them (consumer/mlp_kernel.py), where
+    # nvmath-python is installed; elsewhere (CPU, fp16/fp32/fp8, biases) the GELU runs as before.
+    gelu_epilogue: bool = setting(
+        True,
+        help="CUDA, bf16: the MLP's GELU and its gradient in cuBLASLt's GEMM epilogues, where nvmath-python "
+        "is installed (--no-gelu-epilogue: compiled kernels of their own)",
+    )
     vocab_size: int = setting(
         0, check=at_least(0), help="model vocabulary (0: the tokenizer's, rounded up to a multiple of 64)"
     )

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from lmpipe.consumer.flash import varlen_attention
+from lmpipe.consumer.mlp_kernel import mlp as mlp_with_gelu_epilogues
 
 IGNORE = -100
 
@@ -104,8 +105,11 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.gelu_epilogue = False  # CUDA, bf16, no biases: the GELU inside cuBLASLt's GEMMs (mlp_kernel.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu_epilogue and x.is_cuda:
+            return self.dropout(mlp_with_gelu_epilogues(x, self.c_fc.weight, self.c_proj.weight))
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 

@@ -1,0 +1,133 @@
+"""GPT-2's MLP with the GELU and its gradient inside cuBLASLt's GEMMs (nvmath-python), CUDA and bf16 only.
+
+Compiled, the MLP's GELU and its gradient run as kernels of their own, each a full pass over the [tokens, 4C]
+activation (4.2 ms of GPT-2 124M's 61 ms step at 32 rows on an H100: bench/results/kernels-*.md). cuBLASLt
+does both inside the GEMMs around them: c_fc's GEMM applies the GELU as it writes and keeps its input as an
+auxiliary output (epilogue GELU_AUX), and c_proj's input-gradient GEMM multiplies by gelu'(that input) as
+it writes (DGELU). torch exposes neither (its `_addmm_activation` recomputes the GEMM for the backward), so
+the two GEMMs come from nvmath-python, NVIDIA's binding of cuBLASLt, behind two custom ops that
+torch.compile treats as opaque calls.
+
+cuBLASLt is column-major: each GEMM is written on transposes, so that a column-major [4C, tokens] result is
+the row-major [tokens, 4C] activation the next GEMM reads, with no copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+# nvmath logs every plan at INFO to the root logger unless given one of its own
+_nvmath_log = logging.getLogger(__name__ + ".nvmath")
+_nvmath_log.setLevel(logging.WARNING)
+
+
+def unavailable(device: torch.device, cfg_bias: bool, n_embd: int) -> str | None:
+    """Why the GELU epilogues cannot run here, or None."""
+    if device.type != "cuda":
+        return f"it runs on CUDA only, not {device.type}"
+    if cfg_bias:
+        return "the model has biases (only bias-free MLPs, GPT-2 presets' default, take the epilogues)"
+    if n_embd % 8:
+        return f"n_embd {n_embd} is not a multiple of 8 (cuBLASLt's auxiliary output needs it)"
+    try:
+        import nvmath.linalg.advanced  # noqa: F401
+    except ImportError:
+        return "nvmath-python is not installed (pip install 'lmpipe[epilogue]')"
+    except Exception as e:  # a broken CUDA library install: say it, train without the epilogues
+        return f"nvmath-python does not load ({type(e).__name__}: {e})"
+    return None
+
+
+@functools.cache
+def _epilogs():
+    from nvmath.linalg.advanced import MatmulEpilog
+
+    return MatmulEpilog.GELU_AUX, MatmulEpilog.DGELU
+
+
+_plans: dict[tuple, Any] = {}  # nvmath Matmul objects
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, epilog, aux: torch.Tensor | None):
+    """a @ b with `epilog`, planned (and its algorithms timed) once per shape, layout and dtype."""
+    from nvmath.linalg.advanced import Matmul
+
+    stream = torch.cuda.current_stream(a.device)
+    inputs = None if aux is None else {"gelu_aux": aux}
+    key = (epilog, a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device)
+    mm = _plans.get(key)
+    if mm is None:
+        mm = Matmul(a, b, options={"blocking": "auto", "logger": _nvmath_log}, stream=stream)
+        mm.plan(epilog=epilog, epilog_inputs=inputs, stream=stream)
+        mm.autotune(iterations=5, stream=stream)  # the heuristic's first pick was 7% slower on c_fc (H100)
+        _plans[key] = mm
+    else:
+        mm.reset_operands_unchecked(a=a, b=b, epilog_inputs=inputs, stream=stream)
+    out = mm.execute(stream=stream)
+    mm.release_operands()  # keep no activation alive between calls
+    return out
+
+
+@torch.library.custom_op("lmpipe::mlp_gelu", mutates_args=())
+def mlp_gelu(
+    x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [n, C], w_fc [4C, C], w_proj [C, 4C] -> (gelu(x w_fc^T) w_proj^T, gelu(x w_fc^T), x w_fc^T)."""
+    gelu_aux, _ = _epilogs()
+    hT, aux = _gemm(w_fc, x.T, gelu_aux, None)  # [4C, n] column-major: h [n, 4C] row-major
+    h, pre = hT.T, aux["gelu_aux"].T
+    return h @ w_proj.T, h, pre
+
+
+@mlp_gelu.register_fake
+def _(x, w_fc, w_proj):
+    n, hidden = x.shape[0], w_fc.shape[0]
+    return x.new_empty(n, w_proj.shape[0]), x.new_empty(n, hidden), x.new_empty(n, hidden)
+
+
+@torch.library.custom_op("lmpipe::mlp_gelu_backward", mutates_args=())
+def mlp_gelu_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    pre: torch.Tensor,
+    w_fc: torch.Tensor,
+    w_proj: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dx, dw_fc, dw_proj); the GELU's gradient rides in the GEMM that makes dh = dy w_proj."""
+    _, dgelu = _epilogs()
+    dpreT = _gemm(w_proj.T, dy.T, dgelu, pre.T)  # [4C, n] column-major: dpre [n, 4C] row-major
+    dpre = (dpreT[0] if isinstance(dpreT, tuple) else dpreT).T
+    return dpre @ w_fc, dpre.T @ x, dy.T @ h
+
+
+@mlp_gelu_backward.register_fake
+def _(dy, x, h, pre, w_fc, w_proj):
+    return torch.empty_like(x), torch.empty_like(w_fc), torch.empty_like(w_proj)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_fc, w_proj = inputs
+    _, h, pre = output
+    ctx.save_for_backward(x, h, pre, w_fc, w_proj)
+    ctx.mark_non_differentiable(h, pre)
+
+
+def _backward(ctx, dy, _dh, _dpre):
+    x, h, pre, w_fc, w_proj = ctx.saved_tensors
+    return mlp_gelu_backward(dy.contiguous(), x, h, pre, w_fc, w_proj)
+
+
+mlp_gelu.register_autograd(_backward, setup_context=_setup_context)
+
+
+def mlp(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor) -> torch.Tensor:
+    """c_proj(gelu_tanh(c_fc(x))) for bias-free linears; x [..., C] in the autocast dtype (bf16)."""
+    dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    shape = x.shape
+    y, _, _ = mlp_gelu(x.reshape(-1, shape[-1]).to(dt).contiguous(), w_fc.to(dt), w_proj.to(dt))
+    return y.view(*shape[:-1], y.shape[-1])

@@ -1,0 +1,112 @@
+"""The MLP with its GELU in cuBLASLt's GEMM epilogues (consumer/mlp_kernel.py) computes what the plain MLP does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmpipe.consumer.build import build
+from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.distributed import Dist
+from lmpipe.consumer.inputs import build_inputs
+from lmpipe.consumer.mlp_kernel import unavailable
+from lmpipe.consumer.model import GPT, preset
+from lmpipe.shared.config import PipelineConfig
+from tests.test_model import _masked_packed_batch
+
+
+def test_the_epilogues_say_why_they_cannot_run():
+    assert "CUDA only" in unavailable(torch.device("cpu"), False, 768)
+    if torch.cuda.is_available():
+        assert "biases" in unavailable(torch.device("cuda"), True, 768)
+        assert "multiple of 8" in unavailable(torch.device("cuda"), False, 100)
+
+
+def test_a_cpu_trainer_keeps_the_plain_mlp(caplog):
+    tcfg = TrainConfig(model="tiny", compile=False, metrics_port=None)
+    assert tcfg.gelu_epilogue  # on by default: it applies where it can run
+    with caplog.at_level(logging.INFO, logger="lmpipe.trainer"):
+        built = build(PipelineConfig(seq_len=64), tcfg, 512, torch.device("cpu"), "fp32", None, Dist())
+    assert not any(b.mlp.gelu_epilogue for b in built.model.transformer.h)
+
+
+def _need_nvmath():
+    if (why := unavailable(torch.device("cuda"), False, 128)) is not None:
+        pytest.skip(why)
+
+
+def _reference(x, w_fc, w_proj):
+    return F.linear(F.gelu(F.linear(x, w_fc), approximate="tanh"), w_proj)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n, c", [(4096, 128), (2048, 768)])
+def test_epilogue_mlp_matches_the_tanh_gelu_mlp_forward_and_backward(n, c):
+    """Against fp32: no further from it than the same MLP in plain bf16 ops, and far from the erf GELU's."""
+    _need_nvmath()
+    from lmpipe.consumer.mlp_kernel import mlp
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, c, device="cuda", generator=g)
+    w_fc = torch.randn(4 * c, c, device="cuda", generator=g) * c**-0.5
+    w_proj = torch.randn(c, 4 * c, device="cuda", generator=g) * (4 * c) ** -0.5
+    dy = torch.randn(n, c, device="cuda", generator=g)
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (x, w_fc, w_proj)]
+        y = fn(*leaves)
+        return [y.float(), *(t.float() for t in torch.autograd.grad(y, leaves, dy.to(dtype)))]
+
+    want = run(_reference, torch.float32)
+    plain = run(_reference, torch.bfloat16)
+    got = run(mlp, torch.bfloat16)
+    erf = run(lambda a, b, c_: F.linear(F.gelu(F.linear(a, b)), c_), torch.float32)
+    for name, w, p, g_ in zip(("y", "dx", "dw_fc", "dw_proj"), want, plain, got):
+        scale = w.abs().max()
+        err, plain_err = (g_ - w).abs().max() / scale, (p - w).abs().max() / scale
+        assert err <= 2 * plain_err + 1e-3, (name, float(err), float(plain_err))
+        assert err < 2e-2, (name, float(err))
+    # the GELU is the tanh one GPT-2 uses: its output is nearer tanh's than erf's
+    assert (got[0] - want[0]).abs().mean() < (got[0] - erf[0]).abs().mean()
+
+
+@pytest.mark.cuda
+def test_a_compiled_gpt_trains_alike_with_and_without_the_epilogues():
+    """Whole model, torch.compile and autocast bf16 as the trainer runs it: one step's loss and gradients."""
+    _need_nvmath()
+    L = 256
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", vocab_size=97, block_size=L)).cuda()
+    tokens, lengths, seg, mask = (t.cuda() for t in _masked_packed_batch(L, L))
+    inp = build_inputs(tokens, lengths, seg, attention="flex", loss_mask=mask)
+    results = []
+    for on in (False, True):
+        torch._dynamo.reset()
+        for b in model.transformer.h:
+            b.mlp.gelu_epilogue = on
+        compiled = torch.compile(model, dynamic=False)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(inp.idx, inp.pos, inp.attn, inp.targets)[1]
+        loss.backward()
+        results.append((loss.detach().float(), [p.grad.clone() for p in model.parameters()]))
+    (loss_off, grads_off), (loss_on, grads_on) = results
+    torch.testing.assert_close(loss_on, loss_off, rtol=2e-3, atol=0)
+    for (name, _), a, b in zip(model.named_parameters(), grads_on, grads_off):
+        assert (a - b).norm() <= 0.03 * b.norm(), name  # bf16 rounding apart; a wrong gelu' is ~100%
+
+
+@pytest.mark.cuda
+def test_a_bf16_cuda_trainer_takes_the_epilogues_and_says_so(caplog):
+    _need_nvmath()
+    tcfg = TrainConfig(model="tiny", compile=False, metrics_port=None)
+    pcfg = PipelineConfig(seq_len=64)
+    with caplog.at_level(logging.INFO, logger="lmpipe.trainer"):
+        on = build(pcfg, tcfg, 512, torch.device("cuda"), "bf16", torch.bfloat16, Dist())
+        fp16 = build(pcfg, tcfg, 512, torch.device("cuda"), "fp16", torch.float16, Dist())
+    assert all(b.mlp.gelu_epilogue for b in on.model.transformer.h)
+    assert not any(b.mlp.gelu_epilogue for b in fp16.model.transformer.h)
+    assert "GEMM epilogues" in caplog.text and "needs --precision bf16, not fp16" in caplog.text
