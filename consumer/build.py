@@ -53,6 +53,7 @@ def build(
     dist: Dist,
 ) -> Built:
     """The GPT, its optimizer and loss scaler, DDP and compile wrappers, and the step runner."""
+    why: str | None
     if tcfg.attention == "flash" and (why := flash_unavailable(device)):
         raise ValueError(why)
     mcfg = preset(tcfg.model, vocab_size=max(tcfg.vocab_size, vocab_size), block_size=pcfg.seq_len)
@@ -83,8 +84,14 @@ def build(
         and importlib.util.find_spec("triton") is not None
     )
     if tcfg.gelu_epilogue and device.type == "cuda":
-        why = f"it needs --precision bf16, not {precision}" if precision != "bf16" else None
-        if why := why or gelu_epilogue_unavailable(device, mcfg.bias, mcfg.n_embd):
+        if precision != "bf16":
+            why = f"it needs --precision bf16, not {precision}"
+        elif tcfg.compile and tcfg.compile_mode in ("reduce-overhead", "max-autotune"):
+            # nvmath keeps a cuBLASLt workspace between calls; a CUDA graph's private memory pool refuses it
+            why = f"--compile-mode {tcfg.compile_mode} records CUDA graphs, which nvmath's calls cannot join"
+        else:
+            why = gelu_epilogue_unavailable(device, mcfg.bias, mcfg.n_embd)
+        if why:
             log.info("the MLP's GELU runs as kernels of its own: %s", why)
         else:
             for module in model.modules():

@@ -118,8 +118,8 @@ class TrainConfig:
     # nvmath-python is installed; elsewhere (CPU, fp16/fp32/fp8, biases) the GELU runs as before.
     gelu_epilogue: bool = setting(
         True,
-        help="CUDA, bf16: the MLP's GELU and its gradient in cuBLASLt's GEMM epilogues, where nvmath-python "
-        "is installed (--no-gelu-epilogue: compiled kernels of their own)",
+        help="CUDA, bf16, no CUDA graphs: the MLP's GELU and its gradient in cuBLASLt's GEMM epilogues, where "
+        "nvmath-python is installed (--no-gelu-epilogue: compiled kernels of their own)",
     )
     vocab_size: int = setting(
         0, check=at_least(0), help="model vocabulary (0: the tokenizer's, rounded up to a multiple of 64)"

@@ -279,6 +279,19 @@ def builtin_lengths(tok, n: int, seed: int = 0) -> dict[int, int]:
     return {i: len(e.ids) + 1 for i, e in enumerate(encs)}  # + end-of-text
 
 
+def masked_packed_batch(L: int, seed: int):
+    """Two packed rows of 97-token-vocabulary documents (5 random cuts each, the second row 7 tokens short)
+    and a random loss mask: (tokens, lengths, seg, loss_mask) on the CPU."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 97, (2, L), generator=g)
+    cuts = torch.randint(1, L, (2, 5), generator=g)
+    seg = (torch.arange(L)[None, :, None] >= cuts[:, None, :]).sum(-1).to(torch.uint16)
+    lengths = torch.tensor([L, L - 7], dtype=torch.int32)
+    return tokens, lengths, seg, torch.randint(0, 2, (2, L), generator=g, dtype=torch.uint8)
+
+
 def tiny_model(seed: int = 0, vocab: int = 97):
     """The smallest GPT preset, seeded, in eval mode (CPU model tests)."""
     import torch

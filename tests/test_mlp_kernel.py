@@ -15,7 +15,7 @@ from lmpipe.consumer.inputs import build_inputs
 from lmpipe.consumer.mlp_kernel import unavailable
 from lmpipe.consumer.model import GPT, preset
 from lmpipe.shared.config import PipelineConfig
-from tests.test_model import _masked_packed_batch
+from tests.helpers import masked_packed_batch
 
 
 def test_the_epilogues_say_why_they_cannot_run():
@@ -80,7 +80,7 @@ def test_a_compiled_gpt_trains_alike_with_and_without_the_epilogues():
     L = 256
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=97, block_size=L)).cuda()
-    tokens, lengths, seg, mask = (t.cuda() for t in _masked_packed_batch(L, L))
+    tokens, lengths, seg, mask = (t.cuda() for t in masked_packed_batch(L, L))
     inp = build_inputs(tokens, lengths, seg, attention="flex", loss_mask=mask)
     results = []
     for on in (False, True):
@@ -107,6 +107,10 @@ def test_a_bf16_cuda_trainer_takes_the_epilogues_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="lmpipe.trainer"):
         on = build(pcfg, tcfg, 512, torch.device("cuda"), "bf16", torch.bfloat16, Dist())
         fp16 = build(pcfg, tcfg, 512, torch.device("cuda"), "fp16", torch.float16, Dist())
+        graphs = TrainConfig(model="tiny", compile=True, compile_mode="reduce-overhead", metrics_port=None)
+        graphed = build(pcfg, graphs, 512, torch.device("cuda"), "bf16", torch.bfloat16, Dist())
     assert all(b.mlp.gelu_epilogue for b in on.model.transformer.h)
     assert not any(b.mlp.gelu_epilogue for b in fp16.model.transformer.h)
+    assert not any(b.mlp.gelu_epilogue for b in graphed.model.transformer.h)
     assert "GEMM epilogues" in caplog.text and "needs --precision bf16, not fp16" in caplog.text
+    assert "reduce-overhead records CUDA graphs" in caplog.text

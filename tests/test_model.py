@@ -19,7 +19,7 @@ from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import SettingsError
-from tests.helpers import ListStream, tiny_model
+from tests.helpers import ListStream, masked_packed_batch, tiny_model
 
 
 def test_packed_attention_equals_each_document_alone():
@@ -134,7 +134,7 @@ def test_clipping_inside_the_fused_step_equals_clip_grad_norm(grad_clip, device)
     the same update, and the same norm reported, as clip_grad_norm_'s multiply followed by the step."""
     dev = torch.device(device)
     micro = [
-        build_inputs(*(t.to(dev) for t in _masked_packed_batch(48, seed)[:3]), attention="dense")
+        build_inputs(*(t.to(dev) for t in masked_packed_batch(48, seed)[:3]), attention="dense")
         for seed in (0, 1)
     ]
     cfg = TrainConfig(grad_clip=grad_clip, fused_adamw=True)
@@ -229,15 +229,6 @@ def test_the_document_block_mask_equals_flex_attentions_own_builder(seed):
         assert host.seq_lengths == got.seq_lengths and host.BLOCK_SIZE == got.BLOCK_SIZE
 
 
-def _masked_packed_batch(L: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 97, (2, L), generator=g)
-    cuts = torch.randint(1, L, (2, 5), generator=g)
-    seg = (torch.arange(L)[None, :, None] >= cuts[:, None, :]).sum(-1).to(torch.uint16)
-    lengths = torch.tensor([L, L - 7], dtype=torch.int32)
-    return tokens, lengths, seg, torch.randint(0, 2, (2, L), generator=g, dtype=torch.uint8)
-
-
 @pytest.mark.parametrize("L", [64, 200, 256])
 def test_flex_attention_equals_dense_at_any_row_width(L):
     """Rows narrower than a 128-token block (seq_len 64) or not a multiple of it (200) take
@@ -245,7 +236,7 @@ def test_flex_attention_equals_dense_at_any_row_width(L):
     path's either way (forward only: FlexAttention has no backward on CPU; the CUDA test below trains)."""
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=97, block_size=L)).eval()
-    tokens, lengths, seg, mask = _masked_packed_batch(L, L)
+    tokens, lengths, seg, mask = masked_packed_batch(L, L)
     flex = build_inputs(tokens, lengths, seg, attention="flex", loss_mask=mask)
     dense = build_inputs(tokens, lengths, seg, attention="dense", loss_mask=mask)
     assert flex.attn.kind == "flex" and torch.equal(flex.targets, dense.targets)
@@ -265,7 +256,7 @@ def test_flex_attention_trains_like_dense_at_any_row_width(L):
     """The same on the GPU with the backward pass: equal gradients, masked targets included."""
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=97, block_size=L)).cuda()
-    tokens, lengths, seg, mask = (t.cuda() for t in _masked_packed_batch(L, L))
+    tokens, lengths, seg, mask = (t.cuda() for t in masked_packed_batch(L, L))
     grads = []
     for attention in ("flex", "dense"):
         inp = build_inputs(tokens, lengths, seg, attention=attention, loss_mask=mask)
@@ -309,7 +300,7 @@ def test_flash_document_offsets_mark_every_piece_and_pad_to_a_bucket():
     """--attention flash's cu_seqlens: a piece starts wherever seg changes and at every row start, and the
     list is padded with B * L (empty documents) to a power of two of at least 64, so that a compiled model
     sees one shape for almost every batch."""
-    tokens, lengths, seg, _ = _masked_packed_batch(200, 3)
+    tokens, lengths, seg, _ = masked_packed_batch(200, 3)
     cu = cu_seqlens_host(seg.numpy())
     B, L = seg.shape
     assert len(cu) == 64 and cu.dtype == np.int32
@@ -346,7 +337,7 @@ def test_flash_attention_trains_like_dense(L):
     _flash_or_skip()
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=97, block_size=L)).cuda()
-    tokens, lengths, seg, mask = (t.cuda() for t in _masked_packed_batch(L, L))
+    tokens, lengths, seg, mask = (t.cuda() for t in masked_packed_batch(L, L))
     losses, grads = [], []
     for attention, run in (
         ("dense", model),
