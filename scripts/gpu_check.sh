@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh [tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|ddp|scaling|peers|elastic|all]
 #                        [extra benchmark args...]
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
-# On the team's lent GPU machine pyzmq and liger-kernel come as wheels in .whl/ (see README, Development),
+# On the team's lent GPU machine pyzmq, torchao and nvmath-python come as wheels in .whl/ (see README, Development),
 # and WikiText-2 as a copy in .benchdata/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
