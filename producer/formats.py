@@ -28,14 +28,17 @@ never a shorter epoch passed off as the corpus (a file emptied under --epochs 0 
 complete). One of the same size whose times or inode changed (touched, copied over with the same bytes) is
 hashed again and compared with the digest taken when it was found (blake2b of its size and content, the
 first, middle and last 64 KiB of a file over 256 KiB): the same, it is read on, said once in an info line;
-other bytes, it stops the run as any other change. A file:// URL of a local file is that file for "reached
-more than once".
+other bytes, it stops the run as any other change. A file:// (or local://) URL of this machine's file or
+folder (file:///abs/path, file://localhost/abs/path, percent-encoded; a glob too) is that path in all of
+this (found, checked, hashed, refused as binary, "reached more than once"), named as given in messages and
+record ids (file:///tmp/a.txt:3); one of another host is refused in one line.
 
 pyarrow (lmpipe[parquet]) and zstandard (lmpipe[zstd]) are needed only for the files that use them.
 """
 
 from __future__ import annotations
 
+import glob
 import gzip
 import hashlib
 import io
@@ -50,6 +53,7 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
+from urllib.parse import quote, unquote_to_bytes
 
 import numpy as np
 
@@ -104,9 +108,11 @@ class DataFile:
     digest: bytes | None = field(default=None, repr=False)
     # (st_dev, st_ino, st_mtime_ns, st_ctime_ns) it has had since, hashed again and found the same content
     same_content: set[tuple[int, int, int, int]] = field(default_factory=set, repr=False)
+    # a local file given as a file:// URL: that URL, as messages and record ids name it (path: its local path)
+    given: str | None = None
 
     def __str__(self) -> str:
-        return self.path
+        return self.given or self.path
 
     @property
     def name(self) -> str:
@@ -170,11 +176,38 @@ def read_from_dir(name: str) -> bool:
 # -- resolving --data paths -----------------------------------------------------------------------------
 
 
+LOCAL_PROTOCOLS = ("file", "local")  # fsspec's names for this machine's files
+
+
+def local_path(p: str) -> str | None:
+    """The local path a --data string names: `p` itself when it is not a URL, the path of a file:// (or
+    local://) URL, percent-decoded (file:///tmp/a%20b.txt is /tmp/a b.txt, file://localhost/x is /x); None
+    for any other URL. A URL of another host is a ValueError (one line).
+
+    The one place a file:// URL becomes the local file it names: read through fsspec it was a remote object,
+    not checked for changes (check_unchanged), not in the content digest, refused as binary by nothing. As
+    its path, it is that file everywhere; DataFile.given keeps the URL for messages and record ids."""
+    if not is_url(p):
+        return p
+    scheme, rest = p.split("://", 1)
+    if scheme.lower() not in LOCAL_PROTOCOLS:
+        return None
+    host, slash, path = rest.partition("/")
+    if host and host.lower() != "localhost":
+        raise ValueError(
+            f"{p}: names host {host!r}; a {scheme}:// URL is read only as this machine's file "
+            f"({scheme}:///absolute/path or {scheme}://localhost/absolute/path): give the local path itself "
+            "(a relative one too), or a URL of the store that serves it (s3://, https://...)"
+        )
+    return os.fsdecode(unquote_to_bytes(slash + path)) or "/"  # names not UTF-8 too (surrogateescape)
+
+
 def resolve(paths: list[str]) -> list[DataFile]:
     """The corpus files `paths` stand for, in order, each with its format; missing extras fail here."""
     out: list[DataFile] = []
     for p in paths:
-        out += _resolve_remote(p) if is_url(p) else _resolve_local(p)
+        local = local_path(p)
+        out += _resolve_remote(p) if local is None else _resolve_local(local, None if local == p else p)
     if paths and not out:
         raise FileNotFoundError(
             f"no corpus files in {', '.join(paths)} (.txt, .jsonl, .parquet, .arrow, or .gz/.zst of text/JSONL)"
@@ -195,12 +228,12 @@ def _read_once(files: list[DataFile]) -> list[DataFile]:
     out = []
     for f in files:
         # with its size and time: a file system that numbers inodes loosely cannot make two files one
-        key = (f.inode, f.size, f.mtime_ns) if f.inode is not None else _local_key(f)
+        key = (f.inode, f.size, f.mtime_ns) if f.inode is not None else f.path
         kept = first.setdefault(key, f)
         if kept is f:
             out.append(f)
         else:
-            again.setdefault(kept, []).append(f.path)
+            again.setdefault(kept, []).append(str(f))
     said = [f"{f} (again as {', '.join(paths)})" for f, paths in again.items()]
     if said and "; ".join(said) not in _said_again:  # said by `lmpipe run` before it forks its producers
         _said_again.add("; ".join(said))
@@ -208,18 +241,6 @@ def _read_once(files: list[DataFile]) -> list[DataFile]:
         log.warning("--data reaches %d file(s) more than once; each is read once, where it first comes: %s%s",
                     len(said), "; ".join(said[:SAID_AGAIN]), more)  # fmt: skip
     return out
-
-
-def _local_key(f: DataFile) -> object:
-    """What tells a URL apart from other files read: a file:// URL, the local file it names (as a path to
-    it would be keyed); any other, itself."""
-    if f.remote is None or f.remote.proto not in ("file", "local"):
-        return f.path
-    try:
-        st = os.stat(f.remote.key(f.path))
-    except (OSError, ValueError):
-        return f.path
-    return ((st.st_dev, st.st_ino), f.size, st.st_mtime_ns)
 
 
 def _content_digest(fd: int, size: int) -> bytes:
@@ -268,7 +289,7 @@ def _snapshot(path: str) -> tuple[os.stat_result, bytes | None]:
         os.close(fd)
 
 
-def _local_file(path: Path) -> DataFile:
+def _local_file(path: Path, given: str | None = None) -> DataFile:
     try:
         st, digest = _snapshot(str(path))
     except OSError:
@@ -289,6 +310,7 @@ def _local_file(path: Path) -> DataFile:
         mtime_ns=st.st_mtime_ns,
         ctime_ns=st.st_ctime_ns,
         digest=digest,
+        given=given,
     )
 
 
@@ -360,23 +382,36 @@ def _changed_content(f: DataFile) -> str | None:
     return None
 
 
-def _resolve_local(p: str) -> list[DataFile]:
-    path = Path(p)
+def _resolve_local(p: str, url: str | None = None) -> list[DataFile]:
+    """The files of local path `p`; `url`: the file:// URL it was given as (local_path), which names them
+    (a folder's files as `url`/name, a glob's as file:// URLs: a file:// glob is expanded as fsspec did)."""
+    path, shown = Path(p), url or p
+
+    def named(q: Path) -> str | None:
+        return None if url is None else f"{url.rstrip('/')}/{quote(os.fsencode(q.name))}"
+
+    if url is not None and any(c in url.split("://", 1)[1] for c in "*?["):
+        scheme, rest = url.split("://", 1)
+        prefix = f"{scheme}://{rest.partition('/')[0]}"  # file:// or file://localhost, as given
+        found = sorted(glob.glob(p, recursive=True, include_hidden=True))
+        return [_local_file(Path(q), prefix + quote(os.fsencode(q))) for q in found if os.path.isfile(q)]
     if path.is_dir():
         names = {q.name for q in path.iterdir()}
-        hf = _hf_dataset(p, names, lambda name: (path / name).read_text())
+        hf = _hf_dataset(shown, names, lambda name: (path / name).read_text())
         if hf is not None:
-            return [_local_file(path / name) for name in hf]
-        return [_local_file(q) for q in sorted(path.iterdir()) if q.is_file() and read_from_dir(q.name)]
+            return [_local_file(path / name, named(path / name)) for name in hf]
+        return [
+            _local_file(q, named(q)) for q in sorted(path.iterdir()) if q.is_file() and read_from_dir(q.name)
+        ]
     if path.is_file():
-        return [_local_file(path)]
+        return [_local_file(path, url and url.rstrip("/"))]
     if path.exists():  # /dev/null, a FIFO, a socket: nothing a corpus can be read from twice
-        raise ValueError(f"corpus path {p} is not a regular file or a directory")
+        raise ValueError(f"corpus path {shown} is not a regular file or a directory")
     if path.is_symlink():
         raise FileNotFoundError(
-            f"corpus path {p} is a symbolic link to nothing (its target is missing, or a loop)"
+            f"corpus path {shown} is a symbolic link to nothing (its target is missing, or a loop)"
         )
-    raise FileNotFoundError(f"corpus file not found: {p}")
+    raise FileNotFoundError(f"corpus file not found: {shown}")
 
 
 def left_out(paths: list[str]) -> list[str]:
@@ -385,8 +420,12 @@ def left_out(paths: list[str]) -> list[str]:
     nothing. Said once at the start, since a file given by itself is read whatever its name."""
     out = []
     for p in paths:
-        path = Path(p)
-        entries = sorted(path.iterdir()) if not is_url(p) and path.is_dir() else []
+        try:
+            local = local_path(p)  # a file:// URL of a folder: that folder
+        except ValueError:  # another host's: resolving the corpus says so
+            continue
+        path = Path(local or "")
+        entries = sorted(path.iterdir()) if local is not None and path.is_dir() else []
         if (
             not entries
             or {q.name for q in entries} & {"state.json", "dataset_dict.json"}

@@ -35,7 +35,6 @@ import numpy as np
 
 from lmpipe.producer import builtin_corpus, formats
 from lmpipe.producer.formats import DataFile
-from lmpipe.producer.remote import is_url
 from lmpipe.producer.shards import ShardSet, is_shard_dir
 from lmpipe.shared.config import MAX_LINE_BYTES, PipelineConfig
 
@@ -370,10 +369,13 @@ class Corpus:
         if doc_split not in DOC_SPLITS:
             raise ValueError(f"--doc-split must be one of {', '.join(DOC_SPLITS)}, not {doc_split!r}")
         self.shards: ShardSet | None = None
-        if paths and len(paths) == 1 and is_shard_dir(paths[0]):
-            self.shards = ShardSet(paths[0])
+        local = [formats.local_path(p) for p in paths or []]  # a file:// URL of a folder is that folder
+        if paths and len(paths) == 1 and is_shard_dir(local[0] or paths[0]):
+            self.shards = ShardSet(local[0] or paths[0])
             self.paths: list[DataFile] = []
-        elif shard_set := next((p for p in paths or [] if not is_url(p) and is_shard_dir(p)), None):
+        elif shard_set := next(
+            (p for p, d in zip(paths or [], local, strict=True) if d is not None and is_shard_dir(d)), None
+        ):
             raise ValueError(
                 f"--data {shard_set} is a shard set (lmpipe prepare): give it as the only --data"
             )
@@ -539,4 +541,4 @@ def _utf16(head: bytes) -> bool:
 
 def expand_paths(paths: list[str]) -> list[str]:
     """Files as given; a directory stands for its corpus files, sorted (formats.resolve says which)."""
-    return [f.path for f in formats.resolve(paths)]
+    return [str(f) for f in formats.resolve(paths)]

@@ -1,12 +1,16 @@
 """A corpus file changed under a run, as formats.check_unchanged tells it: a touch (or a copy of the same
 bytes over it) is read on, said once; a file of the same size and time put in its place, or rewritten in
-place with its time set back, stops the run; a file:// URL of a file read is that file, read once."""
+place with its time set back, stops the run; a file:// URL of a local file is that file: checked, hashed and
+read once as its path is."""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
+import subprocess
+import sys
+from urllib.parse import quote
 
 import pytest
 
@@ -14,6 +18,7 @@ from lmpipe.producer import formats
 from lmpipe.producer.formats import CorpusChanged
 from lmpipe.producer.sources import Corpus
 from tests.corpora import builtin_docs, write
+from tests.helpers import REPO, lmpipe_env
 
 KINDS = ["jsonl", "jsonl.gz", "parquet", "arrow-file", "arrow"]
 READ_ON = "but its content is as the run found it; reading on"
@@ -199,3 +204,130 @@ def test_a_file_url_and_the_path_of_its_file_are_read_once(tmp_path, caplog):
         assert said == [
             f"--data reaches 1 file(s) more than once; each is read once, where it first comes: {again}"
         ], given
+
+
+def _url(path, host: str = "") -> str:
+    """A file:// URL of a local path, percent-encoded as a browser or `pathlib.Path.as_uri` writes it."""
+    return f"file://{host}{quote(str(path))}"
+
+
+def _change(path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "appended":
+        with open(path, "ab") as f:
+            f.write(data[-100:])
+    else:  # another file of the same size and time put in its place
+        st = path.stat()
+        other = path.with_name("other")
+        other.write_bytes(_same_size_other_bytes(path))
+        os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(other, path)
+
+
+def _stopped(tmp_path, name: str, kind: str, how: str, given) -> tuple[str, str]:
+    """(what the corpus was given as, the CorpusChanged line) for a corpus file changed in its second pass."""
+    path = _corpus(tmp_path / name, kind)
+    arg = given(path)
+    c = Corpus([arg])
+    list(c.records())
+    records = c.records()
+    next(records)
+    _change(path, how)
+    with pytest.raises(CorpusChanged) as err:
+        list(records)
+    return arg, str(err.value)
+
+
+@pytest.mark.parametrize("how", ["truncated", "appended", "replaced"])
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow-file"])
+@pytest.mark.parametrize(
+    "given",
+    [
+        _url,
+        lambda path: _url(path, "localhost"),
+        lambda path: _url(path.parent) + "/*",  # a glob: each file it finds is checked as its path
+    ],
+    ids=["url", "localhost", "glob"],
+)
+def test_a_file_url_of_a_changed_file_stops_the_run_as_its_path_does(tmp_path, kind, how, given):
+    """A file:// URL was read as a remote object: truncated, appended to or replaced during the run, it was
+    read as it now was (or cut short by ranged reads), unchecked. It stops with its path's line, naming the
+    URL as given."""
+    path_arg, path_said = _stopped(tmp_path, "by-path", kind, how, str)
+    url_arg, url_said = _stopped(tmp_path, "by-url", kind, how, given)
+    url_file = (
+        url_arg if not url_arg.endswith("*") else _url(tmp_path / "by-url" / os.path.basename(path_arg))
+    )
+    assert url_said == path_said.replace(path_arg, url_file)
+    assert url_said.startswith(f"corpus file {url_file} changed during the run (")
+
+
+def test_a_touched_file_url_is_read_on(tmp_path, caplog):
+    """A file:// URL of a file touched (the same bytes, a new time) is read on, said once, as its path is."""
+    path = _corpus(tmp_path)
+    url = _url(path)
+    c = Corpus([url])
+    first = _texts(c.records())
+    _touch(path)
+    with caplog.at_level(logging.INFO, logger="lmpipe.producer"):
+        assert _texts(c.records()) == first
+        assert _texts(c.records()) == first
+    said = _said(caplog)
+    assert len(said) == 1 and re.fullmatch(
+        rf"corpus file {re.escape(url)}: modified at .+, {READ_ON}", said[0]
+    )
+
+
+def test_a_corpus_of_file_urls_has_the_content_digest_of_its_paths(tmp_path):
+    """The `data_content` a late producer must match: a corpus given as file:// URLs had none (""), so a
+    producer given the paths could not be told from one given the same names of other content. A file, a
+    folder, percent-encoded names and file://localhost all give the paths' digest and fingerprint."""
+    d = tmp_path / "my corpus"
+    a = write(d / "a b", builtin_docs(50), "jsonl")
+    b = write(d / "sub dir" / "b", builtin_docs(50, seed=1), "parquet")
+    paths = Corpus([str(d), str(b)])
+    assert paths.content_digest()
+    for given in ([_url(d), _url(b)], [_url(d, "localhost") + "/", _url(b, "localhost")], [_url(a), str(b)]):
+        urls = Corpus(given)
+        assert [f.path for f in urls.paths] == [str(f) for f in paths.paths], given
+        assert urls.content_digest() == paths.content_digest(), given
+        assert urls.fingerprint() == paths.fingerprint(), given
+
+
+def test_percent_encoded_and_localhost_file_urls_are_their_files(tmp_path, caplog):
+    """file:///.../a%20b.txt was looked up as a file named `a%20b.txt`, file://localhost/... as a folder
+    `localhost` of the working directory: not found. Both are the file, read once beside its path, its
+    records named by the URL as given."""
+    path = tmp_path / "a b ü.txt"
+    path.write_text("alpha one\n\nalpha two\n")
+    for url in (_url(path), _url(path, "localhost"), f"local://{quote(str(path))}"):
+        caplog.clear()
+        c = Corpus([url, str(path)])
+        assert [str(f) for f in c.paths] == [url] and c.paths[0].path == str(path)
+        assert [(r.text, r.where) for r in c.records()] == [
+            ("alpha one", f"{url}:1"),
+            ("alpha two", f"{url}:3"),
+        ]
+        assert [r.getMessage() for r in caplog.records if "more than once" in r.getMessage()] == [
+            f"--data reaches 1 file(s) more than once; each is read once, where it first comes: {url} (again as "
+            f"{path})"
+        ]
+
+
+def test_a_file_url_of_another_host_is_one_line(tmp_path):
+    """file://otherhost/path was read as the relative path otherhost/path (fsspec), or not found: another
+    machine's file cannot be read as a local one. One line, naming the URL and what to give instead; the
+    command exits 2 without a traceback."""
+    url = "file://otherhost/data/corpus.txt"
+    with pytest.raises(ValueError) as err:
+        Corpus([url])
+    said = str(err.value)
+    assert "\n" not in said and said.startswith(f"{url}: names host 'otherhost'; ") and "file:///" in said
+    out = subprocess.run([sys.executable, "-m", "lmpipe", "prepare", "--data", url, "--out", str(tmp_path / "out")],
+                         env=lmpipe_env(), cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{url}: names host 'otherhost'; " in lines[0], out.stderr
+    assert not (tmp_path / "out").exists()
