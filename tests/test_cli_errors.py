@@ -351,6 +351,18 @@ CASES = [
         lambda c: ["run", "--data", str(c.tmp), "--doc-log", str(c.tmp / "docs.jsonl"), *touch(c, "a.txt")],
         "is in the folder --data",
     ),
+    (
+        "doc-log-in-the-data-folder-given-as-a-file-url",
+        lambda c: [
+            "run",
+            "--data",
+            c.tmp.as_uri(),
+            "--doc-log",
+            str(c.tmp / "docs.jsonl"),
+            *touch(c, "a.txt"),
+        ],
+        "is in the folder --data file://",
+    ),
 ]
 
 
