@@ -8,7 +8,8 @@ A file's format comes from its name:
   .arrow                    Arrow IPC, stream or file format (what Hugging Face `datasets` writes)
 and, for any other name, from its first bytes (Parquet, Arrow, gzip and zstd magic numbers), else text.
 A directory stands for its files of those kinds (sorted by name, not recursive; plain .json files are left
-out as likely configs, compressed ones kept). A file reached more than once (named twice, a folder and a
+out as likely configs, compressed ones kept; left_out names the rest, a FIFO or socket among them). A file
+that cannot be opened (permission denied) fails resolving, in one line naming it. A file reached more than once (named twice, a folder and a
 file in it, a symlink or hard link to another file read; a URL named twice) is read once, where it first
 comes, and said so in one line. A directory written by Hugging Face `save_to_disk`
 (state.json beside data-*.arrow) stands for its Arrow files in state.json's order, read with pyarrow
@@ -292,8 +293,8 @@ def _snapshot(path: str) -> tuple[os.stat_result, bytes | None]:
 def _local_file(path: Path, given: str | None = None) -> DataFile:
     try:
         st, digest = _snapshot(str(path))
-    except OSError:
-        st, digest = path.stat(), None  # unreadable: reading it says so; without a digest any change stops
+    except OSError as exc:  # unreadable (permission denied): said now, by name, not by each producer later
+        raise type(exc)(f"corpus file {given or path}: cannot read it ({exc.strerror or exc})") from None
 
     def peek(a: int, b: int) -> bytes:
         with open(path, "rb") as f:
@@ -416,8 +417,8 @@ def _resolve_local(p: str, url: str | None = None) -> list[DataFile]:
 
 def left_out(paths: list[str]) -> list[str]:
     """What the local directories of `paths` hold that the corpus leaves out: files by their names (a.bin,
-    notes.json, hidden ones), subfolders ("en/": directories are read one level deep) and symbolic links to
-    nothing. Said once at the start, since a file given by itself is read whatever its name."""
+    notes.json, hidden ones), subfolders ("en/": directories are read one level deep), symbolic links to
+    nothing, and what is not a regular file (a FIFO, a socket, a device). Said once at the start, since a file given by itself is read whatever its name."""
     out = []
     for p in paths:
         try:
@@ -435,6 +436,10 @@ def left_out(paths: list[str]) -> list[str]:
         out += [str(q) for q in entries if q.is_file() and not read_from_dir(q.name)]
         out += [f"{q}/" for q in entries if q.is_dir()]
         out += [f"{q} (a link to nothing)" for q in entries if q.is_symlink() and not q.exists()]
+        # a FIFO, a socket, a device: nothing a corpus can be read from twice (given by itself, refused)
+        out += [
+            f"{q} (not a regular file)" for q in entries if q.exists() and not (q.is_file() or q.is_dir())
+        ]
     return out
 
 
@@ -578,8 +583,9 @@ class _Checked(io.RawIOBase):
     def _error(self, exc: Exception) -> FormatError:
         check_unchanged(self.f)  # a file cut short since the start is not a corrupt one
         return FormatError(
-            f"{self.f}: {self.f.compression} data is truncated or corrupt after {self.done:,} decompressed "
-            f"bytes ({exc}); re-download or re-compress the file"
+            # GzipFile drops what it decompressed in the read that fails: the error lies past this count
+            f"{self.f}: {self.f.compression} data is truncated or corrupt past its first {self.done:,} "
+            f"decompressed bytes ({exc}); re-download or re-compress the file"
         )
 
     def close(self) -> None:

@@ -8,7 +8,9 @@ producers reading the same files do not report a bad line N times.
 A directory written by `lmpipe prepare` (it holds meta.json) is read as pre-tokenized shards.
 Plain text: a document is a block of non-blank lines (`--doc-split blank`, the default), everything
 from one top-level ` = Heading = ` line to the next (`--doc-split heading`, WikiText's article layout), or
-every non-blank line (`--doc-split line`: one sentence per line, Penn Treebank style).
+every non-blank line (`--doc-split line`: one sentence per line, Penn Treebank style). Lines end at \n
+(a \r before it is dropped); a file whose first line holds \r but no \n (CR line endings, old Mac) is said
+once per file, since it reads as one line. A UTF-8 BOM at a text or JSONL file's first byte is dropped.
 A text or JSONL file with a NUL byte near its start is binary, not a corpus: it is refused by name, before any
 process waits on batches that would be junk.
 JSONL: one object per line with a `text` string, or pre-tokenized `ids` (a list of token ids), or, to
@@ -44,6 +46,7 @@ DRAIN_CHUNK = 1 << 20  # bytes read at a time while skipping an over-long line
 # the skipped counts): beyond it, their digest. 1,024 files named like C4's took 36 KB and were refused.
 MAX_FINGERPRINT = 8192
 _said_unread: set[str] = set()  # files whose records hold keys that are not read, said once
+_said_cr: set[str] = set()  # files with CR line endings, said once
 
 DOC_SPLITS = ("blank", "heading", "line")
 HEADING = re.compile(r"^ = [^=].* = $")
@@ -77,9 +80,10 @@ class BadRecords:
 
     def summary(self) -> str:
         by = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.counts.items()))
+        records = "bad record" if self.total == 1 else "bad records"
         if self.who:
-            return f"{self.who} skipped {self.total:,} bad records ({by})"
-        return f"{self.total:,} bad records skipped ({by})"
+            return f"{self.who} skipped {self.total:,} {records} ({by})"
+        return f"{self.total:,} {records} skipped ({by})"
 
 
 @dataclass
@@ -96,16 +100,37 @@ class Record:
     warnings: list[tuple[str, str, str]] | None = None  # (reason, where, detail) for skipped lines inside
 
 
-def _lines(path: Path | DataFile, max_line_bytes: int) -> Iterator[tuple[int, bytes | None, int]]:
-    """(line number, raw bytes without newline or None when over the limit, full length)."""
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows editors write at a file's start
+CR_HINT = (
+    "the file has CR line endings (\\r without \\n, old Mac style) and lines are split on \\n only: convert it, "
+    "e.g. tr '\\r' '\\n' < IN > OUT"
+)
+
+
+def _cr_only(head: bytes) -> bool:
+    """A file's first line, as read (up to the line limit), holds CR but no LF: CR line endings."""
+    return b"\r" in head and b"\n" not in head
+
+
+def _lines(
+    path: Path | DataFile, max_line_bytes: int, notes: dict[str, bool] | None = None
+) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, raw bytes without newline or None when over the limit, full length). A UTF-8 BOM at
+    the file's first byte (decompressed) is not content: dropped before line 1 (line numbers and record ids
+    are as without it; a resumed reader reads from the start too, so they agree). `notes["cr"]`: set when
+    the first line read has CR but no LF (CR line endings: the file is one line)."""
     with formats.open_binary(path) as f:
         lineno = 0
         while True:
-            raw = f.readline(max_line_bytes + 1)
+            raw = f.readline(max_line_bytes + 1 + (len(BOM) if lineno == 0 else 0))
+            if lineno == 0 and raw.startswith(BOM):
+                raw = raw[len(BOM) :]
             if not raw:
                 return
+            if lineno == 0 and notes is not None and _cr_only(raw):
+                notes["cr"] = True
             lineno += 1
-            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            if len(raw) - raw.endswith(b"\n") > max_line_bytes:
                 size = len(raw)
                 while raw and not raw.endswith(b"\n"):  # drain the rest of the line without keeping it
                     raw = f.readline(DRAIN_CHUNK)
@@ -116,7 +141,11 @@ def _lines(path: Path | DataFile, max_line_bytes: int) -> Iterator[tuple[int, by
 
 
 def _text_records(
-    path: Path | DataFile, first_rid: int, doc_split: str, max_line_bytes: int
+    path: Path | DataFile,
+    first_rid: int,
+    doc_split: str,
+    max_line_bytes: int,
+    notes: dict[str, bool] | None = None,
 ) -> Iterator[Record]:
     rid = first_rid
     lines: list[str] = []
@@ -137,15 +166,17 @@ def _text_records(
             rec.bad = ("empty", "document is empty")
         return rec
 
-    for lineno, raw, size in _lines(path, max_line_bytes):
+    notes = {} if notes is None else notes
+    for lineno, raw, size in _lines(path, max_line_bytes, notes):
         where = f"{path}:{lineno}"
         if raw is None:
+            cr = f"; {CR_HINT}" if notes.get("cr") else ""
             line, problem = (
                 None,
                 (
                     "line_too_long",
                     where,
-                    f"line of {size:,} bytes exceeds --max-line-bytes {max_line_bytes:,}; line skipped",
+                    f"line of {size:,} bytes exceeds --max-line-bytes {max_line_bytes:,}{cr}",
                 ),
             )
         else:
@@ -157,7 +188,7 @@ def _text_records(
                     (
                         "invalid_utf8",
                         where,
-                        f"invalid UTF-8 at byte {exc.start} (is the file UTF-8?); line skipped",
+                        f"invalid UTF-8 at byte {exc.start} (is the file UTF-8?)",
                     ),
                 )
         if line is not None:
@@ -194,17 +225,23 @@ LABELS_HINT = (
 
 
 def _jsonl_records(
-    path: Path | DataFile, first_rid: int, max_line_bytes: int, vocab_size: int | None
+    path: Path | DataFile,
+    first_rid: int,
+    max_line_bytes: int,
+    vocab_size: int | None,
+    notes: dict[str, bool] | None = None,
 ) -> Iterator[Record]:
     rid = first_rid
-    for lineno, raw, size in _lines(path, max_line_bytes):
+    notes = {} if notes is None else notes
+    for lineno, raw, size in _lines(path, max_line_bytes, notes):
         where = f"{path}:{lineno}"
         if raw is not None and not raw.strip():
             continue  # blank lines are not records
         rec = Record(rid=rid, where=where)
         rid += 1
         if raw is None:
-            rec.bad = ("line_too_long", f"line of {size} bytes exceeds {max_line_bytes}")
+            cr = f"; {CR_HINT}" if notes.get("cr") else ""
+            rec.bad = ("line_too_long", f"line of {size} bytes exceeds {max_line_bytes}{cr}")
             yield rec
             continue
         if lineno == 1 and raw.strip() == b"[":  # a JSON array (what json.dump writes): each line is junk
@@ -216,7 +253,8 @@ def _jsonl_records(
         except UnicodeDecodeError as exc:
             rec.bad = ("invalid_utf8", f"invalid UTF-8 at byte {exc.start}")
         except json.JSONDecodeError as exc:
-            rec.bad = ("bad_json", f"not valid JSON ({exc.msg} at column {exc.colno})")
+            cr = f"; {CR_HINT}" if notes.get("cr") and lineno == 1 else ""
+            rec.bad = ("bad_json", f"not valid JSON ({exc.msg} at column {exc.colno}){cr}")
         except RecursionError:  # [[[[... or {"a":{"a":... a few hundred KB deep: the parser's stack, not ours
             rec.bad = ("bad_json", "JSON nested too deeply to parse")
         else:
@@ -390,6 +428,16 @@ class Corpus:
         self.max_line_bytes = max_line_bytes
         self.vocab_size = vocab_size
         self.text_column = text_column  # Parquet/Arrow column to read
+        # what reading the files found, for the notices about a shard's share (stream.py): text files read
+        # as one document of several lines, and text/JSONL files with CR line endings
+        self.one_document: set[str] = set()
+        self.cr_endings: set[str] = set()
+
+    def _say_cr(self, p: DataFile) -> None:
+        self.cr_endings.add(str(p))
+        if str(p) not in _said_cr:  # once per file and process: files are reopened every epoch
+            _said_cr.add(str(p))
+            log.warning("%s: %s", p, CR_HINT)
 
     @classmethod
     def of(cls, cfg: PipelineConfig, vocab_size: int | None = None) -> Corpus:
@@ -493,15 +541,22 @@ class Corpus:
                     make=Record,
                 )  # fmt: skip
                 continue
+            notes: dict[str, bool] = {}
             if p.fmt == "jsonl":
-                it = _jsonl_records(p, rid, self.max_line_bytes, self.vocab_size)
+                it = _jsonl_records(p, rid, self.max_line_bytes, self.vocab_size, notes)
             else:
-                it = _text_records(p, rid, self.doc_split, self.max_line_bytes)
+                it = _text_records(p, rid, self.doc_split, self.max_line_bytes, notes)
+            first_rid, only = rid, None
             for rec in it:
+                if notes.get("cr") and str(p) not in self.cr_endings:
+                    self._say_cr(p)
                 rid = rec.rid + 1
+                only = rec if rec.rid == first_rid else None
                 if rec.rid % num_workers == worker:
                     yield rec
             formats.check_unchanged(p)  # (a table's reader checks before each batch and at its end)
+            if p.fmt == "text" and only is not None and only.bad is None and "\n" in (only.text or ""):
+                self.one_document.add(str(p))  # lines, but no document boundary: --doc-split's hint
 
 
 def refuse_binary(path: DataFile) -> None:

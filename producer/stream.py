@@ -27,7 +27,7 @@ from itertools import islice
 import numpy as np
 
 from lmpipe.producer.scan import SharedScan
-from lmpipe.producer.sources import Corpus, Record
+from lmpipe.producer.sources import CR_HINT, Corpus, Record
 from lmpipe.shared.tokenizer import CALL_CHARS, TokenizerInfo
 
 log = logging.getLogger("lmpipe.producer")
@@ -128,10 +128,15 @@ class DocStream:
             return
         _SAID_LONE.add((corpus, n))
         hints = ["the corpus has fewer documents than shards"] if n == 0 and self.total_workers > 1 else []
-        text = any(f.fmt == "text" for f in self.corpus.paths)  # JSONL and tables: a record is a document
-        if text and self.corpus.doc_split == "blank":
+        # only what reading the corpus found (JSONL and tables: a record is a document whatever its lines)
+        if self.corpus.cr_endings:
+            cr = sorted(self.corpus.cr_endings)
+            hints.append(f"{', '.join(cr[:3])}{' and more' if len(cr) > 3 else ''}: {CR_HINT}")
+        elif self.corpus.one_document and self.corpus.doc_split == "blank":
+            one = sorted(self.corpus.one_document)
             hints.append(
-                "plain text without blank lines is one document: for one per line, use --doc-split line"
+                f"{', '.join(one[:3])}{' and more' if len(one) > 3 else ''} {'has' if len(one) == 1 else 'have'} no blank lines: each is one "
+                "document: for one per line, use --doc-split line"
             )
         if self.total_workers > 1:
             hints.append("said once: other shards like it are not named")

@@ -1,0 +1,263 @@
+"""Corpus files a hostile sweep found mishandled: a UTF-8 BOM read as content, an unreadable file in a --data
+folder found only by the producers, a FIFO left out unsaid, a truncated .gz's progress under-reported, the
+bad-record and lone-share wordings, and CR-only line endings left without a hint."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zlib
+
+import pytest
+import zstandard
+
+from lmpipe.producer import formats
+from lmpipe.producer.formats import FormatError
+from lmpipe.producer.sources import BadRecords, Corpus
+from lmpipe.producer.stream import DocStream
+from tests.helpers import REPO
+
+BOM = b"\xef\xbb\xbf"
+
+
+def records(path, **kw) -> list[tuple[int, str | None, str | None, str]]:
+    return [(r.rid, r.text, r.bad and r.bad[0], r.where) for r in Corpus([str(path)], **kw).records()]
+
+
+def compress(data: bytes, suffix: str) -> bytes:
+    if suffix == ".gz":
+        return gzip.compress(data)
+    if suffix == ".zst":
+        return zstandard.ZstdCompressor().compress(data)
+    return data
+
+
+# -- 1. a UTF-8 byte-order mark at a file's start -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz", ".zst"])
+@pytest.mark.parametrize("fmt", ["txt", "jsonl"])
+def test_a_leading_bom_is_not_content(tmp_path, fmt, suffix):
+    if fmt == "jsonl":
+        body = "".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(6)).encode()
+    else:
+        body = "".join(f"document {i}\nits second line\n\n" for i in range(6)).encode()
+    plain = tmp_path / "plain" / f"c.{fmt}{suffix}"
+    bom = tmp_path / "bom" / f"c.{fmt}{suffix}"
+    for p, data in ((plain, body), (bom, BOM + body)):
+        p.parent.mkdir()
+        p.write_bytes(compress(data, suffix))
+    want = [(rid, text, bad, where.replace("/plain/", "/bom/")) for rid, text, bad, where in records(plain)]
+    got = records(bom)
+    assert got == want, "the same records, ids and line numbers as without the BOM"
+    assert got[0][2] is None and got[0][1] in ("record 0", "document 0\nits second line")
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_a_bom_file_resumed_past_its_first_record_gives_the_same_documents(tmp_path, tok, suffix):
+    """A resumed reader (a cursor's position) reads the file from its start and skips to the position: past
+    the first record it gets what reading from the start got there, for each shard."""
+    body = "".join(json.dumps({"text": f"record number {i}"}) + "\n" for i in range(40)).encode()
+    path = tmp_path / f"c.jsonl{suffix}"
+    path.write_bytes(compress(BOM + body, suffix))
+    for w in range(2):
+
+        def docs(start: int, w: int = w) -> list[tuple[int, list[int]]]:
+            s = DocStream(Corpus([str(path)]), tok, w, 2, shuffle_window=8, seed=3)
+            return [(d.doc_id, d.ids.tolist()) for d in s.docs(0, start)]
+
+        whole = docs(0)
+        assert sorted(rid for rid, _ in whole) == list(range(w, 40, 2)), "record 0 is not dropped"
+        for start in (1, 5):
+            assert docs(start) == whole[start:]
+
+
+def test_only_a_bom_at_byte_0_is_dropped_and_the_line_limit_counts_content(tmp_path):
+    later = tmp_path / "later.txt"
+    later.write_bytes(b"first\n\n" + BOM + b"second\n")
+    assert [r[1] for r in records(later)] == ["first", "\ufeffsecond"], "a BOM inside the file is text"
+    only = tmp_path / "only.txt"
+    only.write_bytes(BOM)
+    with pytest.raises(StopIteration):
+        next(Corpus([str(only)]).records())
+    edge = tmp_path / "edge.txt"  # a first line of exactly --max-line-bytes after its BOM: not too long
+    edge.write_bytes(BOM + b"x" * 64 + b"\nnext\n")
+    assert [r[1:3] for r in records(edge, max_line_bytes=64, doc_split="line")] == [
+        ("x" * 64, None),
+        ("next", None),
+    ]
+
+
+# -- 2. an unreadable file ---------------------------------------------------------------------------------
+
+
+def test_an_unreadable_file_fails_when_the_corpus_is_resolved(tmp_path, monkeypatch):
+    d = tmp_path / "permdir"
+    d.mkdir()
+    (d / "a.txt").write_text("readable\n")
+    (d / "b.txt").write_text("not readable\n")
+    real_open = os.open
+
+    def deny(path, flags, *args, **kw):
+        if os.fspath(path).endswith("b.txt"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(formats.os, "open", deny)
+    for given in (str(d), str(d / "b.txt"), f"file://{d}/b.txt"):
+        with pytest.raises(PermissionError) as e:
+            formats.resolve([given])
+        shown = given if given.startswith("file:") else f"{d}/b.txt"
+        assert str(e.value) == f"corpus file {shown}: cannot read it (Permission denied)"
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_an_unreadable_file_is_one_line_for_root_too(tmp_path):
+    """As root (the hostile sweep ran so), without the capabilities that let root read any file."""
+    d = tmp_path / "permdir"
+    d.mkdir()
+    (d / "a.txt").write_text("readable\n")
+    (d / "b.txt").write_text("not readable\n")
+    (d / "b.txt").chmod(0)
+    drop = "-dac_override,-dac_read_search"
+    code = "import sys; from lmpipe.producer.sources import Corpus; Corpus([sys.argv[1]])"
+    try:
+        r = subprocess.run(
+            ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", "--", sys.executable, "-c", code, str(d)],
+            capture_output=True, text=True, cwd=REPO, timeout=60,
+        )  # fmt: skip
+    finally:
+        (d / "b.txt").chmod(0o644)
+    if "setpriv:" in r.stderr:
+        pytest.skip(f"setpriv cannot drop capabilities here: {r.stderr.strip()}")
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"PermissionError: corpus file {d}/b.txt: cannot read it (Permission denied)"
+    )
+
+
+# -- 3. what is not a regular file in a --data folder -------------------------------------------------------
+
+
+def test_a_fifo_in_a_data_folder_is_named_as_left_out(tmp_path):
+    d = tmp_path / "mix"
+    d.mkdir()
+    (d / "a.txt").write_text("a document\n")
+    os.mkfifo(d / "fifo.txt")
+    assert formats.left_out([str(d)]) == [f"{d}/fifo.txt (not a regular file)"]
+    assert [f.path for f in formats.resolve([str(d)])] == [str(d / "a.txt")]
+
+
+# -- 4. a truncated .gz: a true count of the bytes decompressed before the damage ----------------------------
+
+
+@pytest.mark.parametrize("size", [5_000, 3 << 20])
+def test_a_truncated_gzip_says_how_far_it_read_without_overstating(tmp_path, size):
+    """GzipFile drops what it decompressed in the read that fails, so the count is a floor: never more than
+    what decompresses (the old message said "after N" as if the damage were at N)."""
+    data = b"".join(json.dumps({"text": f"document {i} " * 5}).encode() + b"\n" for i in range(size // 60))
+    cut = gzip.compress(data)[: -max(8, len(gzip.compress(data)) // 10)]
+    d = zlib.decompressobj(31)
+    decompressed = len(d.decompress(cut))
+    assert decompressed > 0 and not d.eof
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(cut)
+    with pytest.raises(
+        FormatError, match=r"truncated or corrupt past its first ([\d,]+) decompressed bytes"
+    ) as e:
+        records(path)
+    said = int(re.search(r"past its first ([\d,]+)", str(e.value)).group(1).replace(",", ""))
+    assert said <= decompressed
+
+
+def test_gzip_members_and_zero_padding_are_read_as_gzip_reads_them(tmp_path):
+    a = b"".join(f'{{"text": "a {i}"}}\n'.encode() for i in range(3000))
+    b = b"".join(f'{{"text": "b {i}"}}\n'.encode() for i in range(3000))
+    path = tmp_path / "m.jsonl.gz"
+    path.write_bytes(gzip.compress(a) + gzip.compress(b) + b"\0" * 100)
+    assert [r[1] for r in records(path)] == [f"a {i}" for i in range(3000)] + [f"b {i}" for i in range(3000)]
+    junk = tmp_path / "junk.jsonl.gz"
+    junk.write_bytes(gzip.compress(a) + b"not gzip")
+    with pytest.raises(FormatError, match=r"decompressed bytes \(Not a gzipped file"):
+        records(junk)
+    crc = bytearray(gzip.compress(a))
+    crc[-8] ^= 1  # the member's CRC
+    (tmp_path / "crc.jsonl.gz").write_bytes(bytes(crc))
+    with pytest.raises(FormatError, match="truncated or corrupt"):
+        records(tmp_path / "crc.jsonl.gz")
+
+
+# -- 5. wording -------------------------------------------------------------------------------------------
+
+
+def test_a_bad_line_says_skipped_once_and_counts_agree_in_number(tmp_path, caplog):
+    path = tmp_path / "b.txt"
+    path.write_bytes(b"good line\nbad \xff line\nmore\n")
+    bad = BadRecords(logging.getLogger("lmpipe.producer"), "this producer")
+    with caplog.at_level(logging.WARNING, logger="lmpipe.producer"):
+        for rec in Corpus([str(path)]).records():
+            for reason, where, detail in rec.warnings or []:
+                bad(reason, where, detail)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == f"{path}:2: invalid UTF-8 at byte 4 (is the file UTF-8?) (invalid_utf8), skipped"
+    assert bad.summary() == "this producer skipped 1 bad record (1 invalid_utf8)"
+    two = BadRecords(logging.getLogger("x"))
+    two("empty", "f:1", "empty"), two("empty", "f:2", "empty")
+    assert two.summary() == "2 bad records skipped (2 empty)"
+
+
+def lone_share_lines(tmp_path, tok, caplog, path, shards: int, **kw) -> list[str]:
+    with caplog.at_level(logging.WARNING, logger="lmpipe.producer"):
+        for w in range(shards):
+            list(DocStream(Corpus([str(path)], **kw), tok, w, shards).docs(0))
+    return [r.getMessage() for r in caplog.records if "owns a single" in r.getMessage()]
+
+
+def test_the_blank_line_hint_is_given_only_for_a_file_without_blank_lines(tmp_path, tok, caplog):
+    two = tmp_path / "two.txt"
+    two.write_text("first document\nits second line\n\nsecond document\nits second line\n")
+    (line,) = lone_share_lines(tmp_path, tok, caplog, two, 2)
+    assert line.startswith("shard 0 of 2 owns a single document")
+    assert "blank lines" not in line and "--doc-split" not in line, "it has blank lines and two documents"
+    caplog.clear()
+    one = tmp_path / "one.txt"
+    one.write_text("first sentence\nsecond sentence\nthird sentence\n")
+    (line,) = lone_share_lines(tmp_path, tok, caplog, one, 2)
+    assert f"{one} has no blank lines: each is one document: for one per line, use --doc-split line" in line
+
+
+# -- 6. CR line endings ---------------------------------------------------------------------------------------
+
+CR_SAID = "the file has CR line endings (\\r without \\n, old Mac style) and lines are split on \\n only"
+
+
+def test_cr_line_endings_are_said_not_hinted_at_with_the_split_already_set(tmp_path, tok, caplog):
+    path = tmp_path / "cr.txt"
+    path.write_bytes(b"".join(b"line %d of an old Mac file\r" % i for i in range(50)))
+    lines = lone_share_lines(tmp_path, tok, caplog, path, 2, doc_split="line")
+    said = [r.getMessage() for r in caplog.records]
+    assert f"{path}: {CR_SAID}: convert it, e.g. tr '\\r' '\\n' < IN > OUT" in said
+    assert lines[0].startswith("shard 0 of 2 owns a single document") and CR_SAID in lines[0]
+    assert "use --doc-split line" not in "\n".join(said)
+    caplog.clear()
+    blank = tmp_path / "cr2.txt"  # (a lone share is said once per corpus and process)
+    shutil.copy(path, blank)
+    assert CR_SAID in lone_share_lines(tmp_path, tok, caplog, blank, 2)[0], "under --doc-split blank too"
+
+
+def test_an_over_long_cr_file_says_why_its_line_is_too_long(tmp_path):
+    path = tmp_path / "cr_big.txt"
+    path.write_bytes(b"".join(b"line %d of an old Mac file\r" % i for i in range(5000)))
+    (rec,) = Corpus([str(path)], max_line_bytes=1 << 16).records()
+    assert rec.bad is not None and rec.bad[0] == "line_too_long"
+    assert rec.bad[1].startswith("line of ") and CR_SAID in rec.bad[1]
+    crlf = tmp_path / "crlf.txt"  # Windows line endings are lines, and no CR notice
+    crlf.write_bytes(b"a\r\nb\r\n\r\nc\r\n")
+    corpus = Corpus([str(crlf)])
+    assert [r.text for r in corpus.records()] == ["a\nb", "c"] and not corpus.cr_endings
