@@ -181,7 +181,19 @@ def compare(header: dict[str, Any], expected: dict[str, Any], where: Path) -> No
         elif have != want:
             problems.append(f"{key}: checkpoint has {have!r}, this run has {want!r}")
     if problems:
-        raise CheckpointError(f"{where} does not match this run: " + "; ".join(problems))
+        raise CheckpointError(
+            f"{where} does not match this run: " + "; ".join(problems) + _remedy(header, problems)
+        )
+
+
+def _remedy(header: dict[str, Any], problems: list[str]) -> str:
+    """What to do about a refused checkpoint: resume with its settings, or start a new run."""
+    fresh = "start a new run (another --checkpoint-dir, or no --resume)"
+    stream = header.get("stream")
+    if any(p.startswith("stream.epochs:") for p in problems) and isinstance(stream, dict):
+        # a resumed run goes on with the checkpoint's --epochs: its shards' cursors count those epochs
+        return f": resume with --epochs {stream.get('epochs')}; to train another number of epochs, {fresh}"
+    return ""
 
 
 STATE_KEYS = ("model", "optimizer", "step", "workers", "rng")  # what a resume reads from state.pt

@@ -235,16 +235,17 @@ class Receiver(threading.Thread):
         metrics: TrainerMetrics,
         session: str,
         vocab_size: int,
+        *,
+        data_content: str = "",
     ):
         super().__init__(name="lmpipe-receiver", daemon=True)
         self.cfg, self.slots, self.table = cfg, slots, table
-        self.fingerprint = (
-            fingerprint  # the trainer's own dict: the first producer pins "data" for checkpoints too
-        )
+        # the trainer's own dict: the first producer pins "data" (unless given) for checkpoints too
+        self.fingerprint = fingerprint
         self.metrics, self.session, self.vocab_size = metrics, session, vocab_size
-        # the corpus files' contents (a hello's `data_content`), pinned by the first producer that sends one,
-        # for this process only (not in checkpoints: a restarted trainer pins it again); "": none yet
-        self.data_content = ""
+        # the corpus files' contents (a hello's `data_content`): given (the trainer's --data, a resumed
+        # checkpoint's header) or pinned by the first producer that sends one; "": none yet
+        self.data_content = data_content
         self.ready: queue.Queue = queue.Queue()
         self.bound = threading.Event()
         self._error: BaseException | None = None

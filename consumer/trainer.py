@@ -45,7 +45,10 @@ log = logging.getLogger("lmpipe.trainer")
 
 
 class Trainer:
-    def __init__(self, pcfg: PipelineConfig, tcfg: TrainConfig):
+    def __init__(self, pcfg: PipelineConfig, tcfg: TrainConfig, *, data: str = "", data_content: str = ""):
+        """`data` and `data_content`: the corpus the producers must serve (Corpus.fingerprint and
+        content_digest), where the user named it (lmpipe/launch.py); "": the first producer pins it. A resumed
+        checkpoint's own "data" and "data_content" override them."""
         check_bind(pcfg.host, pcfg.trusted_network, pcfg.curve_dir)
         self.dist = from_env(tcfg.device)
         if self.dist.enabled:
@@ -90,7 +93,8 @@ class Trainer:
         pin = self.device.type == "cuda"
         dt = token_dtype(self.tok.vocab_size)
         self.slots = [HostSlot(pcfg.batch_size, pcfg.seq_len, dt, pin) for _ in range(n_slots)]
-        self.fingerprint = fingerprint(pcfg, self.tok.hash, self.tok.vocab_size)
+        self.fingerprint = fingerprint(pcfg, self.tok.hash, self.tok.vocab_size, data)
+        self.data_content = data_content if data else ""  # the files' contents producers must serve; "": any
         self.checkpoints = (
             CheckpointManager(tcfg.checkpoint_dir, tcfg.keep_checkpoints) if tcfg.checkpoint_dir else None
         )
@@ -160,6 +164,9 @@ class Trainer:
             **self._identity(),
             "session": self.session,
             "data": self.fingerprint.get("data", ""),
+            # the files' contents as pinned (receiver.py); "" (unchecked: built-in corpus, shards, remote files)
+            # is left out, as checkpoints before it left it out
+            **({"data_content": content} if (content := self._data_content()) else {}),
         }
         path = self.checkpoints.save(self.step, header, state)
         self.metrics.checkpoints.inc()
@@ -175,6 +182,17 @@ class Trainer:
             raise CheckpointError(
                 f"{ck.path} is at step {at}, at or past --steps {steps}: nothing to train; raise --steps"
             )
+        # format 1 (lmpipe 0.1.0) held one rank's cursors; format 2 a list of them per rank
+        by_rank = st["workers"] if ck.header["format_version"] >= 2 else [st["workers"]]
+        epochs = self.pcfg.epochs
+        if epochs and any(rank and all(w.get("finished") for w in rank) for rank in by_rank):
+            # every shard read its --epochs to the end: it would stop at once, having trained nothing, and
+            # exit 0 (the same on every rank: by_rank is every rank's)
+            raise CheckpointError(
+                f"{ck.path} finished --epochs {epochs} (every shard reached the end of its data at step {at}): "
+                "nothing to train; start a new run (another --checkpoint-dir, or no --resume), or resume from "
+                "an earlier checkpoint"
+            )
         if (self.scaler is None) != ("scaler" not in st):  # before anything is loaded
             raise CheckpointError(
                 f"{ck.path}: precision differs (loss scaler {'absent' if self.scaler is None else 'present'} here)"
@@ -186,18 +204,24 @@ class Trainer:
             self.scaler.load_state_dict(st["scaler"])
             self._published = self.scaler.counters()
         self.step = int(st["step"])
-        # format 1 (lmpipe 0.1.0) held one rank's cursors; format 2 a list of them per rank
-        by_rank = st["workers"] if ck.header["format_version"] >= 2 else [st["workers"]]
         self.table.load_state_dict(by_rank[self.dist.rank])
         torch.set_rng_state(st["rng"]["torch"])
         if "cuda" in st["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(st["rng"]["cuda"], self.device)
         if ck.header.get("data"):
+            if ck.header["data"] != self.fingerprint.get("data"):
+                self.data_content = ""  # the given corpus's contents are not the checkpoint's corpus's
             self.fingerprint["data"] = ck.header["data"]  # producers must serve the same corpus
+            if ck.header.get("data_content"):  # and the same contents (older checkpoints lack it)
+                self.data_content = str(ck.header["data_content"])
         cursors = ", ".join(f"s{w.worker}@seq{w.last_seq}" for w in self.table.workers)
         log.info("resumed from %s: step %d, shard cursors %s", ck.path, self.step, cursors)
         self.metrics.global_step.set(self.step)
         self.metrics.checkpointed(self.step, Path(ck.path).stat().st_mtime)
+
+    def _data_content(self) -> str:
+        receiver = getattr(self, "receiver", None)  # pins it from the first producer that says it
+        return receiver.data_content if receiver is not None else self.data_content
 
     def request_stop(self, reason: str = "signal") -> None:
         self._stop_reason = reason
@@ -217,6 +241,7 @@ class Trainer:
             self.metrics,
             self.session,
             self.tok.vocab_size,
+            data_content=self.data_content,
         )
         self.receiver.start()
         self.receiver.bound.wait()

@@ -133,11 +133,19 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
 
     try:
         path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
-        had = read_header(path).get("data") if path is not None else None
+        header = read_header(path) if path is not None else {}
     except CheckpointError:
         return  # the trainer names what is wrong with the checkpoint itself
-    now = corpus.fingerprint()
+    had, now = header.get("data"), corpus.fingerprint()
     if not had or had == now:
+        # the same names and sizes: the same contents, where the checkpoint says them ("": not checked)
+        had_content, content = str(header.get("data_content") or ""), corpus.content_digest()
+        if had and had_content and content and had_content != content:
+            raise SettingsError(
+                f"{path} was trained on --data files of the same names and sizes, but their contents changed "
+                "since it was written: its cursors would not follow; resume with the files it was trained "
+                "on, or start a new run"
+            )
         return
     # a file corpus's fingerprint is "<doc split>|<files>" (Corpus.fingerprint)
     (had_split, _, had_files), (split, _, files) = str(had).partition("|"), now.partition("|")
@@ -182,7 +190,7 @@ def say_left_out(data: list[str]) -> None:
     if skipped := left_out(data):
         more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
         log.info("--data: %d file(s) or folder(s) in its directories not read (not corpus files by name, "
-                 "hidden, links to nothing, or subfolders: a folder is read one level deep): %s%s",
+                 "hidden, links to nothing, not regular files, or subfolders: a folder is read one level deep): %s%s",
                  len(skipped), ", ".join(skipped[:3]), more)  # fmt: skip
 
 
@@ -390,10 +398,20 @@ def train(
         raise SettingsError(
             f"--vocab-size {tcfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size}"
         )
-    if local_producers:
-        corpus = check_corpus(cfg, tok)
+    data = data_content = ""  # the corpus producers must serve; "": the first producer's (`train` alone)
+    if local_producers or cfg.data:  # `lmpipe train --data X` trains on X, not on what a producer serves
+        try:
+            corpus = check_corpus(cfg, tok)
+        except SettingsError as exc:
+            if local_producers:
+                raise
+            raise SettingsError(
+                f"{exc} (the trainer opens its --data to refuse producers of another corpus; where the corpus "
+                "is only on the producers' hosts, leave --data off the trainer)"
+            ) from None
         if tcfg.resume:
             check_resume_corpus(corpus, tcfg)
+        data, data_content = corpus.fingerprint(), corpus.content_digest()
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     if tcfg.checkpoint_dir and (Path(tcfg.checkpoint_dir) / "header.json").is_file():
@@ -419,7 +437,7 @@ def train(
         from lmpipe.consumer.report import print_status
         from lmpipe.consumer.trainer import Trainer
 
-        trainer = Trainer(cfg, tcfg)
+        trainer = Trainer(cfg, tcfg, data=data, data_content=data_content)
     except BaseException:
         for p in procs:
             p.kill()

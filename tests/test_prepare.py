@@ -119,7 +119,7 @@ def test_files_a_directory_leaves_out_are_named(tmp_path, corpus, capsys):
     err = capsys.readouterr().err
     assert (
         "--data: 4 file(s) or folder(s) in its directories not read (not corpus files by name, hidden, "
-        "links to nothing, or subfolders" in err
+        "links to nothing, not regular files, or subfolders" in err
     )
     assert f"{corpus / '._a.txt'}, {corpus / 'a.bin'}, {corpus / 'config.json'} and 1 more" in err
 
