@@ -30,7 +30,8 @@ def peak_flops(device_name: str) -> float:
 
 @dataclass
 class Summary:
-    steps: int = 0
+    steps: int = 0  # the step the run ended at (a resumed run's count goes on from its checkpoint's)
+    first_step: int = 0  # the step it started at: 0, or the resumed checkpoint's
     tokens: int = 0  # real (non-pad) tokens in trained batches: what throughput is measured in
     pad_tokens: int = 0
     targets: int = 0  # targets the loss was taken on: tokens minus document ends and loss-masked tokens
@@ -96,7 +97,7 @@ class Summary:
         return d
 
     def render(self) -> str:
-        if not self.steps:
+        if self.steps <= self.first_step:
             return (
                 f"summary: no steps trained in {self.seconds:.1f} s ({self.stopped_by or 'stopped'}) | "
                 f"batches dropped: {self.rejected} malformed, {self.stale} stale"
@@ -104,7 +105,13 @@ class Summary:
                 + self._render_skipped()
             )
         return (
-            f"summary: {self.steps} steps in {self.seconds:.1f} s ({self.stopped_by}) | "
+            f"summary: {self.steps - self.first_step} steps"
+            + (
+                f" (steps {self.first_step + 1}-{self.steps}: resumed at {self.first_step})"
+                if self.first_step
+                else ""
+            )
+            + f" in {self.seconds:.1f} s ({self.stopped_by}) | "
             f"loss {self.first_loss:.3f} -> {self.last_loss:.3f} | "
             f"{self.tokens:,} tokens trained ({self.targets:,} in the loss), "
             + (

@@ -76,7 +76,7 @@ class RunStats:
         self.cfg, self.dist, self.metrics, self.feed, self.device = cfg, dist, metrics, feed, device
         self.scaler, self.published, self.flops_per_token = scaler, published, flops_per_token
         self.trained, self.started = trained, started  # trained: False with --consume-only
-        self.summary = Summary()
+        self.summary = Summary(first_step=step)  # a resumed run starts at its checkpoint's step
         self.batches = 0
         self.run_start: float | None = None
         # the interval so far

@@ -194,6 +194,9 @@ def test_resume_equals_an_uninterrupted_run_bitwise(procs, tmp_path, port):
     )
     assert b2.wait(timeout=120) == 0, procs.log(b2)
     assert "resumed from" in procs.log(b2)
+    # the summary counts this run's steps, not the checkpoint's too ("24 steps in" before)
+    assert "summary: 12 steps (steps 13-24: resumed at 12) in" in procs.log(b2), procs.log(b2)
+    assert "summary: 24 steps in" in procs.log(a)
     sa, sb = _final_state(tmp_path / "a"), _final_state(tmp_path / "b")
     assert sa["step"] == sb["step"] == 24
     for k, v in sa["model"].items():
