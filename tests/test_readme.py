@@ -155,5 +155,7 @@ def test_the_using_it_block_runs_on_a_slice_of_wikitext(tmp_path):
             r = _run(argv, tmp_path, timeout=300)
             ran.append((argv[0], r.stdout + r.stderr))
     assert [c for c, _ in ran] == ["run", "tokenizer", "prepare", "run", "run", "export"]
-    assert "summary: 2 steps (steps 3-4: resumed at 2)" in ran[4][1] and "resumed from" in ran[4][1], "the second small run resumes"
+    assert "summary: 2 steps (steps 3-4: resumed at 2)" in ran[4][1] and "resumed from" in ran[4][1], (
+        "the second small run resumes"
+    )
     assert (tmp_path / "model.safetensors").stat().st_size > 0
