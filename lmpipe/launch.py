@@ -168,16 +168,12 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
 def check_not_read_back(flag: str, path: str | None, data: list[str]) -> None:
     """A file the run writes where a later run would read it as corpus (a .jsonl doc-log in a --data folder)
     would train on it, and change the corpus's fingerprint so that the run cannot resume."""
-    from lmpipe.producer.formats import local_path, read_from_dir
+    from lmpipe.producer.formats import local_folder, read_from_dir
 
     if path and read_from_dir(Path(path).name):
         folder = Path(path).resolve().parent
         for d in data:
-            try:
-                local = local_path(d)  # a file:// URL of the folder is the folder
-            except ValueError:  # another host's: resolving the corpus says so
-                continue
-            if local is not None and Path(local).is_dir() and Path(local).resolve() == folder:
+            if (given := local_folder(d)) is not None and given.resolve() == folder:  # file:// URLs too
                 # `--data D`: the CLI names it `D (in LMPIPE_DATA)` where the variable gave it
                 raise SettingsError(f"{flag} {path} is in the folder --data {d}, where a later run reads it "
                                     "as corpus; write it elsewhere")  # fmt: skip

@@ -415,22 +415,28 @@ def _resolve_local(p: str, url: str | None = None) -> list[DataFile]:
     raise FileNotFoundError(f"corpus file not found: {shown}")
 
 
+def local_folder(p: str) -> Path | None:
+    """The local directory a --data string names (a path, or a file:// URL of it); None for a file, a
+    store's URL, or another host's file:// URL (resolving the corpus says why that one is refused)."""
+    try:
+        local = local_path(p)
+    except ValueError:
+        return None
+    return Path(local) if local is not None and Path(local).is_dir() else None
+
+
 def left_out(paths: list[str]) -> list[str]:
     """What the local directories of `paths` hold that the corpus leaves out: files by their names (a.bin,
     notes.json, hidden ones), subfolders ("en/": directories are read one level deep), symbolic links to
     nothing, and what is not a regular file (a FIFO, a socket, a device). Said once at the start, since a file given by itself is read whatever its name."""
     out = []
     for p in paths:
-        try:
-            local = local_path(p)  # a file:// URL of a folder: that folder
-        except ValueError:  # another host's: resolving the corpus says so
-            continue
-        path = Path(local or "")
-        entries = sorted(path.iterdir()) if local is not None and path.is_dir() else []
+        path = local_folder(p)
+        entries = sorted(path.iterdir()) if path is not None else []
         if (
             not entries
             or {q.name for q in entries} & {"state.json", "dataset_dict.json"}
-            or is_shard_dir(path)
+            or is_shard_dir(str(path))
         ):
             continue  # a file, a URL, a Hugging Face folder (read by its state.json), prepared shards
         out += [str(q) for q in entries if q.is_file() and not read_from_dir(q.name)]
