@@ -66,6 +66,13 @@ VARIANTS: list[tuple] = [
         {},
         {"gelu_epilogue": False},
     ),
+    (
+        "the LM head's forward GEMM as torch runs it, not cuBLASLt's fastest timed (nvmath)",
+        {},
+        {},
+        {},
+        {"lmpipe.consumer.loss.TUNED_HEAD_GEMM": False},
+    ),
     ("no copy stream (H2D on the compute stream)", {}, {"copy_stream": False}),
     ("no torch.compile", {}, {"compile": False}),
     ("no fused AdamW (foreach)", {}, {"fused_adamw": False}),

@@ -13,6 +13,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from bench.common import table, write_result
 from lmpipe.consumer import loss as L
@@ -32,6 +34,126 @@ def timed(fn, steps: int) -> float:
     return start.elapsed_time(end) / steps
 
 
+# --- --ce-only: variants of the per-row kernel alone, on a [tokens, vocab] logits buffer -----------------
+# Each reads a row, writes its loss and overwrites the row with softmax - one-hot, as L._ce_rows does.
+
+
+@triton.jit
+def _ce_rows_plain(logits, stride, targets, losses, vocab, ignore, BLOCK: tl.constexpr):
+    """L._ce_rows without its cache hints and with its second pass in the row's order (the kernel before)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    target = tl.load(targets + row)
+    valid = target != ignore
+    m = float("-inf")
+    s = 0.0
+    for off in range(0, vocab, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    lse = m + tl.log(s)
+    picked = tl.load(base + target, mask=valid, other=0.0).to(tl.float32)
+    tl.store(losses + row, tl.where(valid, lse - picked, 0.0))
+    for off in range(0, vocab, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+        g = tl.where(valid, g, 0.0)
+        tl.store(base + cols, g.to(logits.dtype.element_ty), mask=cols < vocab)
+
+
+@triton.jit
+def _ce_rows_hinted(logits, stride, targets, losses, vocab, ignore, BLOCK: tl.constexpr):
+    """L._ce_rows with its second pass in the row's order (its cache hints kept)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    target = tl.load(targets + row)
+    valid = target != ignore
+    m = float("-inf")
+    s = 0.0
+    for off in range(0, vocab, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"), eviction_policy="evict_last")
+        x = x.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    lse = m + tl.log(s)
+    picked = tl.load(base + target, mask=valid, other=0.0).to(tl.float32)
+    tl.store(losses + row, tl.where(valid, lse - picked, 0.0))
+    for off in range(0, vocab, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+        g = tl.where(valid, g, 0.0)
+        tl.store(base + cols, g.to(logits.dtype.element_ty), mask=cols < vocab, eviction_policy="evict_first")
+
+
+def ce_only(a) -> None:
+    """Time the per-row kernel variants alone; check each against L._ce_rows on the same logits."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    N, V = a.tokens, a.vocab
+    fresh = (3 * torch.randn(N, V, device=dev)).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device=dev)
+    t[::7] = IGNORE
+
+    def launch(kernel, block, warps):
+        return lambda x, out: kernel[(N,)](x, x.stride(0), t, out, V, IGNORE, BLOCK=block, num_warps=warps)
+
+    variants = {
+        f"shipped: cache hints, second pass from the end (BLOCK {L.BLOCK}, {L.WARPS} warps)": launch(
+            L._ce_rows, L.BLOCK, L.WARPS
+        ),
+        f"cache hints, second pass in order (BLOCK {L.BLOCK}, {L.WARPS} warps)": launch(
+            _ce_rows_hinted, L.BLOCK, L.WARPS
+        ),
+        f"neither (the kernel before; BLOCK {L.BLOCK}, {L.WARPS} warps)": launch(
+            _ce_rows_plain, L.BLOCK, L.WARPS
+        ),
+        "shipped, BLOCK 4096, 8 warps": launch(L._ce_rows, 4096, 8),
+        "shipped, BLOCK 8192, 4 warps": launch(L._ce_rows, 8192, 4),
+        "shipped, BLOCK 16384, 16 warps": launch(L._ce_rows, 16384, 16),
+    }
+    ref_x, ref_loss = fresh.clone(), torch.empty(N, device=dev)
+    next(iter(variants.values()))(ref_x, ref_loss)
+    floor_ms = 2 * N * V * 2 / 3.35e12 * 1e3  # one read and one write at an H100's 3.35 TB/s
+    rows = []
+    for name, fn in variants.items():
+        x, out = fresh.clone(), torch.empty(N, device=dev)
+        try:
+            fn(x, out)
+            torch.cuda.synchronize()
+        except Exception as e:  # a variant that does not compile (registers) is a row, not the end
+            rows.append([name, f"failed: {type(e).__name__}", "", "", ""])
+            print(name, "failed:", str(e).splitlines()[0][:200], flush=True)
+            continue
+        dl = (out - ref_loss).abs().max().item()
+        dg = (x.float() - ref_x.float()).abs().max().item()
+        ms = timed(lambda fn=fn, x=x, out=out: fn(x, out), a.steps)
+        rows.append([name, ms, floor_ms / ms, dl, dg])
+        print(f"{name}: {ms:.3f} ms (loss diff {dl:.2e}, grad diff {dg:.2e})", flush=True)
+    # the head's backward scales its two small operands by the upstream gradient (a 0-dim fp32 tensor)
+    h, w = torch.randn(N, a.dim, device=dev).bfloat16(), torch.randn(V, a.dim, device=dev).bfloat16()
+    grad = torch.tensor(1.0 / 3, device=dev)
+    two = timed(lambda: (w * grad, h * grad), a.steps)
+    fused = timed(lambda: torch._foreach_mul([w, h], grad), a.steps)
+    same = all(torch.equal(x, y) for x, y in zip((w * grad, h * grad), torch._foreach_mul([w, h], grad)))
+    print(f"scale the head's operands: two muls {two:.3f} ms, one _foreach_mul {fused:.3f} ms, same: {same}")
+    body = (
+        f"The per-row loss kernel alone over [{N:,} x {V:,}] bf16 logits, in place, mean of {a.steps} "
+        f"calls after 3; 'floor' is one read and one write at 3.35 TB/s ({floor_ms:.2f} ms); diffs are "
+        "against the shipped kernel's loss and gradient.\n\n"
+        + table(["kernel", "ms", "floor / ms", "max loss diff", "max grad diff"], rows)
+        + f"\n\nThe head's backward scaling w and h by the upstream gradient: two multiplications {two:.3f} ms, "
+        f"one torch._foreach_mul {fused:.3f} ms (identical results: {same}).\n"
+    )
+    print(body)
+    write_result("loss-kernel-variants", "The loss kernel's variants alone", body, a.out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=32 * 1024)
@@ -41,7 +163,10 @@ def main() -> None:
     p.add_argument("--blocks", default="2048,4096,8192,16384,32768")
     p.add_argument("--warps", default="8,16,32")
     p.add_argument("--out", default=None)
+    p.add_argument("--ce-only", action="store_true", help="time the per-row kernel's variants alone")
     a = p.parse_args()
+    if a.ce_only:
+        return ce_only(a)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     h = torch.randn(a.tokens, a.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)

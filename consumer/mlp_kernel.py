@@ -15,14 +15,10 @@ the row-major [tokens, 4C] activation the next GEMM reads, with no copy.
 from __future__ import annotations
 
 import functools
-import logging
-from typing import Any
 
 import torch
 
-# nvmath logs every plan at INFO to the root logger unless given one of its own
-_nvmath_log = logging.getLogger(__name__ + ".nvmath")
-_nvmath_log.setLevel(logging.WARNING)
+from lmpipe.consumer import cublaslt
 
 
 def unavailable(device: torch.device, cfg_bias: bool, n_embd: int) -> str | None:
@@ -33,13 +29,7 @@ def unavailable(device: torch.device, cfg_bias: bool, n_embd: int) -> str | None
         return "the model has biases (only bias-free MLPs, GPT-2 presets' default, take the epilogues)"
     if n_embd % 8:
         return f"n_embd {n_embd} is not a multiple of 8 (cuBLASLt's auxiliary output needs it)"
-    try:
-        import nvmath.linalg.advanced  # noqa: F401
-    except ImportError:
-        return "nvmath-python is not installed (pip install 'lmpipe[epilogue]')"
-    except Exception as e:  # a broken CUDA library install: say it, train without the epilogues
-        return f"nvmath-python does not load ({type(e).__name__}: {e})"
-    return None
+    return cublaslt.unavailable()
 
 
 @functools.cache
@@ -49,36 +39,13 @@ def _epilogs():
     return MatmulEpilog.GELU_AUX, MatmulEpilog.DGELU
 
 
-_plans: dict[tuple, Any] = {}  # nvmath Matmul objects
-
-
-def _gemm(a: torch.Tensor, b: torch.Tensor, epilog, aux: torch.Tensor | None):
-    """a @ b with `epilog`, planned (and its algorithms timed) once per shape, layout and dtype."""
-    from nvmath.linalg.advanced import Matmul
-
-    stream = torch.cuda.current_stream(a.device)
-    inputs = None if aux is None else {"gelu_aux": aux}
-    key = (epilog, a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device)
-    mm = _plans.get(key)
-    if mm is None:
-        mm = Matmul(a, b, options={"blocking": "auto", "logger": _nvmath_log}, stream=stream)
-        mm.plan(epilog=epilog, epilog_inputs=inputs, stream=stream)
-        mm.autotune(iterations=5, stream=stream)  # the heuristic's first pick was 7% slower on c_fc (H100)
-        _plans[key] = mm
-    else:
-        mm.reset_operands_unchecked(a=a, b=b, epilog_inputs=inputs, stream=stream)
-    out = mm.execute(stream=stream)
-    mm.release_operands()  # keep no activation alive between calls
-    return out
-
-
 @torch.library.custom_op("lmpipe::mlp_gelu", mutates_args=())
 def mlp_gelu(
     x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [n, C], w_fc [4C, C], w_proj [C, 4C] -> (gelu(x w_fc^T) w_proj^T, gelu(x w_fc^T), x w_fc^T)."""
     gelu_aux, _ = _epilogs()
-    hT, aux = _gemm(w_fc, x.T, gelu_aux, None)  # [4C, n] column-major: h [n, 4C] row-major
+    hT, aux = cublaslt.gemm(w_fc, x.T, gelu_aux, None)  # [4C, n] column-major: h [n, 4C] row-major
     h, pre = hT.T, aux["gelu_aux"].T
     return h @ w_proj.T, h, pre
 
@@ -100,7 +67,7 @@ def mlp_gelu_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dx, dw_fc, dw_proj); the GELU's gradient rides in the GEMM that makes dh = dy w_proj."""
     _, dgelu = _epilogs()
-    dpreT = _gemm(w_proj.T, dy.T, dgelu, pre.T)  # [4C, n] column-major: dpre [n, 4C] row-major
+    dpreT = cublaslt.gemm(w_proj.T, dy.T, dgelu, pre.T)  # [4C, n] column-major: dpre [n, 4C] row-major
     dpre = (dpreT[0] if isinstance(dpreT, tuple) else dpreT).T
     return dpre @ w_fc, dpre.T @ x, dy.T @ h
 

@@ -146,10 +146,19 @@ def test_loss_kernel_equals_torchs_cross_entropy_in_fp32(compiled, monkeypatch):
         assert _rel(a, b) < 1e-4, f"relative difference {_rel(a, b):.2e} from torch's in fp32"
 
 
+@pytest.mark.parametrize("tuned", [False, True], ids=["torch-gemm", "tuned-gemm"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_loss_kernel_in_bf16_is_as_close_to_fp32_as_torchs(compiled, monkeypatch):
+def test_loss_kernel_in_bf16_is_as_close_to_fp32_as_torchs(compiled, tuned, monkeypatch):
     """Both paths round to bf16; the kernel's error against the fp32 result may be no larger than
-    torch's own. A bias (a wrong scale, a lost term) shows up here long before a loss curve shows it."""
+    torch's own. A bias (a wrong scale, a lost term) shows up here long before a loss curve shows it.
+    tuned-gemm: the head's forward GEMM through nvmath (consumer/cublaslt.py) as well."""
+    from lmpipe.consumer import cublaslt
+    from lmpipe.consumer import loss as L
+
+    if tuned and cublaslt.unavailable():
+        pytest.skip(cublaslt.unavailable())
+    monkeypatch.setattr(L, "TUNED_HEAD_GEMM", tuned)
+    monkeypatch.setattr(cublaslt, "_plans", {})
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     truth = _head_grads(model(vocab=5000), compiled, None)
     torchs = _head_grads(model(vocab=5000), compiled, torch.bfloat16)
@@ -160,6 +169,7 @@ def test_loss_kernel_in_bf16_is_as_close_to_fp32_as_torchs(compiled, monkeypatch
         err, base = _rel(a, ref), _rel(b, ref)
         print(f"{name}: kernel {err:.2e}, torch {base:.2e} from fp32")
         assert err <= 1.5 * base + 1e-5, f"{name}: the kernel is {err:.2e} from fp32, torch's bf16 {base:.2e}"
+    assert bool(cublaslt._plans) == tuned  # the head's GEMM went where it was sent
 
 
 def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
