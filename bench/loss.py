@@ -140,15 +140,24 @@ def ce_only(a) -> None:
     grad = torch.tensor(1.0 / 3, device=dev)
     two = timed(lambda: (w * grad, h * grad), a.steps)
     fused = timed(lambda: torch._foreach_mul([w, h], grad), a.steps)
-    same = all(torch.equal(x, y) for x, y in zip((w * grad, h * grad), torch._foreach_mul([w, h], grad)))
-    print(f"scale the head's operands: two muls {two:.3f} ms, one _foreach_mul {fused:.3f} ms, same: {same}")
+    ours = timed(lambda: (L._times(w, grad), L._times(h, grad)), a.steps)
+    # what each computes: the fp32 product rounded once, or the product with the scale rounded to bf16 first
+    exact = all(torch.equal(L._times(x, grad), (x.float() * grad).bfloat16()) for x in (w, h))
+    torchs = all(torch.equal(x * grad, (x.float() * grad.bfloat16().float()).bfloat16()) for x in (w, h))
+    print(
+        f"scale the head's operands: two muls {two:.3f} ms, one _foreach_mul {fused:.3f} ms, "
+        f"the Triton scale {ours:.3f} ms; Triton's is the fp32 product rounded once: {exact}; torch's rounds "
+        f"the scale to bf16 first: {torchs}"
+    )
     body = (
         f"The per-row loss kernel alone over [{N:,} x {V:,}] bf16 logits, in place, mean of {a.steps} "
         f"calls after 3; 'floor' is one read and one write at 3.35 TB/s ({floor_ms:.2f} ms); diffs are "
         "against the shipped kernel's loss and gradient.\n\n"
         + table(["kernel", "ms", "floor / ms", "max loss diff", "max grad diff"], rows)
         + f"\n\nThe head's backward scaling w and h by the upstream gradient: two multiplications {two:.3f} ms, "
-        f"one torch._foreach_mul {fused:.3f} ms (identical results: {same}).\n"
+        f"one torch._foreach_mul {fused:.3f} ms, the Triton scale (L._times) {ours:.3f} ms. The Triton scale "
+        f"is the fp32 product rounded once: {exact}; torch's multiplication rounds the scale to bf16 first: "
+        f"{torchs}.\n"
     )
     print(body)
     write_result("loss-kernel-variants", "The loss kernel's variants alone", body, a.out)

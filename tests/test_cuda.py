@@ -172,6 +172,17 @@ def test_loss_kernel_in_bf16_is_as_close_to_fp32_as_torchs(compiled, tuned, monk
     assert bool(cublaslt._plans) == tuned  # the head's GEMM went where it was sent
 
 
+def test_head_backward_scale_is_the_fp32_product_rounded_once():
+    from lmpipe.consumer.loss import _times
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for n in (1, 4095, 4097, 50304 * 8):
+        t = torch.randn(n, device=DEV, generator=g).bfloat16()
+        for scale in (1.0, 0.37, 1 / 32768, 3e5):
+            s = torch.tensor(scale, device=DEV)
+            assert torch.equal(_times(t, s), (t.float() * s).bfloat16()), (n, scale)
+
+
 def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
     from lmpipe.consumer.slots import HostSlot
     from lmpipe.producer.batching import BatchSpec, batches
