@@ -68,7 +68,7 @@ VARIANTS: list[tuple] = [
         {"gelu_epilogue": False},
     ),
     (
-        "the LM head's forward GEMM as torch runs it, not cuBLASLt's fastest timed (nvmath)",
+        "the LM head's GEMMs as torch picks them, not cuBLASLt's fastest timed (nvmath)",
         {},
         {},
         {},
@@ -94,6 +94,8 @@ VARIANTS: list[tuple] = [
         {},
         {"triton.mix_order_reduction_split_size": 64},
     ),
+    # Hopper's programmatic dependent launch: a kernel's prologue overlaps the end of the one before it
+    ("programmatic dependent launch (inductor, Hopper)", {}, {}, {"triton.enable_pdl": True}),
     ("no copy stream (H2D on the compute stream)", {}, {"copy_stream": False}),
     ("no torch.compile", {}, {"compile": False}),
     ("no fused AdamW (foreach)", {}, {"fused_adamw": False}),

@@ -47,6 +47,11 @@ KERNEL_OPTIONS: dict[str, dict] = {
     "fwd 64x64 + bwd 32/64/64/32": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 32,
                                     "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
                                     "bwd_num_warps": 4, "bwd_num_stages": 3},
+    # Hopper's tensor memory accelerator for the loads (USE_TMA; torch turns it off where strides forbid it)
+    "fwd 64x64 + bwd 32/64/64/32, TMA": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 32,
+                                         "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                                         "bwd_num_warps": 4, "bwd_num_stages": 3, "USE_TMA": True},
+    "TMA, tiles as the heuristics pick": {"USE_TMA": True},
     "gym": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 32, "fwd_num_warps": 8, "fwd_num_stages": 4,
             "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64},
 }  # fmt: skip

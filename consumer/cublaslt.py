@@ -1,10 +1,11 @@
 """cuBLASLt GEMMs through nvmath-python (NVIDIA's binding), each shape's algorithm picked by timing.
 
 torch asks cuBLASLt's heuristic for one algorithm per GEMM. For most of a GPT-2 step that pick is as fast
-as any, but not for two: the LM head's forward (h W^T over the 50k vocabulary: 3.83 ms against 3.33 ms for
-the best algorithm timed, an H100) and the MLP's GELU epilogue GEMM (7% slower), and torch exposes no
-epilogues at all (bench/results/gemm-tune-h100-2026-11-27.md). nvmath plans a GEMM once per shape and can
-time cuBLASLt's candidates (autotune); the plans are kept here.
+as any, but not for the LM head's forward (h W^T over the 50k vocabulary: 3.83 ms against 3.33 ms for the
+best algorithm timed, an H100) and weight gradient (3.37 against 3.28 ms), nor for the MLP's GELU epilogue
+GEMM (7% slower), and torch exposes no epilogues at all (bench/results/head-h100-2026-11-27.md,
+gelu-epilogue-h100-2026-11-27.md). nvmath plans a GEMM once per shape and can time cuBLASLt's candidates
+(autotune); the plans are kept here.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from lmpipe.consumer import cublaslt
 
 BLOCK = 8192  # vocabulary entries a program reads at a time (bench.loss: best of 2k-32k x 8-32 warps)
 WARPS = 8
-# The head's forward GEMM through nvmath with cuBLASLt's fastest algorithm timed, where nvmath-python is
-# installed: 3.33 ms against torch's 3.83 ms for GPT-2 124M's at 32 rows on an H100 (consumer/cublaslt.py).
-# bench.ablation switches it off to measure it.
+# The head's forward and weight-gradient GEMMs through nvmath with cuBLASLt's fastest algorithm timed, where
+# nvmath-python is installed: 3.33 ms against torch's 3.83 ms for GPT-2 124M's forward at 32 rows on an H100,
+# 3.28 against 3.37 for its dW (bench/results/head-h100-2026-11-27.md). bench.ablation switches it off.
 TUNED_HEAD_GEMM = True
 
 
