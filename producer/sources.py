@@ -230,6 +230,7 @@ def _jsonl_records(
     max_line_bytes: int,
     vocab_size: int | None,
     notes: dict[str, bool] | None = None,
+    text_key: str = "text",
 ) -> Iterator[Record]:
     rid = first_rid
     notes = {} if notes is None else notes
@@ -267,8 +268,8 @@ def _jsonl_records(
                 _prompt_completion(rec, obj)
             elif "loss_mask" in obj:
                 _masked_ids(rec, obj, vocab_size)
-            elif isinstance(obj.get("text"), str):
-                rec.text = obj["text"]
+            elif isinstance(obj.get(text_key), str):
+                rec.text = obj[text_key]
                 if not rec.text.strip():
                     rec.bad = ("empty", "empty text")
             elif "labels" in obj:  # Hugging Face's targets: training every id instead would be silent harm
@@ -283,9 +284,15 @@ def _jsonl_records(
                 else:
                     rec.ids = ids
             else:
+                strings = [k for k, v in obj.items() if isinstance(v, str)][:4]
+                hint = (
+                    f"; its string keys: {', '.join(strings)} (--text-column NAME reads one)"
+                    if strings
+                    else ""
+                )
                 rec.bad = (
                     "missing_text",
-                    'object has no "text" string, "ids" list, or "prompt" and "completion" strings',
+                    f'object has no "{text_key}" string, "ids" list, or "prompt" and "completion" strings{hint}',
                 )
             if rec.bad is None and _SURROGATE_ESCAPE.search(raw) and not _utf8(rec.text, rec.prompt):
                 rec.bad = (
@@ -293,7 +300,7 @@ def _jsonl_records(
                     "a lone UTF-16 surrogate escape (\\ud800-\\udfff), which UTF-8 cannot hold",
                 )
             if rec.bad is None:
-                _say_unread(path, where, obj)
+                _say_unread(path, where, obj, text_key)
         yield rec
 
 
@@ -316,7 +323,7 @@ def _utf8(*texts: str | None) -> bool:
 KNOWN_KEYS = ("text", "ids", "input_ids", "prompt", "completion", "loss_mask")
 
 
-def _say_unread(path: Path | DataFile, where: str, obj: dict) -> None:
+def _say_unread(path: Path | DataFile, where: str, obj: dict, text_key: str = "text") -> None:
     """Once per file: a good record that also holds the keys of another kind of record, not read."""
     if str(path) in _said_unread:
         return
@@ -325,10 +332,10 @@ def _say_unread(path: Path | DataFile, where: str, obj: dict) -> None:
         used, rule = ("prompt", "completion"), "a prompt/completion record trains its completion"
     elif "loss_mask" in obj:
         used, rule = ("ids", "loss_mask"), "a record with a loss_mask trains the ids it marks"
-    elif isinstance(obj.get("text"), str):
-        used, rule = ("text",), 'a record with "text" trains its text'
+    elif isinstance(obj.get(text_key), str):
+        used, rule = (text_key,), f'a record with "{text_key}" trains its text'
         if isinstance(obj.get("ids"), list):
-            rule += ' (drop "text" to train "ids" as they are)'
+            rule += f' (drop "{text_key}" to train "ids" as they are)'
     else:
         used, rule = ("ids",), "an ids record trains its ids as they are"
     unread = [k for k in KNOWN_KEYS if k not in used and obj.get(k) is not None]
@@ -427,7 +434,7 @@ class Corpus:
         self.builtin_seed = builtin_seed
         self.max_line_bytes = max_line_bytes
         self.vocab_size = vocab_size
-        self.text_column = text_column  # Parquet/Arrow column to read
+        self.text_column = text_column  # the table column or JSON Lines key holding a document's text
         # what reading the files found, for the notices about a shard's share (stream.py): text files read
         # as one document of several lines, and text/JSONL files with CR line endings
         self.one_document: set[str] = set()
@@ -543,7 +550,7 @@ class Corpus:
                 continue
             notes: dict[str, bool] = {}
             if p.fmt == "jsonl":
-                it = _jsonl_records(p, rid, self.max_line_bytes, self.vocab_size, notes)
+                it = _jsonl_records(p, rid, self.max_line_bytes, self.vocab_size, notes, self.text_column)
             else:
                 it = _text_records(p, rid, self.doc_split, self.max_line_bytes, notes)
             first_rid, only = rid, None

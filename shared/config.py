@@ -81,7 +81,7 @@ class PipelineConfig:
     text_column: str = setting(
         "text",
         metavar="NAME",
-        help="Parquet, Arrow and Hugging Face datasets: the column holding each document",
+        help="Parquet, Arrow and Hugging Face datasets: the column holding each document; JSON Lines: the key",
     )
     builtin_docs: int = setting(20_000, check=at_least(1), help="size of the built-in corpus")
     epochs: int = setting(0, check=at_least(0), help="passes over the corpus; 0: until the trainer stops")

@@ -261,3 +261,25 @@ def test_an_over_long_cr_file_says_why_its_line_is_too_long(tmp_path):
     crlf.write_bytes(b"a\r\nb\r\n\r\nc\r\n")
     corpus = Corpus([str(crlf)])
     assert [r.text for r in corpus.records()] == ["a\nb", "c"] and not corpus.cr_endings
+
+
+# -- --text-column in JSON Lines -------------------------------------------------------------------------------
+
+
+def test_text_column_names_the_json_lines_key(tmp_path, caplog):
+    """A JSONL corpus keeping its documents under another key ("content") was all missing_text, and
+    --text-column said it was for tables only; it now names the key, and the rejection names the keys there."""
+    path = tmp_path / "c.jsonl"
+    lines = [{"content": f"document {i}", "url": f"https://x/{i}"} for i in range(5)] + [{"text": "other"}]
+    path.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    read = records(path, text_column="content")
+    assert [t for _, t, _, _ in read[:5]] == [f"document {i}" for i in range(5)]
+    assert read[5][2] == "missing_text", "the other key is not read once a key is named"
+    bad = list(Corpus([str(path)]).records())
+    assert [r.bad and r.bad[0] for r in bad] == ["missing_text"] * 5 + [None]
+    assert "its string keys: content, url (--text-column NAME reads one)" in bad[0].bad[1]
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({"content": "kept", "text": "not read"}) + "\n")
+    with caplog.at_level(logging.WARNING):
+        assert [r.text for r in Corpus([str(both)], text_column="content").records()] == ["kept"]
+    assert '"text" not read: a record with "content" trains its text' in caplog.text
