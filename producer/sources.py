@@ -12,8 +12,9 @@ every non-blank line (`--doc-split line`: one sentence per line, Penn Treebank s
 (a \r before it is dropped); a file whose first line holds \r but no \n (CR line endings, old Mac) is said
 once per file, since it reads as one line. A UTF-8 BOM at a text or JSONL file's first byte is dropped.
 A text or JSONL file with a NUL byte near its start is binary, not a corpus: it is refused by name, before any
-process waits on batches that would be junk.
-JSONL: one object per line with a `text` string, or pre-tokenized `ids` (a list of token ids), or, to
+process waits on batches that would be junk; so is one that is really gzip, zstd, Parquet or Arrow under a
+text name, saying so.
+JSONL: one object per line with a `text` string (or the key --text-column names), or pre-tokenized `ids` (a list of token ids), or, to
 train on only some tokens (fine-tuning), a `prompt` and a `completion` string (the loss is taken on the
 completion and the end-of-text token after it) or `ids` with a `loss_mask` of 0/1 per id (1: the model is
 trained to predict that token). A record with a mask is a document like any other; see Record.loss_mask.
@@ -580,12 +581,32 @@ def refuse_binary(path: DataFile) -> None:
             f"{path}: UTF-16 text, not UTF-8; convert it (iconv -f UTF-16 -t UTF-8 IN > OUT) and give that"
         )
     at = head.find(b"\0")
+    if path.compression is None and (kind := _misnamed(head, at >= 0)):
+        what, rename = kind
+        raise ValueError(
+            f"{path}: {what} data under a {'JSONL' if path.fmt == 'jsonl' else 'text'} file's name (a file's "
+            f"format comes from its name); {rename}"
+        )
     if at >= 0:
         raise ValueError(
             f"{path}: binary data (a NUL byte at offset {at}{' once decompressed: an archive?' if path.compression else ''}), "
             "not a text or JSONL corpus; give --data "
             "text, JSONL, Parquet or Arrow files (or .gz/.zst of text/JSONL), or a directory from `lmpipe prepare`"
         )
+
+
+def _misnamed(head: bytes, has_nul: bool) -> tuple[str, str] | None:
+    """(what, what to do) for a compressed file or a table whose name says text: gzip's and zstd's magic
+    numbers are not UTF-8, so no text starts with them; "PAR1" and "ARROW1" could, so those also need a NUL."""
+    if head[:2] == b"\x1f\x8b":
+        return "gzip", "add .gz to its name (x.txt.gz, x.jsonl.gz)"
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return "zstd", "add .zst to its name (x.txt.zst, x.jsonl.zst)"
+    if has_nul and head[:4] == b"PAR1":
+        return "Parquet", "name it .parquet"
+    if has_nul and (head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff"):
+        return "Arrow", "name it .arrow"
+    return None
 
 
 def _utf16(head: bytes) -> bool:

@@ -283,3 +283,45 @@ def test_text_column_names_the_json_lines_key(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert [r.text for r in Corpus([str(both)], text_column="content").records()] == ["kept"]
     assert '"text" not read: a record with "content" trains its text' in caplog.text
+
+
+# -- a compressed file or a table under a text name -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind, name, said",
+    [
+        ("gzip", "c.txt", "gzip data under a text file's name (a file's format comes from its name); add .gz to its name "
+                             "(x.txt.gz, x.jsonl.gz)"),
+        ("zstd", "c.jsonl", "zstd data under a JSONL file's name (a file's format comes from its name); add .zst to its "
+                                "name (x.txt.zst, x.jsonl.zst)"),
+        ("parquet", "c.txt", "Parquet data under a text file's name (a file's format comes from its name); "
+                             "name it .parquet"),
+        ("arrow", "c.txt", "Arrow data under a text file's name (a file's format comes from its name); name it "
+                           ".arrow"),
+    ],
+)  # fmt: skip
+def test_a_misnamed_compressed_file_or_table_is_named_for_what_it_is(tmp_path, kind, name, said):
+    """A .gz renamed .txt was refused as "binary data (a NUL byte at offset 3)", or read as thousands of
+    invalid-UTF-8 records when its header had no NUL; a Parquet or Arrow file the same."""
+    import pyarrow as pa
+    import pyarrow.feather
+    import pyarrow.parquet as pq
+
+    path = tmp_path / name
+    body = "".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(50)).encode()
+    if kind in ("gzip", "zstd"):
+        path.write_bytes(compress(body, {"gzip": ".gz", "zstd": ".zst"}[kind]))
+    elif kind == "parquet":
+        pq.write_table(pa.table({"text": ["a", "b"]}), path)
+    else:
+        pyarrow.feather.write_feather(pa.table({"text": ["a", "b"]}), path, compression="uncompressed")
+    with pytest.raises(ValueError) as err:
+        Corpus([str(path)])
+    assert str(err.value) == f"{path}: {said}"
+
+
+def test_text_that_starts_like_a_table_magic_is_still_text(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("PAR1 is the name of a part\n\nARROW1 another\n")
+    assert [t for _, t, _, _ in records(path)] == ["PAR1 is the name of a part", "ARROW1 another"]
