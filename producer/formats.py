@@ -649,6 +649,8 @@ def _column(f: DataFile, schema: Any, text_column: str) -> tuple[str, str]:
             name,
         )
     t = schema.field(name).type
+    if pa.types.is_dictionary(t):  # pandas' category columns: the kind of their values (_rows decodes them)
+        t = t.value_type
     if pa.types.is_string(t) or pa.types.is_large_string(t) or str(t) == "string_view":
         return name, "str"
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or str(t) == "binary_view":
@@ -668,6 +670,8 @@ def _rows(col: Any, kind: str, first: int, worker: int, num_workers: int, row0: 
     start = (worker - first) % num_workers
     if start >= len(col):
         return
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
     if num_workers > 1:  # materialize only this worker's rows
         col = col.take(pa.array(np.arange(start, len(col), num_workers)))
     values: list[Any]

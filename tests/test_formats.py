@@ -141,6 +141,21 @@ def test_a_named_text_column_is_read_and_a_missing_one_is_named(tmp_path):
         read(tmp_path / "n.parquet")
 
 
+def test_a_category_column_reads_as_its_values(tmp_path):
+    """pandas writes a category column as an Arrow dictionary: it was refused as "not text"."""
+    import pyarrow.feather
+
+    docs = ["one doc", "two doc", "one doc", None, "é"]
+    table = pa.table({"text": pa.array(docs).dictionary_encode()})
+    pq.write_table(table, tmp_path / "c.parquet")
+    pyarrow.feather.write_feather(table, tmp_path / "c.arrow", compression="uncompressed")
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "c.parquet").field("text").type)
+    for name in ("c.parquet", "c.arrow"):
+        got = read(tmp_path / name)
+        assert [t for _, t, _, _ in got] == docs and got[3][2] == "missing_text"
+        assert [r[1] for r in read(tmp_path / name, 1, 2)] == ["two doc", None]  # a worker's share
+
+
 def test_broken_files_stop_with_one_line_naming_them(tmp_path):
     data = ("\n".join(json.dumps({"text": f"document {i} " * 20}) for i in range(2000)) + "\n").encode()
     cases = {
