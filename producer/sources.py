@@ -204,6 +204,10 @@ def _text_records(
                 lines, warnings = [], []
             if doc_split != "heading" and blank:
                 continue
+        elif doc_split == "line" and (lines or warnings):  # a skipped line is a document too: its own record
+            yield flush()
+            rid += 1
+            lines, warnings = [], []
         if not lines and not warnings:
             start = lineno
         if line is None:

@@ -325,3 +325,24 @@ def test_text_that_starts_like_a_table_magic_is_still_text(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("PAR1 is the name of a part\n\nARROW1 another\n")
     assert [t for _, t, _, _ in records(path)] == ["PAR1 is the name of a part", "ARROW1 another"]
+
+
+# -- --doc-split line: a skipped line is a record -------------------------------------------------------------
+
+
+def test_each_skipped_line_is_its_own_bad_record_under_doc_split_line(tmp_path):
+    """Every line is a document under --doc-split line, so an invalid-UTF-8 or too-long line is a bad
+    record with its own id; it was attached to the line before it as a warning, and took no id."""
+    path = tmp_path / "c.txt"
+    path.write_bytes(b"line one\nbad \xff line\n\xfe\nline four\n" + b"x" * 200 + b"\n\nline seven\n\xff")
+    got = records(path, doc_split="line", max_line_bytes=100)
+    assert [(rid, text or None, bad, where.rsplit(":", 1)[1]) for rid, text, bad, where in got] == [
+        (0, "line one", None, "1"),
+        (1, None, "invalid_utf8", "2"),
+        (2, None, "invalid_utf8", "3"),
+        (3, "line four", None, "4"),
+        (4, None, "line_too_long", "5"),
+        (5, "line seven", None, "7"),
+        (6, None, "invalid_utf8", "8"),
+    ]
+    assert not any(r.warnings for r in Corpus([str(path)], doc_split="line", max_line_bytes=100).records())
