@@ -32,7 +32,8 @@ first, middle and last 64 KiB of a file over 256 KiB): the same, it is read on, 
 other bytes, it stops the run as any other change. A file:// (or local://) URL of this machine's file or
 folder (file:///abs/path, file://localhost/abs/path, percent-encoded; a glob too) is that path in all of
 this (found, checked, hashed, refused as binary, "reached more than once"), named as given in messages and
-record ids (file:///tmp/a.txt:3); one of another host is refused in one line.
+record ids (file:///tmp/a.txt:3); one of another host is refused in one line. A local glob the shell left
+(quoted, or in LMPIPE_DATA) is expanded as the shell would: its files, sorted, no hidden ones.
 
 pyarrow (lmpipe[parquet]) and zstandard (lmpipe[zstd]) are needed only for the files that use them.
 """
@@ -406,6 +407,12 @@ def _resolve_local(p: str, url: str | None = None) -> list[DataFile]:
         ]
     if path.is_file():
         return [_local_file(path, url and url.rstrip("/"))]
+    if url is None and not path.exists() and any(c in p for c in "*?["):
+        # a glob the shell did not expand (quoted, or from LMPIPE_DATA): expanded as the shell would, in order
+        found = sorted(q for q in glob.glob(p, recursive=True) if os.path.isfile(q))
+        if not found:
+            raise FileNotFoundError(f"corpus path {p} matches no file")
+        return [_local_file(Path(q)) for q in found]
     if path.exists():  # /dev/null, a FIFO, a socket: nothing a corpus can be read from twice
         raise ValueError(f"corpus path {shown} is not a regular file or a directory")
     if path.is_symlink():

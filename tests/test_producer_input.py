@@ -346,3 +346,22 @@ def test_each_skipped_line_is_its_own_bad_record_under_doc_split_line(tmp_path):
         (6, None, "invalid_utf8", "8"),
     ]
     assert not any(r.warnings for r in Corpus([str(path)], doc_split="line", max_line_bytes=100).records())
+
+
+# -- a quoted local glob ---------------------------------------------------------------------------------------
+
+
+def test_a_local_glob_the_shell_left_is_expanded_in_order(tmp_path):
+    """--data 'corpus/*.txt' (quoted, or from LMPIPE_DATA) was "corpus file not found"; object-store and
+    file:// globs were already expanded."""
+    for name in ("b.txt", "a.txt", "c.jsonl", ".hidden.txt", "sub/z.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(json.dumps({"text": name}) + "\n" if name.endswith("l") else f"{name}\n")
+    names = [f.path[len(str(tmp_path)) + 1 :] for f in formats.resolve([f"{tmp_path}/*.txt"])]
+    assert names == ["a.txt", "b.txt"], "sorted, hidden files left out, as the shell expands it"
+    assert [f.path[len(str(tmp_path)) + 1 :] for f in formats.resolve([f"{tmp_path}/**/*.txt"])] == [
+        "a.txt", "b.txt", "sub/z.txt"]  # fmt: skip
+    assert [r.text for r in Corpus([f"{tmp_path}/[ab].txt", f"{tmp_path}/*.jsonl"]).records()] == [
+        "a.txt", "b.txt", "c.jsonl"]  # fmt: skip
+    with pytest.raises(FileNotFoundError, match=r"^corpus path .*/\*\.parquet matches no file$"):
+        formats.resolve([f"{tmp_path}/*.parquet"])
