@@ -49,6 +49,20 @@ def write_result(name: str, title: str, body: str, out_dir: str | None = None) -
     return path
 
 
+def cuda_ms(fn, iters: int, warmup: int = 3) -> float:
+    """Mean GPU milliseconds of fn() over `iters` calls after `warmup`, by CUDA events on the current stream."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def table(headers: list[str], rows: list[list]) -> str:
     def fmt(v) -> str:
         if isinstance(v, float):

@@ -17,20 +17,7 @@ import logging
 
 import torch
 
-from bench.common import table, write_result
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from bench.common import cuda_ms, table, write_result
 
 
 def main() -> None:
@@ -78,12 +65,12 @@ def main() -> None:
     rows, saved = [], 0.0
     total_torch = 0.0
     for name, A, B, calls in gemms:
-        ms_torch = timed(lambda A=A, B=B: A @ B, a.iters)
+        ms_torch = cuda_ms(lambda A=A, B=B: A @ B, a.iters)
         mm = Matmul(A, B, options={"blocking": "auto", "logger": quiet})
         mm.plan()
-        ms_heur = timed(lambda mm=mm: mm.execute(stream=stream), a.iters)
+        ms_heur = cuda_ms(lambda mm=mm: mm.execute(stream=stream), a.iters)
         mm.autotune(iterations=10)
-        ms_tuned = timed(lambda mm=mm: mm.execute(stream=stream), a.iters)
+        ms_tuned = cuda_ms(lambda mm=mm: mm.execute(stream=stream), a.iters)
         ref = (A @ B).float()
         diff = ((mm.execute(stream=stream).float() - ref).abs().max() / ref.abs().max()).item()
         mm.free()

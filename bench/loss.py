@@ -13,82 +13,13 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from bench.common import table, write_result
+from bench.common import cuda_ms, table, write_result
 from lmpipe.consumer import loss as L
 from lmpipe.consumer.model import IGNORE
 
-
-def timed(fn, steps: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
-
-
 # --- --ce-only: variants of the per-row kernel alone, on a [tokens, vocab] logits buffer -----------------
 # Each reads a row, writes its loss and overwrites the row with softmax - one-hot, as L._ce_rows does.
-
-
-@triton.jit
-def _ce_rows_plain(logits, stride, targets, losses, vocab, ignore, BLOCK: tl.constexpr):
-    """L._ce_rows without its cache hints and with its second pass in the row's order (the kernel before)."""
-    row = tl.program_id(0).to(tl.int64)
-    base = logits + row * stride
-    target = tl.load(targets + row)
-    valid = target != ignore
-    m = float("-inf")
-    s = 0.0
-    for off in range(0, vocab, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-        m = m_new
-    lse = m + tl.log(s)
-    picked = tl.load(base + target, mask=valid, other=0.0).to(tl.float32)
-    tl.store(losses + row, tl.where(valid, lse - picked, 0.0))
-    for off in range(0, vocab, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < vocab, other=0.0).to(tl.float32)
-        g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-        g = tl.where(valid, g, 0.0)
-        tl.store(base + cols, g.to(logits.dtype.element_ty), mask=cols < vocab)
-
-
-@triton.jit
-def _ce_rows_hinted(logits, stride, targets, losses, vocab, ignore, BLOCK: tl.constexpr):
-    """L._ce_rows with its second pass in the row's order (its cache hints kept)."""
-    row = tl.program_id(0).to(tl.int64)
-    base = logits + row * stride
-    target = tl.load(targets + row)
-    valid = target != ignore
-    m = float("-inf")
-    s = 0.0
-    for off in range(0, vocab, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"), eviction_policy="evict_last")
-        x = x.to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-        m = m_new
-    lse = m + tl.log(s)
-    picked = tl.load(base + target, mask=valid, other=0.0).to(tl.float32)
-    tl.store(losses + row, tl.where(valid, lse - picked, 0.0))
-    for off in range(0, vocab, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < vocab, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-        g = tl.where(valid, g, 0.0)
-        tl.store(base + cols, g.to(logits.dtype.element_ty), mask=cols < vocab, eviction_policy="evict_first")
 
 
 def ce_only(a) -> None:
@@ -100,22 +31,24 @@ def ce_only(a) -> None:
     t = torch.randint(0, V, (N,), device=dev)
     t[::7] = IGNORE
 
-    def launch(kernel, block, warps):
-        return lambda x, out: kernel[(N,)](x, x.stride(0), t, out, V, IGNORE, BLOCK=block, num_warps=warps)
+    def launch(block, warps, hints=True, from_end=True):
+        return lambda x, out: L._ce_rows[(N,)](
+            x, x.stride(0), t, out, V, IGNORE, BLOCK=block, HINTS=hints, FROM_END=from_end, num_warps=warps
+        )
 
     variants = {
         f"shipped: cache hints, second pass from the end (BLOCK {L.BLOCK}, {L.WARPS} warps)": launch(
-            L._ce_rows, L.BLOCK, L.WARPS
+            L.BLOCK, L.WARPS
         ),
         f"cache hints, second pass in order (BLOCK {L.BLOCK}, {L.WARPS} warps)": launch(
-            _ce_rows_hinted, L.BLOCK, L.WARPS
+            L.BLOCK, L.WARPS, from_end=False
         ),
         f"neither (the kernel before; BLOCK {L.BLOCK}, {L.WARPS} warps)": launch(
-            _ce_rows_plain, L.BLOCK, L.WARPS
+            L.BLOCK, L.WARPS, hints=False, from_end=False
         ),
-        "shipped, BLOCK 4096, 8 warps": launch(L._ce_rows, 4096, 8),
-        "shipped, BLOCK 8192, 4 warps": launch(L._ce_rows, 8192, 4),
-        "shipped, BLOCK 16384, 16 warps": launch(L._ce_rows, 16384, 16),
+        "shipped, BLOCK 4096, 8 warps": launch(4096, 8),
+        "shipped, BLOCK 8192, 4 warps": launch(8192, 4),
+        "shipped, BLOCK 16384, 16 warps": launch(16384, 16),
     }
     ref_x, ref_loss = fresh.clone(), torch.empty(N, device=dev)
     next(iter(variants.values()))(ref_x, ref_loss)
@@ -132,15 +65,15 @@ def ce_only(a) -> None:
             continue
         dl = (out - ref_loss).abs().max().item()
         dg = (x.float() - ref_x.float()).abs().max().item()
-        ms = timed(lambda fn=fn, x=x, out=out: fn(x, out), a.steps)
+        ms = cuda_ms(lambda fn=fn, x=x, out=out: fn(x, out), a.steps)
         rows.append([name, ms, floor_ms / ms, dl, dg])
         print(f"{name}: {ms:.3f} ms (loss diff {dl:.2e}, grad diff {dg:.2e})", flush=True)
     # the head's backward scales its two small operands by the upstream gradient (a 0-dim fp32 tensor)
     h, w = torch.randn(N, a.dim, device=dev).bfloat16(), torch.randn(V, a.dim, device=dev).bfloat16()
     grad = torch.tensor(1.0 / 3, device=dev)
-    two = timed(lambda: (w * grad, h * grad), a.steps)
-    fused = timed(lambda: torch._foreach_mul([w, h], grad), a.steps)
-    ours = timed(lambda: (L._times(w, grad), L._times(h, grad)), a.steps)
+    two = cuda_ms(lambda: (w * grad, h * grad), a.steps)
+    fused = cuda_ms(lambda: torch._foreach_mul([w, h], grad), a.steps)
+    ours = cuda_ms(lambda: (L._times(w, grad), L._times(h, grad)), a.steps)
     # what each computes: the fp32 product rounded once, or the product with the scale rounded to bf16 first
     exact = all(torch.equal(L._times(x, grad), (x.float() * grad).bfloat16()) for x in (w, h))
     torchs = all(torch.equal(x * grad, (x.float() * grad.bfloat16().float()).bfloat16()) for x in (w, h))
@@ -193,13 +126,13 @@ def main() -> None:
 
         return step
 
-    base = timed(run(torch_loss), a.steps)
+    base = cuda_ms(run(torch_loss), a.steps)
     rows = [["torch.compile cross-entropy", "", "", base, 1.0]]
     print(f"torch: {base:.3f} ms", flush=True)
     for block in map(int, a.blocks.split(",")):
         for warps in map(int, a.warps.split(",")):
             L.BLOCK, L.WARPS = block, warps
-            ms = timed(run(lambda h, w, t: L._HeadLoss.apply(h, w, t, IGNORE)), a.steps)
+            ms = cuda_ms(run(lambda h, w, t: L._HeadLoss.apply(h, w, t, IGNORE)), a.steps)
             rows.append(["one-pass kernel", block, warps, ms, base / ms])
             print(f"kernel BLOCK={block} warps={warps}: {ms:.3f} ms", flush=True)
     body = (

@@ -38,6 +38,17 @@ for upstream in (1.0, 0.37):
     h.grad = None
     L._HeadLoss.apply(h, w, t, -100).backward()
     assert float(L._HeadLoss.apply(h, w, t, -100)) == 0.0 and not h.grad.any()
+# the kernel's switches (bench.loss times them) change where it reads from, not what it computes
+logits = torch.randn(n, v)
+t = torch.randint(0, v, (n,))
+t[::5] = -100
+want = None
+for hints in (True, False):
+    for from_end in (True, False):
+        x, losses = logits.clone(), torch.empty(n)
+        L._ce_rows[(n,)](x, x.stride(0), t, losses, v, -100, BLOCK=128, HINTS=hints, FROM_END=from_end)
+        want = want or (x, losses)
+        assert torch.equal(x, want[0]) and torch.equal(losses, want[1]), (hints, from_end)
 print("ok")
 """
 
