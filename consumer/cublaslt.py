@@ -20,9 +20,8 @@ import torch
 _nvmath_log = logging.getLogger(__name__ + ".nvmath")
 _nvmath_log.setLevel(logging.WARNING)
 
-AUTOTUNED_SHAPES = (
-    16  # shapes past this many (bucketed batches) take the heuristic's pick: tuning costs ~0.3 s
-)
+# plans past this many (bucketed batches' shapes) take the heuristic's pick: timing one costs up to ~0.3 s
+AUTOTUNED_SHAPES = 16
 
 _plans: dict[tuple, Any] = {}  # nvmath Matmul objects
 

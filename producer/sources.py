@@ -14,10 +14,10 @@ once per file, since it reads as one line. A UTF-8 BOM at a text or JSONL file's
 A text or JSONL file with a NUL byte near its start is binary, not a corpus: it is refused by name, before any
 process waits on batches that would be junk; so is one that is really gzip, zstd, Parquet or Arrow under a
 text name, saying so.
-JSONL: one object per line with a `text` string (or the key --text-column names), or pre-tokenized `ids` (a list of token ids), or, to
-train on only some tokens (fine-tuning), a `prompt` and a `completion` string (the loss is taken on the
-completion and the end-of-text token after it) or `ids` with a `loss_mask` of 0/1 per id (1: the model is
-trained to predict that token). A record with a mask is a document like any other; see Record.loss_mask.
+JSONL: one object per line with a `text` string (or the key --text-column names), or pre-tokenized `ids` (a
+list of token ids), or, to train on only some tokens (fine-tuning), a `prompt` and a `completion` string
+(the loss is taken on the completion and the end-of-text token after it) or `ids` with a `loss_mask` of 0/1
+per id (1: the model is trained to predict that token). A record with a mask is a document like any other; see Record.loss_mask.
 A record with Hugging Face's per-token `labels` and no text is a bad record (`bad_mask`) that names those two
 forms, as a table's `labels` column is warned about (formats.py): never its ids trained in full unsaid.
 Compressed text/JSONL, Parquet, Arrow and Hugging Face `save_to_disk` folders: see formats.py; any of
