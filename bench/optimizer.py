@@ -1,0 +1,81 @@
+"""Probe: the optimizer's part of a step (grad norm, clip, AdamW) on GPT-2 124M's parameters, three ways.
+
+The trainer's step ends with the gradients' norm, clip_grad_norm_'s clip and AdamW. This times each way of
+running them on the model's own parameters (random gradients, so every step clips), side by side:
+clip_grad_norm_'s multiply then the fused AdamW; the clip inside the fused AdamW's grad_scale (the step
+before consumer/step.py's compiled_update); and compiled_update, the three compiled as one function. The
+floor is one read of the gradients for the norm, then AdamW's reads of weights, gradients and both moments
+and its writes of weights and moments, at the card's memory bandwidth.
+
+    python -m bench.optimizer [--model gpt2-124m] [--iters 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.common import cuda_ms, table, write_result
+from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.model import GPT, preset
+from lmpipe.consumer.step import compiled_update, make_optimizer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2-124m")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    cfg = TrainConfig(grad_clip=1.0, fused_adamw=True)
+    model = GPT(preset(a.model, vocab_size=50257)).to(dev)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    torch.manual_seed(0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    grads = [p.grad for p in params]
+    opt = make_optimizer(model, cfg, dev)
+
+    def clip_then_step() -> None:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm)
+        opt.step()
+
+    def clip_in_grad_scale() -> None:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        opt.grad_scale = ((norm + 1e-6) / cfg.grad_clip).clamp(min=1.0)  # type: ignore[attr-defined]
+        opt.step()
+        del opt.grad_scale  # type: ignore[attr-defined]
+
+    update = compiled_update(opt, cfg)
+    assert update is not None
+    ways = [
+        ("clip_grad_norm_'s multiply, then the fused AdamW", clip_then_step),
+        ("the clip in the fused AdamW's grad_scale (the step before)", clip_in_grad_scale),
+        ("norm, clip and AdamW compiled as one function (compiled_update)", lambda: update(1e-4)),
+    ]
+    update(1e-4)  # compiles
+    bandwidth = 4.8e12 if "H200" in torch.cuda.get_device_name() else 3.35e12
+    floor = (
+        4 * n * (1 + 4 + 3) / bandwidth * 1e3
+    )  # fp32: norm reads g; AdamW reads p, g, m, v, writes p, m, v
+    rows = []
+    for _ in range(2):  # twice, interleaved: the spread between rounds shows
+        for name, fn in ways:
+            ms = cuda_ms(fn, a.iters, warmup=5)
+            rows.append([name, ms, floor / ms])
+    body = (
+        f"{a.model}: {n:,} parameters in {len(params)} tensors, fp32, AdamW with weight decay on the matrices, "
+        f"gradients clipped to norm {cfg.grad_clip}; {a.iters} timed calls each, two interleaved rounds. "
+        f"Floor: {floor:.3f} ms (a read of the gradients, then AdamW's 4 reads and 3 writes, at "
+        f"{bandwidth / 1e12:.2f} TB/s).\n\n" + table(["way", "ms per step", "floor / ms"], rows)
+    )
+    print(body)
+    write_result("optimizer", "The optimizer's part of a step: grad norm, clip, AdamW", body, a.out)
+
+
+if __name__ == "__main__":
+    main()
