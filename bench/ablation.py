@@ -62,14 +62,6 @@ VARIANTS: list[tuple] = [
         {},
         {"lmpipe.consumer.step.CLIP_IN_STEP": False},
     ),
-    # the grad norm, the clip and AdamW compiled as one function (consumer/step.py compiled_update)
-    (
-        "AdamW as torch's fused kernel, the clip in its grad_scale (not compiled with the norm)",
-        {},
-        {},
-        {},
-        {"lmpipe.consumer.step.COMPILED_UPDATE": False},
-    ),
     (
         "the MLP's GELU as kernels of its own, not in cuBLASLt's GEMM epilogues (--no-gelu-epilogue)",
         {},

@@ -1,11 +1,11 @@
-"""Probe: the optimizer's part of a step (grad norm, clip, AdamW) on GPT-2 124M's parameters, three ways.
+"""Probe: the optimizer's part of a step (grad norm, clip, AdamW) on GPT-2 124M's parameters, side by side.
 
-The trainer's step ends with the gradients' norm, clip_grad_norm_'s clip and AdamW. This times each way of
-running them on the model's own parameters (random gradients, so every step clips), side by side:
-clip_grad_norm_'s multiply then the fused AdamW; the clip inside the fused AdamW's grad_scale (the step
-before consumer/step.py's compiled_update); and compiled_update, the three compiled as one function. The
-floor is one read of the gradients for the norm, then AdamW's reads of weights, gradients and both moments
-and its writes of weights and moments, at the card's memory bandwidth.
+The trainer's step ends with the gradients' norm, clip_grad_norm_'s clip and AdamW. This times two ways of
+running them on the model's own parameters (random gradients, so every step clips): clip_grad_norm_'s
+multiply then the fused AdamW, and the clip inside the fused AdamW's grad_scale (consumer/step.py). The floor
+is one read of the gradients for the norm, then AdamW's reads of weights, gradients and both moments and its
+writes of weights and moments, at the card's memory bandwidth. (A third way, the three compiled as one
+torch.compile'd function over torch's functional AdamW, was slower: bench/results/optimizer-h200-2026-11-27.md.)
 
     python -m bench.optimizer [--model gpt2-124m] [--iters 50]
 """
@@ -19,7 +19,7 @@ import torch
 from bench.common import cuda_ms, table, write_result
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.model import GPT, preset
-from lmpipe.consumer.step import compiled_update, make_optimizer
+from lmpipe.consumer.step import make_optimizer
 
 
 def main() -> None:
@@ -50,14 +50,10 @@ def main() -> None:
         opt.step()
         del opt.grad_scale  # type: ignore[attr-defined]
 
-    update = compiled_update(opt, cfg)
-    assert update is not None
     ways = [
         ("clip_grad_norm_'s multiply, then the fused AdamW", clip_then_step),
-        ("the clip in the fused AdamW's grad_scale (the step before)", clip_in_grad_scale),
-        ("norm, clip and AdamW compiled as one function (compiled_update)", lambda: update(1e-4)),
+        ("the clip in the fused AdamW's grad_scale (the trainer's)", clip_in_grad_scale),
     ]
-    update(1e-4)  # compiles
     bandwidth = 4.8e12 if "H200" in torch.cuda.get_device_name() else 3.35e12
     floor = (
         4 * n * (1 + 4 + 3) / bandwidth * 1e3

@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch.optim.adamw import adamw as adamw_step  # the functional form AdamW.step runs
 
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.inputs import ModelInputs
@@ -24,9 +23,6 @@ log = logging.getLogger("lmpipe.trainer")
 
 # With a fused AdamW, clip inside its step (see StepRunner.step); False: clip_grad_norm_'s own pass (bench)
 CLIP_IN_STEP = True
-# Compiled CUDA models: the grad norm, the clip and AdamW as one torch.compile'd function (see
-# compiled_update); False: the fused AdamW above (bench)
-COMPILED_UPDATE = True
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -54,79 +50,6 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, foreach=True)
 
 
-# one param group's (params, grads, exp_avgs, exp_avg_sqs, steps, weight_decay)
-_Group = tuple[
-    list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], float
-]
-
-
-@torch.no_grad()
-def _clip_and_adamw(
-    groups: list[_Group], lr: torch.Tensor, max_norm: float, beta1: float, beta2: float, eps: float
-) -> torch.Tensor:
-    """The grad norm, clip_grad_norm_'s factor and torch's own AdamW (its functional form) over each group;
-    returns the norm before clipping. Compiled, inductor runs the clip inside AdamW's pass and never writes
-    the clipped gradients back, which the fused AdamW does when the clip rides in its grad_scale. `lr` is a
-    tensor (capturable), so that a new value is no recompile."""
-    grads = [g for group in groups for g in group[1]]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # clip_grads_with_norm_'s factor
-    for params, g, exp_avgs, exp_avg_sqs, steps, weight_decay in groups:
-        adamw_step(
-            params, list(torch._foreach_mul(g, clip)), exp_avgs, exp_avg_sqs, [], steps,
-            foreach=True, capturable=True, amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
-        )  # fmt: skip
-    return norm
-
-
-def compiled_update(
-    optimizer: torch.optim.Optimizer, cfg: TrainConfig
-) -> Callable[[float], torch.Tensor] | None:
-    """A fused AdamW's step with the grad norm and clip before it, as one compiled function of the learning
-    rate that returns the norm before clipping; None for other optimizers. The optimizer keeps the state in
-    its own format, so checkpoints are the same either way.
-    GPT-2 124M at 32 rows on an H100: bench/results/adamw-h100-2026-11-27.md."""
-    groups = optimizer.param_groups
-    params = [p for g in groups for p in g["params"]]
-    first = groups[0]
-    if (
-        not COMPILED_UPDATE
-        or not isinstance(optimizer, torch.optim.AdamW)
-        or not optimizer.defaults.get("fused")
-        or not params
-        or any(p.dtype != torch.float32 for p in params)
-        or any(
-            g["amsgrad"] or g["maximize"] or (g["betas"], g["eps"]) != (first["betas"], first["eps"])
-            for g in groups
-        )
-    ):
-        return None
-    update = torch.compile(_clip_and_adamw, fullgraph=True, dynamic=False)
-    lr_t = torch.zeros((), dtype=torch.float32, device=params[0].device)
-    beta1, beta2 = first["betas"]
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-
-    def step(lr: float) -> torch.Tensor:
-        args: list[_Group] = []
-        for g in groups:
-            ps = [p for p in g["params"] if p.grad is not None]
-            states = [optimizer.state[p] for p in ps]
-            for p, st in zip(ps, states):
-                if not st:  # as the fused AdamW starts it: the same state_dict either way
-                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            args.append((
-                ps, [p.grad for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states], g["weight_decay"],
-            ))  # fmt: skip
-        lr_t.fill_(lr)
-        return update(args, lr_t, max_norm, beta1, beta2, first["eps"])
-
-    return step
-
-
 class StepRunner:
     """Forward/backward over a step's micro-batches and one optimizer step. Returns device tensors only."""
 
@@ -147,9 +70,6 @@ class StepRunner:
         # CUDA graphs (compile mode reduce-overhead/max-autotune): each forward starts a new replay, so
         # the previous step's outputs (already read) may be overwritten
         self.cudagraphs = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
-        # measured on CUDA only; a loss scaler's skipped steps take the optimizer's own step
-        on_cuda = self.device_type == "cuda"
-        self.update = compiled_update(optimizer, cfg) if cfg.compile and on_cuda and scaler is None else None
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -175,10 +95,6 @@ class StepRunner:
                 scaled = loss / denom
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
-        if self.update is not None:
-            norm = self.update(lr)
-            self.optimizer.zero_grad(set_to_none=True)
-            return loss_sum, norm
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

@@ -15,7 +15,7 @@ from lmpipe.consumer.flash import cu_seqlens_host
 from lmpipe.consumer.flash import unavailable as flash_unavailable
 from lmpipe.consumer.inputs import MaskCache, build_inputs, positions, targets_for
 from lmpipe.consumer.model import GPT, IGNORE, AttnSpec, preset
-from lmpipe.consumer.step import StepRunner, compiled_update, lr_at, make_optimizer
+from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import SettingsError
@@ -155,50 +155,6 @@ def test_clipping_inside_the_fused_step_equals_clip_grad_norm(grad_clip, device)
     for a, b in zip(p_in, p_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert not torch.equal(p_in[0].cpu(), next(tiny_model(seed=5).parameters()))  # the steps changed them
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("grad_clip", [0.05, 0.0])  # clipping, and none
-def test_the_compiled_update_steps_as_the_fused_adamw_and_keeps_its_state(grad_clip, device):
-    """The compiled norm + clip + AdamW gives the fused AdamW's update, norm and state_dict over steps with
-    a changing learning rate (no recompile), so checkpoints resume either way."""
-    dev = torch.device(device)
-    micro = [
-        build_inputs(*(t.to(dev) for t in masked_packed_batch(48, seed)[:3]), attention="dense")
-        for seed in (0, 1, 2)
-    ]
-    cfg = TrainConfig(grad_clip=grad_clip, fused_adamw=True)
-    runs = []
-    for compiled in (True, False):
-        model = tiny_model(seed=5).to(dev).train()
-        opt = make_optimizer(model, cfg, dev)
-        runner = StepRunner(model, opt, cfg, None)
-        if compiled:
-            runner.update = compiled_update(opt, cfg)
-            assert runner.update is not None
-        norms = [runner.step([m], 100.0, lr=lr)[1] for m, lr in zip(micro, (1e-2, 3e-3, 5e-3))]
-        assert all(p.grad is None for p in model.parameters())
-        runs.append((norms, [p.detach().clone() for p in model.parameters()], opt.state_dict()))
-    (n_c, p_c, s_c), (n_f, p_f, s_f) = runs
-    if grad_clip:
-        assert n_c[0] > grad_clip  # the limit clips
-    torch.testing.assert_close(n_c, n_f)
-    for a, b in zip(p_c, p_f):  # Adam's update is about lr * sign(g): near-zero gradients magnify rounding
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert s_c["param_groups"] == s_f["param_groups"]
-    assert s_c["state"].keys() == s_f["state"].keys()
-    for i, st in s_c["state"].items():
-        assert st.keys() == s_f["state"][i].keys()
-        for k, t in st.items():
-            assert (t.dtype, t.device, t.shape) == (
-                s_f["state"][i][k].dtype,
-                s_f["state"][i][k].device,
-                s_f["state"][i][k].shape,
-            )
-            torch.testing.assert_close(t, s_f["state"][i][k], rtol=1e-5, atol=1e-7)
-    assert s_c["state"][0]["step"].item() == 3
-    foreach = make_optimizer(tiny_model().to(dev), TrainConfig(fused_adamw=False), dev)
-    assert compiled_update(foreach, cfg) is None  # the foreach AdamW, asked for, keeps its own step
 
 
 def test_fused_adamw_is_used_when_available():
