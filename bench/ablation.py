@@ -63,6 +63,13 @@ VARIANTS: list[tuple] = [
         {"lmpipe.consumer.step.CLIP_IN_STEP": False},
     ),
     (
+        "the q/k/v projection's backward as autograd writes it (dq, dk, dv concatenated first)",
+        {},
+        {},
+        {},
+        {"lmpipe.consumer.qkv_kernel.ENABLED": False},
+    ),
+    (
         "the MLP's GELU as kernels of its own, not in cuBLASLt's GEMM epilogues (--no-gelu-epilogue)",
         {},
         {"gelu_epilogue": False},

@@ -16,7 +16,7 @@ from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
 from lmpipe.consumer.flash import unavailable as flash_unavailable
 from lmpipe.consumer.mlp_kernel import unavailable as gelu_epilogue_unavailable
-from lmpipe.consumer.model import GPT, MLP, fused_linear_cross_entropy, preset
+from lmpipe.consumer.model import GPT, MLP, CausalSelfAttention, fused_linear_cross_entropy, preset
 from lmpipe.consumer.scaler import LossScaler, make_scaler
 from lmpipe.consumer.step import StepRunner, make_optimizer, to_float8
 from lmpipe.shared.config import PipelineConfig
@@ -98,6 +98,18 @@ def build(
                 if isinstance(module, MLP):
                     module.gelu_epilogue = True
             log.info("the MLP's GELU and its gradient run in cuBLASLt's GEMM epilogues (nvmath-python)")
+    if (
+        device.type == "cuda"
+        and precision == "bf16"
+        and not mcfg.bias
+        and mcfg.n_embd % 64 == 0  # the kernel's K steps of 64 each lie in one of q, k, v
+        and importlib.util.find_spec("triton") is not None
+    ):
+        from lmpipe.consumer import qkv_kernel  # Triton: imported where it runs
+
+        for module in model.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.qkv_kernel = qkv_kernel.ENABLED
     optimizer = make_optimizer(model, tcfg, device)
     scaler = make_scaler(tcfg.loss_scale, device) if precision == "fp16" else None
     if scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):

@@ -77,10 +77,17 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.qkv_kernel = False  # CUDA, bf16, no biases: the projection's backward of consumer/qkv_kernel.py
 
     def forward(self, x: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
         B, L, C = x.shape
-        q, k, v = (t.view(B, L, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=2))
+        if self.qkv_kernel and x.is_cuda:
+            from lmpipe.consumer.qkv_kernel import qkv  # Triton: imported where it runs
+
+            q, k, v = qkv(x, self.c_attn.weight)
+        else:
+            q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, L, self.n_head, C // self.n_head) for t in (q, k, v))
         if attn.kind == "varlen":  # takes [B, L, H, D] as it is (no attention dropout)
             assert attn.cu_seqlens is not None
             y = varlen_attention(q, k, v, attn.cu_seqlens)
