@@ -1,0 +1,91 @@
+"""Probe: is the step host-bound? The host's time to issue one training step, against the GPU's time to run it.
+
+A step is host-bound when the Python that issues it (compiled graphs' wrappers, custom ops, nvmath's and
+Triton's launchers, the optimizer, the batch's block mask) takes longer than the GPU's kernels: the GPU
+then waits between them, and GPU-side savings do not show in tokens/s. Each measured step here starts behind
+a long GPU sleep, so the host never waits for the GPU while it issues the step: the host time is the time to
+return, the GPU time is CUDA events around the step's kernels (after the sleep). Then cProfile over a few
+such steps names the host-side functions that cost most.
+
+    python -m bench.host [--batch-size 32] [--compile-mode autotune-attention]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import table, write_result
+from bench.trainbench import (
+    SyntheticSteps,
+    apply_smoke,
+    bench_data,
+    common_args,
+    pipeline_config,
+    train_config,
+)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(p)
+    p.set_defaults(model="gpt2-124m", seq_len=1024, batch_size=32, warmup=15, steps=10)
+    p.add_argument("--top", type=int, default=30, help="host functions listed (cProfile, cumulative)")
+    args = apply_smoke(p.parse_args())
+    tok, shards = bench_data(Path(args.work))
+    pcfg, tcfg = pipeline_config(shards, tok, args), train_config(args)
+    step = SyntheticSteps(pcfg, tcfg, 8)
+    for i in range(args.warmup):
+        step(i)
+    torch.cuda.synchronize()
+
+    def behind_a_sleep(i: int) -> tuple[float, float]:
+        torch.cuda._sleep(int(1.5e9))  # about a second of GPU cycles: the host issues the step unhindered
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        step(i)
+        host = time.perf_counter() - t0
+        end.record()
+        torch.cuda.synchronize()
+        return 1e3 * host, start.elapsed_time(end)
+
+    times = [behind_a_sleep(args.warmup + i) for i in range(args.steps)]
+    host = statistics.median(h for h, _ in times)
+    gpu = statistics.median(g for _, g in times)
+    prof = cProfile.Profile()
+    n_prof = 3
+    for i in range(n_prof):
+        torch.cuda._sleep(int(1.5e9))
+        prof.enable()
+        step(args.warmup + args.steps + i)
+        prof.disable()
+        torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(args.top)
+    body = (
+        f"{args.model}, T={args.seq_len}, {args.batch_size} rows, compile mode {tcfg.compile_mode}; "
+        f"synthetic-fed; {args.steps} steps each behind a GPU sleep (medians).\n\n"
+        + table(
+            ["host ms to issue a step", "GPU ms to run it", "host / GPU"],
+            [[host, gpu, host / gpu]],
+        )
+        + f"\n\nHost functions over {n_prof} steps (cProfile, which slows the host; cumulative seconds):\n\n```\n"
+        + out.getvalue().strip()
+        + "\n```\n"
+    )
+    print(body)
+    write_result(
+        "host", "Is the step host-bound? Host time to issue a step against GPU time to run it", body, args.out
+    )
+
+
+if __name__ == "__main__":
+    main()
