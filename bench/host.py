@@ -17,6 +17,7 @@ import cProfile
 import io
 import pstats
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -60,6 +61,29 @@ def main() -> None:
     times = [behind_a_sleep(args.warmup + i) for i in range(args.steps)]
     host = statistics.median(h for h, _ in times)
     gpu = statistics.median(g for _, g in times)
+    # the same steps back to back, as training runs them, with the SM clock and power sampled meanwhile
+    smi = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active", "--format=csv,noheader,nounits",
+         "-lms", "100", "-i", str(torch.cuda.current_device())],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(0.5)
+    n_run = 3 * args.steps
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n_run + 1)]
+    t0 = time.perf_counter()
+    events[0].record()
+    for i in range(n_run):
+        step(args.warmup + args.steps + i)
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    wall = 1e3 * (time.perf_counter() - t0) / n_run
+    smi.terminate()
+    samples = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.count(",") == 2]
+    per_step = [events[i].elapsed_time(events[i + 1]) for i in range(n_run)]
+    busy = [(float(c), float(w), r) for c, w, r in samples if float(w) > 200]  # the samples while training
+    clocks = statistics.median(c for c, _, _ in busy) if busy else float("nan")
+    power = statistics.median(w for _, w, _ in busy) if busy else float("nan")
+    reasons = sorted({r for _, _, r in busy})
     prof = cProfile.Profile()
     n_prof = 3
     for i in range(n_prof):
@@ -77,6 +101,10 @@ def main() -> None:
             ["host ms to issue a step", "GPU ms to run it", "host / GPU"],
             [[host, gpu, host / gpu]],
         )
+        + f"\n\n{n_run} steps back to back: {wall:.2f} ms a step by the wall clock, by CUDA events median "
+        f"{statistics.median(per_step):.2f} ms (min {min(per_step):.2f}, max {max(per_step):.2f}); while they "
+        f"ran, nvidia-smi every 100 ms ({len(busy)} samples over 200 W): SM clock median {clocks:.0f} MHz, "
+        f"power median {power:.0f} W, clock event reasons seen {reasons}.\n"
         + f"\n\nHost functions over {n_prof} steps (cProfile, which slows the host; cumulative seconds):\n\n```\n"
         + out.getvalue().strip()
         + "\n```\n"
