@@ -180,6 +180,8 @@ def _text_records(
                     f"line of {size:,} bytes exceeds --max-line-bytes {max_line_bytes:,}{cr}",
                 ),
             )
+        elif (nul := raw.find(b"\0")) >= 0:  # binary data past the file's probed head, or UTF-16 text
+            line, problem = None, ("binary", where, f"a NUL byte at byte {nul}: binary data, not text")
         else:
             try:
                 line, problem = raw.decode("utf-8"), None

@@ -41,7 +41,8 @@ NAN = math.nan
 # Label values created up front, so every series exists (at 0) from the first scrape: dashboards and
 # alerts then see "no problems" instead of "no data".
 BAD_RECORD_REASONS = (
-    "invalid_utf8", "line_too_long", "empty", "bad_json", "missing_text", "bad_ids", "bad_prompt", "bad_mask",
+    "invalid_utf8", "binary", "line_too_long", "empty", "bad_json", "missing_text", "bad_ids", "bad_prompt",
+    "bad_mask",
 )  # fmt: skip
 REJECT_REASONS = (
     "bad_header", "bad_version", "bad_kind", "bad_dtype", "bad_shape", "truncated", "bad_length",

@@ -348,6 +348,26 @@ def test_each_skipped_line_is_its_own_bad_record_under_doc_split_line(tmp_path):
     assert not any(r.warnings for r in Corpus([str(path)], doc_split="line", max_line_bytes=100).records())
 
 
+def test_a_nul_byte_past_the_probed_head_is_a_bad_binary_line(tmp_path):
+    """The binary probe reads a file's first 8 KB; a NUL further on (an appended blob, UTF-16 text) was
+    tokenized as text. Now the line is skipped and counted as binary, the text around it kept."""
+    path = tmp_path / "c.txt"
+    head = b"".join(b"clean line %d\n" % i for i in range(1000))  # past BINARY_PROBE_BYTES
+    path.write_bytes(head + "utf-16 text".encode("utf-16-le") + b"\nok\x00not\nlast line\n")
+    got = records(path, doc_split="line")
+    assert [(text or None, bad, where.rsplit(":", 1)[1]) for _, text, bad, where in got[-3:]] == [
+        (None, "binary", "1001"),
+        (None, "binary", "1002"),
+        ("last line", None, "1003"),
+    ]
+    assert len(got) == 1003 and all(bad is None for _, _, bad, _ in got[:1000])
+    kept = list(
+        Corpus([str(path)]).records()
+    )  # blank-line documents: the bad line is a warning on its document
+    assert all("\0" not in (r.text or "") for r in kept)
+    assert [w[0] for r in kept for w in (r.warnings or [])] == ["binary", "binary"]
+
+
 # -- a quoted local glob ---------------------------------------------------------------------------------------
 
 
