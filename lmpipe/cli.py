@@ -89,7 +89,7 @@ def build_parser() -> Parser:
         help="run one producer",
         description="Tokenize, batch and stream to a trainer.",
     )
-    add_settings(pr, PipelineConfig, BATCHING)
+    add_settings(pr, PipelineConfig, BATCHING, hidden=("producers",))  # how many `lmpipe run` starts
     add_settings(pr, ProduceOptions, "producer")
 
     tk = command(

@@ -231,9 +231,11 @@ def add_settings(
     env: bool = True,
     fill: bool = True,
     required: tuple[str, ...] = (),
+    hidden: tuple[str, ...] = (),
 ) -> None:
     """Add a flag per setting of `cls` (or the `only` ones). env=False: flags only (one-shot commands);
-    fill=False: the flag is accepted here but its default is filled by a parent parser (global options)."""
+    fill=False: the flag is accepted here but its default is filled by a parent parser (global options);
+    `hidden`: accepted (a whole config's flags round-trip) but left out of --help, where they mean nothing."""
     for spec in specs(cls):
         if only is not None and spec.name not in only:
             continue
@@ -245,7 +247,7 @@ def add_settings(
         g = g or parser.add_argument_group(name)
         where = f"; ${spec.env}" if spec.env else ""
         text = f"{m.help} [default: {_show(spec.default)}{where}]".replace("%", "%%")  # argparse %-formats
-        text = argparse.SUPPRESS if m.hidden else text
+        text = argparse.SUPPRESS if m.hidden or spec.name in hidden else text
         kwargs: dict[str, Any] = dict(dest=spec.dest, default=argparse.SUPPRESS, help=text)
         if m.required or spec.name in required:
             kwargs["required"] = True

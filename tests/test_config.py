@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from dataclasses import fields
@@ -141,6 +142,15 @@ def test_pipeline_argv_reproduces_the_config_whatever_the_environment(env):
         assert from_args(parse("produce", *pipeline_argv(cfg)), PipelineConfig) == cfg
     opts = ProduceOptions(worker=1, metrics_port=-1, metrics_linger=2.5, exit_with_parent=True)
     assert from_args(parse("produce", *to_argv(opts)), ProduceOptions) == opts
+
+
+def test_produce_help_leaves_out_how_many_producers_run_starts():
+    """`lmpipe produce` takes the whole PipelineConfig (the argv round trip above), but --producers, which
+    only `lmpipe run` reads, is not in its --help."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert "--producers" not in commands["produce"].format_help()
+    assert "--producers" in commands["run"].format_help()
+    assert from_args(parse("produce", "--producers", "3"), PipelineConfig).producers == 3
 
 
 def test_validation_names_the_flag_or_the_variable(env):
