@@ -36,6 +36,9 @@ from typing import Any
 ENV_PREFIX = "LMPIPE_"
 _META = "lmpipe.setting"
 _SOURCES = "_setting_sources"  # namespace attribute: dest -> the flag or variable its value came from
+# to_argv's value for an empty list (`--data=<none>`): a user's empty value (`--data "$UNSET"`) is an error,
+# not the built-in corpus
+_NONE = "<none>"
 
 Check = Callable[[Any], "str | None"]  # None when the value is fine, else what is wrong with it
 
@@ -214,6 +217,12 @@ class Parser(argparse.ArgumentParser):
 
 def _argtype(spec: Spec) -> Callable[[str], Any]:
     def convert(raw: str) -> Any:
+        if spec.many and raw == _NONE:
+            return raw  # from_args drops it
+        if spec.many and raw == "":
+            raise argparse.ArgumentTypeError(
+                f"an empty value (an unset shell variable?); leave --{spec.flag} out to use its default ({_show(spec.default)})"
+            )
         try:
             return parse_value(dataclasses.replace(spec, many=False), raw)
         except ValueError as exc:
@@ -307,8 +316,8 @@ def from_args(ns: argparse.Namespace, cls: type) -> Any:
     for spec in specs(cls):
         if hasattr(ns, spec.dest):
             value = getattr(ns, spec.dest)
-            # --data= (to_argv's empty list) and an empty variable mean none
-            values[spec.name] = [v for v in value if v != ""] if spec.many else value
+            # to_argv's empty list, and an empty variable (parsed to []), mean none
+            values[spec.name] = [v for v in value if v != _NONE] if spec.many else value
             sources[spec.name] = given.get(spec.dest)
     if found := field_problems(cls, values, sources):
         raise SettingsError("; ".join(found))
@@ -408,8 +417,8 @@ def to_argv(cfg: Any) -> list[str]:
         v, flag = getattr(cfg, spec.name), "--" + spec.flag
         if spec.type is bool:
             argv.append(flag if v else f"--no-{spec.flag}")
-        elif spec.many:  # an empty list as one empty value: the flag itself wants at least one
-            argv += [flag, *map(str, v)] if v else [f"{flag}="]
+        elif spec.many:  # an empty list as the one value that means none: the flag wants at least one
+            argv += [flag, *map(str, v)] if v else [f"{flag}={_NONE}"]
         else:
             argv += [flag, "" if v is None else str(v)]
     return argv

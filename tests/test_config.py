@@ -153,6 +153,22 @@ def test_produce_help_leaves_out_how_many_producers_run_starts():
     assert from_args(parse("produce", "--producers", "3"), PipelineConfig).producers == 3
 
 
+def test_an_empty_data_value_is_refused_not_read_as_the_built_in_corpus(env, capsys):
+    """`--data "$CORPUS"` with CORPUS unset passed one empty value, which trained the built-in corpus
+    silently; to_argv's empty list has a spelling of its own, and an empty variable still means none."""
+    for argv in (["--data", ""], ["--data="], ["--data", "a.txt", ""]):
+        with pytest.raises(SystemExit):
+            parse("run", *argv)
+        err = capsys.readouterr().err.strip()
+        assert (
+            err
+            == "lmpipe run: --data: an empty value (an unset shell variable?); leave --data out to use its default (none)"
+        )
+    assert from_args(parse("produce", *pipeline_argv(PipelineConfig())), PipelineConfig).data == []
+    env("LMPIPE_DATA", "")
+    assert from_args(parse("run"), PipelineConfig).data == []
+
+
 def test_validation_names_the_flag_or_the_variable(env):
     with pytest.raises(SettingsError, match=r"^--accum 0: must be >= 1$"):
         from_args(parse("run", "--accum", "0"), TrainConfig)
