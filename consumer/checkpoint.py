@@ -174,6 +174,8 @@ def compare(header: dict[str, Any], expected: dict[str, Any], where: Path) -> No
             have, want = (order_fields(s, str(header.get("data") or "")) for s in (have, want))
         if isinstance(want, dict) and isinstance(have, dict):
             for sub in sorted(set(want) | set(have)):
+                if key == "stream" and sub == "epochs" and more_epochs(have.get(sub), want.get(sub)):
+                    continue  # the shards go on into the next epoch: their cursors stay valid
                 if want.get(sub) != have.get(sub):
                     problems.append(
                         f"{key}.{sub}: checkpoint has {have.get(sub)!r}, this run has {want.get(sub)!r}"
@@ -186,13 +188,20 @@ def compare(header: dict[str, Any], expected: dict[str, Any], where: Path) -> No
         )
 
 
+def more_epochs(old: Any, new: Any) -> bool:
+    """Whether --epochs `new` goes on past a checkpoint's `old`: more of them, or 0 (until stopped). An
+    epoch's order depends only on the seed and the epoch's number (producer/stream.py), so the cursors of
+    the epochs before stay valid; fewer epochs could leave a cursor past the new end."""
+    return isinstance(old, int) and isinstance(new, int) and old > 0 and (new == 0 or new > old)
+
+
 def _remedy(header: dict[str, Any], problems: list[str]) -> str:
     """What to do about a refused checkpoint: resume with its settings, or start a new run."""
     fresh = "start a new run (another --checkpoint-dir, or no --resume)"
     stream = header.get("stream")
     if any(p.startswith("stream.epochs:") for p in problems) and isinstance(stream, dict):
-        # a resumed run goes on with the checkpoint's --epochs: its shards' cursors count those epochs
-        return f": resume with --epochs {stream.get('epochs')}; to train another number of epochs, {fresh}"
+        # fewer epochs than the checkpoint's: its shards' cursors may be past the new end
+        return f": resume with --epochs {stream.get('epochs')} or more (0: until stopped); to train fewer, {fresh}"
     return ""
 
 

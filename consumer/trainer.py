@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from lmpipe.consumer.build import build
-from lmpipe.consumer.checkpoint import NO_MODEL, CheckpointError, CheckpointManager, load, resolve_resume
+from lmpipe.consumer.checkpoint import (
+    NO_MODEL,
+    CheckpointError,
+    CheckpointManager,
+    load,
+    more_epochs,
+    resolve_resume,
+)
 from lmpipe.consumer.config import TrainConfig, per_rank
 from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
@@ -185,7 +192,9 @@ class Trainer:
         # format 1 (lmpipe 0.1.0) held one rank's cursors; format 2 a list of them per rank
         by_rank = st["workers"] if ck.header["format_version"] >= 2 else [st["workers"]]
         epochs = self.pcfg.epochs
-        if epochs and any(rank and all(w.get("finished") for w in rank) for rank in by_rank):
+        before = int((ck.header.get("stream") or {}).get("epochs") or 0)
+        more = more_epochs(before, epochs)  # compare() let it through: finished shards go on
+        if epochs and not more and any(rank and all(w.get("finished") for w in rank) for rank in by_rank):
             # every shard read its --epochs to the end: it would stop at once, having trained nothing, and
             # exit 0 (the same on every rank: by_rank is every rank's)
             raise CheckpointError(
@@ -205,6 +214,11 @@ class Trainer:
             self._published = self.scaler.counters()
         self.step = int(st["step"])
         self.table.load_state_dict(by_rank[self.dist.rank])
+        if more:
+            for w in self.table.workers:
+                w.finished = False  # its producer starts it again at its cursor: the next epoch
+            log.info("--epochs %s after the checkpoint's %d: shards go on into epoch %d", epochs or "0 (until stopped)",
+                     before, before + 1)  # fmt: skip
         torch.set_rng_state(st["rng"]["torch"])
         if "cuda" in st["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(st["rng"]["cuda"], self.device)

@@ -14,6 +14,7 @@ import pytest
 
 from lmpipe.consumer.checkpoint import CheckpointManager
 from lmpipe.producer import builtin_corpus
+from tests.helpers import doc_log_entries, doc_pieces
 
 pytestmark = pytest.mark.slow
 
@@ -124,19 +125,30 @@ def test_train_resume_with_another_data_is_refused(procs, tmp_path, port):
 
 
 def test_a_checkpoint_that_finished_its_epochs_is_not_resumed_into_nothing(procs, tmp_path, port):
-    """It started producers, printed `64 steps in 0.0 s (end of data) | loss nan -> nan` and exited 0."""
-    a, ck = corpus(tmp_path / "a.txt", 1, 60), tmp_path / "ck"
+    """It started producers, printed `64 steps in 0.0 s (end of data) | loss nan -> nan` and exited 0. More
+    epochs go on from it: every document once more, in the next epoch's order; fewer are refused."""
+    a, ck, log = corpus(tmp_path / "a.txt", 1, 60), tmp_path / "ck", tmp_path / "docs.jsonl"
     base = ["--port", str(port), "--doc-split", "line", *SMALL, "--checkpoint-dir", str(ck), "--data", str(a),
-            "--steps", "0"]  # fmt: skip
-    r = procs.start("run", *base, *T, "--epochs", "1", name="make")
+            "--steps", "0", "--doc-log", str(log)]  # fmt: skip
+    r = procs.start("run", *base, *T, "--epochs", "2", name="make")
     assert procs.wait(r, timeout=180) == 0, procs.log(r)
     assert "end of data" in procs.log(r)
-    again = procs.start("run", *base, *T, "--epochs", "1", "--resume", "auto", name="again")
+    first = doc_log_entries(log)
+    again = procs.start("run", *base, *T, "--epochs", "2", "--resume", "auto", name="again")
     assert procs.wait(again, timeout=60) == 2, procs.log(again)
     text = procs.log(again)
-    assert "finished --epochs 1" in text and "start a new run" in text, text
+    assert "finished --epochs 2" in text and "start a new run" in text, text
     assert "steps in" not in text and "loss nan" not in text
-    more = procs.start("run", *base, *T, "--epochs", "2", "--resume", "auto", name="more")
-    assert procs.wait(more, timeout=60) == 2, procs.log(more)
-    assert "stream.epochs: checkpoint has 1, this run has 2: resume with --epochs 1; to train another " \
-        "number of epochs, start a new run" in procs.log(more)  # fmt: skip
+    fewer = procs.start("run", *base, *T, "--epochs", "1", "--resume", "auto", name="fewer")
+    assert procs.wait(fewer, timeout=60) == 2, procs.log(fewer)
+    assert "stream.epochs: checkpoint has 2, this run has 1: resume with --epochs 2 or more (0: until " \
+        "stopped); to train fewer, start a new run" in procs.log(fewer)  # fmt: skip
+    more = procs.start("run", *base, *T, "--epochs", "3", "--resume", "auto", name="more")
+    assert procs.wait(more, timeout=180) == 0, procs.log(more)
+    assert "shards go on into epoch 3" in procs.log(more) and "end of data" in procs.log(more)
+    entries = doc_log_entries(log)
+    assert entries[: len(first)] == first and len(entries) > len(first)
+    by_run = [doc_pieces(first), doc_pieces(entries[len(first) :])]
+    assert sorted(by_run[1]) == sorted(by_run[0])  # the third epoch: every document of the first two
+    for did, parts in by_run[0].items():
+        assert sum(n for _, n in by_run[1][did]) * 2 == sum(n for _, n in parts), did  # once, not twice
