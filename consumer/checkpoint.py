@@ -201,6 +201,8 @@ def _remedy(header: dict[str, Any], problems: list[str]) -> str:
     stream = header.get("stream")
     if any(p.startswith("stream.epochs:") for p in problems) and isinstance(stream, dict):
         # fewer epochs than the checkpoint's: its shards' cursors may be past the new end
+        if not stream.get("epochs"):  # it trained until stopped: its cursors may be in any epoch
+            return f": resume with --epochs 0 (until stopped); to train a number of epochs, {fresh}"
         return f": resume with --epochs {stream.get('epochs')} or more (0: until stopped); to train fewer, {fresh}"
     return ""
 

@@ -425,6 +425,24 @@ def test_only_order_deciding_settings_must_match_on_the_built_in_corpus_and_shar
             compare(header, {"stream": {**stream, **other}}, tmp_path)
 
 
+@pytest.mark.parametrize(
+    "have, want, refused",
+    [(2, 3, None), (2, 0, None), (2, 2, None), (2, 1, "resume with --epochs 2 or more (0: until stopped); "
+     "to train fewer"), (0, 3, "resume with --epochs 0 (until stopped); to train a number of epochs")],
+)  # fmt: skip
+def test_epochs_may_go_up_on_resume_not_down(tmp_path, have, want, refused):
+    """An epoch's order depends only on the seed and its number, so more epochs (or 0, until stopped) go
+    on from a checkpoint's cursors; fewer, or a number after 0, could leave a cursor past the new end."""
+    stream = {"seq_len": 64, "shuffle_window": 1000, "doc_split": "blank", "seed": 0}
+    header = {"data": "blank|a.txt:10", "stream": {**stream, "epochs": have}}
+    expected = {"stream": {**stream, "epochs": want}}
+    if refused is None:
+        compare(header, expected, tmp_path)
+    else:
+        with pytest.raises(CheckpointError, match=re.escape(refused)):
+            compare(header, expected, tmp_path)
+
+
 def test_a_checkpoint_that_read_a_file_twice_is_refused_with_why(tmp_path, monkeypatch):
     """lmpipe before 2026-11-27 trained a file reached twice (`--data a.txt a.txt`) twice an epoch; it now
     reads it once, so such a checkpoint cannot resume, and "resume with the same --data" was wrong advice."""
