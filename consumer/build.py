@@ -103,6 +103,9 @@ def build(
         and precision == "bf16"
         and not mcfg.bias
         and mcfg.n_embd % 64 == 0  # the kernel's K steps of 64 each lie in one of q, k, v
+        # measured at GPT-2 124M's 768; a smaller model's step is host-bound (bench/results/overhead-*.md),
+        # and a custom op's dispatch there costs more than the copy it saves
+        and mcfg.n_embd >= 768
         and importlib.util.find_spec("triton") is not None
     ):
         from lmpipe.consumer import qkv_kernel  # Triton: imported where it runs

@@ -116,12 +116,15 @@ def test_a_compiled_gpt_trains_alike_with_and_without_the_qkv_kernel():
     for (name, _), a, b in zip(model.named_parameters(), grads_on, grads_off):
         assert (a - b).norm() <= 0.01 * b.norm(), name  # bf16 rounding apart; a wrong block is ~100%
 
-    tcfg = TrainConfig(model="tiny", compile=False, metrics_port=None)
     pcfg = PipelineConfig(seq_len=64)
-    on = build(pcfg, tcfg, 512, torch.device("cuda"), "bf16", torch.bfloat16, Dist())
-    fp16 = build(pcfg, tcfg, 512, torch.device("cuda"), "fp16", torch.float16, Dist())
+    gpt2 = TrainConfig(model="gpt2-124m", compile=False, metrics_port=None)
+    on = build(pcfg, gpt2, 512, torch.device("cuda"), "bf16", torch.bfloat16, Dist())
+    fp16 = build(pcfg, gpt2, 512, torch.device("cuda"), "fp16", torch.float16, Dist())
+    tiny = build(pcfg, TrainConfig(model="tiny", compile=False, metrics_port=None), 512, torch.device("cuda"),
+                 "bf16", torch.bfloat16, Dist())  # fmt: skip
     assert all(b.attn.qkv_kernel for b in on.model.transformer.h)
     assert not any(b.attn.qkv_kernel for b in fp16.model.transformer.h)
+    assert not any(b.attn.qkv_kernel for b in tiny.model.transformer.h)  # host-bound: the plain projection
 
 
 @pytest.mark.cuda
