@@ -19,19 +19,11 @@ import pstats
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 import torch
 
 from bench.common import table, write_result
-from bench.trainbench import (
-    SyntheticSteps,
-    apply_smoke,
-    bench_data,
-    common_args,
-    pipeline_config,
-    train_config,
-)
+from bench.trainbench import apply_smoke, common_args, warm_synthetic_steps
 
 
 def main() -> None:
@@ -40,12 +32,8 @@ def main() -> None:
     p.set_defaults(model="gpt2-124m", seq_len=1024, batch_size=32, warmup=15, steps=10)
     p.add_argument("--top", type=int, default=30, help="host functions listed (cProfile, cumulative)")
     args = apply_smoke(p.parse_args())
-    tok, shards = bench_data(Path(args.work))
-    pcfg, tcfg = pipeline_config(shards, tok, args), train_config(args)
-    step = SyntheticSteps(pcfg, tcfg, 8)
-    for i in range(args.warmup):
-        step(i)
-    torch.cuda.synchronize()
+    step = warm_synthetic_steps(args)
+    tcfg = step.tcfg
 
     def behind_a_sleep(i: int) -> tuple[float, float]:
         torch.cuda._sleep(int(1.5e9))  # about a second of GPU cycles: the host issues the step unhindered

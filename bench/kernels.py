@@ -15,19 +15,11 @@ import argparse
 import re
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
 from bench.common import table, write_result
-from bench.trainbench import (
-    SyntheticSteps,
-    apply_smoke,
-    bench_data,
-    common_args,
-    pipeline_config,
-    train_config,
-)
+from bench.trainbench import apply_smoke, common_args, warm_synthetic_steps
 from lmpipe.consumer.report import peak_flops
 
 # first match wins; names as CUDA, cuBLAS, Triton (inductor) and FlexAttention give them
@@ -79,14 +71,8 @@ def main() -> None:
     p.set_defaults(model="gpt2-124m", seq_len=1024, batch_size=32, warmup=15, steps=10)
     p.add_argument("--top", type=int, default=15, help="kernels listed by GPU time")
     args = apply_smoke(p.parse_args())
-    tok, shards = bench_data(Path(args.work))
-    pcfg, tcfg = pipeline_config(shards, tok, args), train_config(args)
-    step = SyntheticSteps(pcfg, tcfg, 8)
-    trainer, sync, cuda = step.trainer, step.sync, step.trainer.device.type == "cuda"
-
-    for i in range(args.warmup):
-        step(i)
-    sync()
+    step = warm_synthetic_steps(args)
+    trainer, tcfg, sync, cuda = step.trainer, step.tcfg, step.sync, step.trainer.device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()

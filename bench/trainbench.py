@@ -177,6 +177,17 @@ class SyntheticSteps:
         return loss, real
 
 
+def warm_synthetic_steps(args: argparse.Namespace, n_batches: int = 8) -> SyntheticSteps:
+    """The synthetic-fed step for the parsed common_args, run `args.warmup` times (compile, warm-up) and
+    synced: the GPU-only probes (bench.kernels, bench.host) start from it."""
+    tok, shards = bench_data(Path(args.work))
+    step = SyntheticSteps(pipeline_config(shards, tok, args), train_config(args), n_batches)
+    for i in range(args.warmup):
+        step(i)
+    step.sync()
+    return step
+
+
 def measure_synthetic(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int, n_batches: int = 16) -> Result:
     _reset()
     step = SyntheticSteps(pcfg, tcfg, n_batches)

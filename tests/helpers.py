@@ -300,3 +300,38 @@ def tiny_model(seed: int = 0, vocab: int = 97):
 
     torch.manual_seed(seed)
     return GPT(preset("tiny", vocab_size=vocab, block_size=64)).eval()
+
+
+def run_in_triton_interpreter(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python with TRITON_INTERPRET=1 (read when a kernel is defined), from the repo root:
+    a Triton kernel run on CPU. The code prints "ok" when its checks pass."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def compiled_bf16_steps(switch) -> list[tuple]:
+    """One step of the tiny GPT on CUDA as the trainer runs it (torch.compile, FlexAttention over a packed
+    batch with a loss mask, autocast bf16), with `switch(model, on)` off, then on: [(loss, grads), ...]."""
+    import torch
+
+    from lmpipe.consumer.inputs import build_inputs
+    from lmpipe.consumer.model import GPT, preset
+
+    L = 256
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", vocab_size=97, block_size=L)).cuda()
+    tokens, lengths, seg, mask = (t.cuda() for t in masked_packed_batch(L, L))
+    inp = build_inputs(tokens, lengths, seg, attention="flex", loss_mask=mask)
+    results = []
+    for on in (False, True):
+        torch._dynamo.reset()
+        switch(model, on)
+        compiled = torch.compile(model, dynamic=False)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(inp.idx, inp.pos, inp.attn, inp.targets)[1]
+        loss.backward()
+        results.append((loss.detach().float(), [(n, p.grad.clone()) for n, p in model.named_parameters()]))
+    return results

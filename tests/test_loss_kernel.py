@@ -3,13 +3,9 @@ gradients equal torch's cross-entropy. tests/test_cuda.py runs it compiled, in b
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import run_in_triton_interpreter
 
 pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
 
@@ -54,8 +50,5 @@ print("ok")
 
 
 def test_loss_kernel_equals_torchs_cross_entropy_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when the kernel is defined: a fresh process
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    out = run_in_triton_interpreter(CHECK)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -11,11 +11,9 @@ import torch.nn.functional as F
 from lmpipe.consumer.build import build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
-from lmpipe.consumer.inputs import build_inputs
 from lmpipe.consumer.mlp_kernel import unavailable
-from lmpipe.consumer.model import GPT, preset
 from lmpipe.shared.config import PipelineConfig
-from tests.helpers import masked_packed_batch
+from tests.helpers import compiled_bf16_steps
 
 
 def test_the_epilogues_say_why_they_cannot_run():
@@ -77,25 +75,14 @@ def test_epilogue_mlp_matches_the_tanh_gelu_mlp_forward_and_backward(n, c):
 def test_a_compiled_gpt_trains_alike_with_and_without_the_epilogues():
     """Whole model, torch.compile and autocast bf16 as the trainer runs it: one step's loss and gradients."""
     _need_nvmath()
-    L = 256
-    torch.manual_seed(0)
-    model = GPT(preset("tiny", vocab_size=97, block_size=L)).cuda()
-    tokens, lengths, seg, mask = (t.cuda() for t in masked_packed_batch(L, L))
-    inp = build_inputs(tokens, lengths, seg, attention="flex", loss_mask=mask)
-    results = []
-    for on in (False, True):
-        torch._dynamo.reset()
+
+    def switch(model, on):
         for b in model.transformer.h:
             b.mlp.gelu_epilogue = on
-        compiled = torch.compile(model, dynamic=False)
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = compiled(inp.idx, inp.pos, inp.attn, inp.targets)[1]
-        loss.backward()
-        results.append((loss.detach().float(), [p.grad.clone() for p in model.parameters()]))
-    (loss_off, grads_off), (loss_on, grads_on) = results
+
+    (loss_off, grads_off), (loss_on, grads_on) = compiled_bf16_steps(switch)
     torch.testing.assert_close(loss_on, loss_off, rtol=2e-3, atol=0)
-    for (name, _), a, b in zip(model.named_parameters(), grads_on, grads_off):
+    for (name, a), (_, b) in zip(grads_on, grads_off):
         assert (a - b).norm() <= 0.03 * b.norm(), name  # bf16 rounding apart; a wrong gelu' is ~100%
 
 

@@ -4,10 +4,6 @@ on CPU (no concatenation of the three gradients left in inductor's code), and th
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,10 +11,8 @@ import torch.nn.functional as F
 from lmpipe.consumer.build import build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
-from lmpipe.consumer.inputs import build_inputs
-from lmpipe.consumer.model import GPT, preset
 from lmpipe.shared.config import PipelineConfig
-from tests.helpers import REPO, masked_packed_batch
+from tests.helpers import compiled_bf16_steps, run_in_triton_interpreter
 
 pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
 
@@ -40,10 +34,7 @@ print("ok")
 
 
 def test_the_input_gradient_kernel_sums_the_three_gemms_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when the kernel is defined: a fresh process
-    out = subprocess.run(
-        [sys.executable, "-c", CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    out = run_in_triton_interpreter(CHECK)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
@@ -95,25 +86,14 @@ def test_a_cpu_trainer_keeps_autograds_projection():
 def test_a_compiled_gpt_trains_alike_with_and_without_the_qkv_kernel():
     """Whole model, torch.compile, FlexAttention and autocast bf16 as the trainer runs it: one step's loss
     and gradients; and a bf16 CUDA trainer takes the kernel, an fp16 one does not."""
-    L = 256
-    torch.manual_seed(0)
-    model = GPT(preset("tiny", vocab_size=97, block_size=L)).cuda()
-    tokens, lengths, seg, mask = (t.cuda() for t in masked_packed_batch(L, L))
-    inp = build_inputs(tokens, lengths, seg, attention="flex", loss_mask=mask)
-    results = []
-    for on in (False, True):
-        torch._dynamo.reset()
+
+    def switch(model, on):
         for b in model.transformer.h:
             b.attn.qkv_kernel = on
-        compiled = torch.compile(model, dynamic=False)
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = compiled(inp.idx, inp.pos, inp.attn, inp.targets)[1]
-        loss.backward()
-        results.append((loss.detach().float(), [p.grad.clone() for p in model.parameters()]))
-    (loss_off, grads_off), (loss_on, grads_on) = results
+
+    (loss_off, grads_off), (loss_on, grads_on) = compiled_bf16_steps(switch)
     torch.testing.assert_close(loss_on, loss_off, rtol=0, atol=0)  # the forward is the same GEMM
-    for (name, _), a, b in zip(model.named_parameters(), grads_on, grads_off):
+    for (name, a), (_, b) in zip(grads_on, grads_off):
         assert (a - b).norm() <= 0.01 * b.norm(), name  # bf16 rounding apart; a wrong block is ~100%
 
     pcfg = PipelineConfig(seq_len=64)
