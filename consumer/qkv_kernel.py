@@ -7,7 +7,7 @@ so inductor copies all three into it first: 1.17 ms of GPT-2 124M's 57 ms step a
 whose K loop reads each of the three in turn, and the weight gradient is three cuBLAS GEMMs, one per block of
 rows. The forward is the one GEMM it was; q, k and v are views of its output as before. On an H100 that
 backward takes 0.89-0.91x the time (bench.qkv; bench/results/qkv-h100-2026-11-27.md), though the Triton GEMM
-runs at about 76% of cuBLAS's rate. consumer/build.py turns it on for bf16 CUDA models without biases, of
+runs at about 80% of cuBLAS's rate. consumer/build.py turns it on for bf16 CUDA models without biases, of
 hidden size 768 and up.
 """
 
