@@ -141,16 +141,27 @@ def _from_name(name: str) -> tuple[str | None, str | None]:
     return None, compression
 
 
-def _from_content(head: bytes, tail: bytes) -> tuple[str | None, str | None]:
-    if head[:4] == b"PAR1" and tail[-4:] == b"PAR1":
-        return "parquet", None
+def magic(head: bytes) -> str | None:
+    """What a file's first bytes say it is, by magic number: "parquet", "arrow", "gzip", "zstd" or None.
+    Text could start with "PAR1" or "ARROW1" too; callers confirm those (Parquet's footer, a NUL byte)."""
+    if head[:4] == b"PAR1":
+        return "parquet"
     if head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff":  # IPC file; IPC stream's first message
-        return "arrow", None
+        return "arrow"
     if head[:2] == b"\x1f\x8b":
-        return None, "gzip"
+        return "gzip"
     if head[:4] == b"\x28\xb5\x2f\xfd":
-        return None, "zstd"
-    return None, None
+        return "zstd"
+    return None
+
+
+def _from_content(head: bytes, tail: bytes) -> tuple[str | None, str | None]:
+    kind = magic(head)
+    if kind == "parquet":
+        return ("parquet", None) if tail[-4:] == b"PAR1" else (None, None)
+    if kind == "arrow":
+        return "arrow", None
+    return None, kind
 
 
 def _classify(name: str, size: int, peek) -> tuple[str, str | None]:

@@ -604,13 +604,14 @@ def refuse_binary(path: DataFile) -> None:
 def _misnamed(head: bytes, has_nul: bool) -> tuple[str, str] | None:
     """(what, what to do) for a compressed file or a table whose name says text: gzip's and zstd's magic
     numbers are not UTF-8, so no text starts with them; "PAR1" and "ARROW1" could, so those also need a NUL."""
-    if head[:2] == b"\x1f\x8b":
+    kind = formats.magic(head)
+    if kind == "gzip":
         return "gzip", "add .gz to its name (x.txt.gz, x.jsonl.gz)"
-    if head[:4] == b"\x28\xb5\x2f\xfd":
+    if kind == "zstd":
         return "zstd", "add .zst to its name (x.txt.zst, x.jsonl.zst)"
-    if has_nul and head[:4] == b"PAR1":
+    if has_nul and kind == "parquet":
         return "Parquet", "name it .parquet"
-    if has_nul and (head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff"):
+    if has_nul and kind == "arrow":
         return "Arrow", "name it .arrow"
     return None
 
