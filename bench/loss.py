@@ -13,6 +13,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from bench.common import cuda_ms, table, write_result
 from lmpipe.consumer import loss as L
@@ -20,6 +22,45 @@ from lmpipe.consumer.model import IGNORE
 
 # --- --ce-only: variants of the per-row kernel alone, on a [tokens, vocab] logits buffer -----------------
 # Each reads a row, writes its loss and overwrites the row with softmax - one-hot, as L._ce_rows does.
+
+
+@triton.jit
+def _ce_rows_whole(logits, stride, targets, losses, vocab, ignore, BLOCK: tl.constexpr):
+    """A row read once: all of it held in registers (BLOCK >= vocab) between its log-sum-exp and gradient."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride
+    target = tl.load(targets + row)
+    valid = target != ignore
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    lse = m + tl.log(tl.sum(tl.exp(x - m), 0))
+    picked = tl.sum(tl.where(cols == target, x, 0.0), 0)
+    tl.store(losses + row, tl.where(valid, lse - picked, 0.0))
+    g = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+    tl.store(base + cols, tl.where(valid, g, 0.0).to(logits.dtype.element_ty), mask=cols < vocab)
+
+
+@triton.jit
+def _ce_rows_strided(
+    logits,
+    stride,
+    targets,
+    losses,
+    rows,
+    vocab,
+    ignore,
+    BLOCK: tl.constexpr,
+    HINTS: tl.constexpr = True,
+    FROM_END: tl.constexpr = True,
+):
+    """_ce_row for every num_programs-th row from program_id: a grid of a few programs an SM keeps fewer rows
+    in flight than one program a row, so more of each row is still in L2 when its second pass reads it."""
+    for r in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row = tl.cast(r, tl.int64)
+        L._ce_row(
+            logits + row * stride, tl.load(targets + row), losses + row, vocab, ignore, BLOCK, HINTS, FROM_END
+        )
 
 
 def ce_only(a) -> None:
@@ -50,6 +91,18 @@ def ce_only(a) -> None:
         "shipped, BLOCK 8192, 4 warps": launch(8192, 4),
         "shipped, BLOCK 16384, 16 warps": launch(16384, 16),
     }
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for per_sm, warps in ((1, 16), (2, 8), (2, 16), (4, 8), (4, 16), (8, 8)):  # at most 64 warps an SM
+        variants[f"strided: {per_sm} programs an SM, BLOCK {L.BLOCK}, {warps} warps"] = (
+            lambda x, out, g=per_sm * sms, w=warps: _ce_rows_strided[(g,)](
+                x, x.stride(0), t, out, N, V, IGNORE, BLOCK=L.BLOCK, num_warps=w
+            )
+        )
+    whole = triton.next_power_of_2(V)
+    for warps in (16, 32):
+        variants[f"one read: the row in registers (BLOCK {whole}, {warps} warps)"] = lambda x, out, w=warps: (
+            _ce_rows_whole[(N,)](x, x.stride(0), t, out, V, IGNORE, BLOCK=whole, num_warps=w)
+        )
     ref_x, ref_loss = fresh.clone(), torch.empty(N, device=dev)
     next(iter(variants.values()))(ref_x, ref_loss)
     tbps = 4.8 if "H200" in torch.cuda.get_device_name() else 3.35  # memory bandwidth: H200, else an H100's
