@@ -63,6 +63,13 @@ VARIANTS: list[tuple] = [
         {"lmpipe.consumer.step.CLIP_IN_STEP": False},
     ),
     (
+        "AdamW as torch's fused kernel, not the Triton one (consumer/adamw.py)",
+        {},
+        {},
+        {},
+        {"lmpipe.consumer.adamw.ENABLED": False},
+    ),
+    (
         "the q/k/v projection's backward as autograd writes it (dq, dk, dv concatenated first)",
         {},
         {},

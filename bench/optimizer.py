@@ -2,7 +2,8 @@
 
 The trainer's step ends with the gradients' norm, clip_grad_norm_'s clip and AdamW. This times two ways of
 running them on the model's own parameters (random gradients, so every step clips): clip_grad_norm_'s
-multiply then the fused AdamW, and the clip inside the fused AdamW's grad_scale (consumer/step.py). The floor
+multiply then torch's fused AdamW, the clip inside torch's fused AdamW's grad_scale, and the clip inside the
+Triton AdamW's grad_scale (consumer/adamw.py; the trainer's on CUDA). The floor
 is one read of the gradients for the norm, then AdamW's reads of weights, gradients and both moments and its
 writes of weights and moments, at the card's memory bandwidth. (A third way, the three compiled as one
 torch.compile'd function over torch's functional AdamW, was slower: bench/results/optimizer-h200-2026-11-27.md.)
@@ -13,10 +14,12 @@ torch.compile'd function over torch's functional AdamW, was slower: bench/result
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
 from bench.common import cuda_ms, table, write_result
+from lmpipe.consumer import adamw
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.model import GPT, preset
 from lmpipe.consumer.step import make_optimizer
@@ -27,6 +30,7 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2-124m")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tiles", default="", help="the Triton AdamW's other settings: 'CHUNK,BLOCK,WARPS ...'")
     a = ap.parse_args()
     dev = torch.device("cuda")
     cfg = TrainConfig(grad_clip=1.0, fused_adamw=True)
@@ -37,23 +41,49 @@ def main() -> None:
     for p in params:
         p.grad = torch.randn_like(p)
     grads = [p.grad for p in params]
-    opt = make_optimizer(model, cfg, dev)
+    torch_opt = torch.optim.AdamW(make_optimizer(model, cfg, dev).param_groups, fused=True)
+    triton_opt = make_optimizer(model, cfg, dev)  # consumer/adamw.py's, as the trainer's on CUDA
 
     def clip_then_step() -> None:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm)
-        opt.step()
+        torch_opt.step()
 
-    def clip_in_grad_scale() -> None:
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        opt.grad_scale = ((norm + 1e-6) / cfg.grad_clip).clamp(min=1.0)  # type: ignore[attr-defined]
-        opt.step()
-        del opt.grad_scale  # type: ignore[attr-defined]
+    def clip_in_grad_scale(opt) -> Callable[[], None]:
+        def step() -> None:
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            opt.grad_scale = ((norm + 1e-6) / cfg.grad_clip).clamp(min=1.0)  # type: ignore[attr-defined]
+            opt.step()
+            del opt.grad_scale  # type: ignore[attr-defined]
+
+        return step
 
     ways = [
-        ("clip_grad_norm_'s multiply, then the fused AdamW", clip_then_step),
-        ("the clip in the fused AdamW's grad_scale (the trainer's)", clip_in_grad_scale),
-    ]
+        ("clip_grad_norm_'s multiply, then torch's fused AdamW", clip_then_step),
+        ("the clip in torch's fused AdamW's grad_scale", clip_in_grad_scale(torch_opt)),
+        (f"the clip in the Triton AdamW's grad_scale (CHUNK {adamw.CHUNK}, BLOCK {adamw.BLOCK}, "
+         f"{adamw.WARPS} warps: the trainer's)", clip_in_grad_scale(triton_opt)),
+    ]  # fmt: skip
+    shipped = (adamw.CHUNK, adamw.BLOCK, adamw.WARPS)
+
+    def with_tiles(tiles: tuple[int, int, int]) -> Callable[[], None]:
+        step = clip_in_grad_scale(make_optimizer(model, cfg, dev))  # its own table, of this CHUNK
+
+        def run() -> None:
+            adamw.CHUNK, adamw.BLOCK, adamw.WARPS = tiles
+            step()
+            adamw.CHUNK, adamw.BLOCK, adamw.WARPS = shipped
+
+        return run
+
+    for tiles in a.tiles.split():  # the Triton AdamW's other launch settings
+        chunk, block, warps = map(int, tiles.split(","))
+        ways.append(
+            (
+                f"the Triton AdamW, CHUNK {chunk}, BLOCK {block}, {warps} warps",
+                with_tiles((chunk, block, warps)),
+            )
+        )
     bandwidth = 4.8e12 if "H200" in torch.cuda.get_device_name() else 3.35e12
     floor = (
         4 * n * (1 + 4 + 3) / bandwidth * 1e3
