@@ -38,7 +38,7 @@ def main() -> None:
         rows.append([precision, r.tokens_per_second, r.tokens_per_second / b.tokens_per_second, 100 * r.mfu,
                      r.peak_memory_gib, r.final_loss, 100 * (r.final_loss / b.final_loss - 1)])  # fmt: skip
     body = (
-        f"{args.model}, T={args.seq_len}, batch {args.batch_size} rows, compile={args.compile}, "
+        f"{args.model}, T={args.seq_len}, batch {args.batch_size} rows, peak lr {args.lr:g}, compile={args.compile}, "
         f"{args.producers} producers serving WikiText-2 shards; {args.warmup} untimed + {args.steps} timed steps "
         "each. MFU counts the same FLOPs against the bf16 peak. Final loss: the last 10 steps' mean.\n\n"
         + table(

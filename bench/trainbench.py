@@ -87,7 +87,7 @@ def train_config(args: argparse.Namespace, **over) -> TrainConfig:
     cfg = TrainConfig(
         model=args.model,
         steps=args.warmup + args.steps,
-        lr=6e-4,
+        lr=args.lr,
         warmup=10,
         precision=args.precision,
         compile=args.compile,
@@ -228,6 +228,9 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--residual-dtype", default="auto", help="as the trainer's --residual-dtype")
     p.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=False,
                    help="liger's fused linear + cross-entropy (default: off, as in the trainer)")  # fmt: skip
+    p.add_argument(
+        "--lr", type=float, default=6e-4, help="peak learning rate (10 warm-up steps, then cosine)"
+    )
     p.add_argument("--warmup", type=int, default=20, help="untimed steps (compile, warm-up)")
     p.add_argument("--steps", type=int, default=60, help="timed steps")
     p.add_argument("--work", default="/tmp/lmpipe-bench", help="tokenizer and shards are built here once")

@@ -20,6 +20,7 @@ MODELS = (
     "gpt2-350m",
     "gpt2-774m",
     "gpt2-1558m",
+    "wide-1.8b",
 )  # consumer/model.PRESETS (tests/test_config.py)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")
 # torch.compile modes: "reduce-overhead" adds CUDA graphs (launch overhead: small models), "max-autotune"

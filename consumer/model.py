@@ -44,6 +44,9 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt2-350m": GPTConfig(block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "gpt2-774m": GPTConfig(block_size=1024, n_layer=36, n_head=20, n_embd=1280),
     "gpt2-1558m": GPTConfig(block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+    # a 7B model's width in 8 layers: matmuls as large as those torchao's float8 speed-ups are quoted for,
+    # so --precision fp8 can be measured where it is meant to pay (bench/results/fp8-*.md)
+    "wide-1.8b": GPTConfig(block_size=1024, n_layer=8, n_head=32, n_embd=4096),
 }
 
 
