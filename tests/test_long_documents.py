@@ -355,6 +355,21 @@ def test_the_trainers_stop_ends_a_long_tokenization_at_the_next_encode_call(
     assert isinstance(heard[-1], messages.Bye) and not batch
 
 
+def test_a_refusal_read_mid_document_ends_the_producer_at_the_next_encode_call(
+    tmp_path, port, cue, small_pieces, monkeypatch, caplog
+):
+    """The trainer's `refuse` (here after it was restarted with another config) read between two encode calls
+    of a document that takes dozens: the producer gives up at once with exit 2 and the reason, as a refusal
+    at the handshake does; the batch being built is dropped, never sent."""
+    cue.at[STOP_AT] = messages.Refuse("config mismatch: seq_len: this producer 64, the trainer 128")
+    with caplog.at_level(logging.ERROR, logger="lmpipe.producer"):
+        exits, _heard, batch = serve_one_document(tmp_path, port, cue, monkeypatch, prose(200_000))
+    assert exits == [2]
+    assert handled(cue) == ["control Assign", "control Welcome", f"{STOP_AT} encode", "control Refuse"]
+    assert not batch
+    assert "trainer refused this producer: config mismatch: seq_len" in caplog.text
+
+
 def test_a_signal_ends_a_long_tokenization_at_the_next_encode_call(
     tmp_path, port, cue, small_pieces, monkeypatch
 ):
