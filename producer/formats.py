@@ -55,12 +55,13 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
-from urllib.parse import quote, unquote_to_bytes
+from urllib.parse import quote
 
 import numpy as np
 
-from lmpipe.producer.remote import BLOCK, MissingExtra, RangeReader, Remote, RemoteError, is_url
+from lmpipe.producer.remote import BLOCK, MissingExtra, RangeReader, Remote, RemoteError
 from lmpipe.producer.shards import is_shard_dir
+from lmpipe.shared.files import local_path
 
 log = logging.getLogger("lmpipe.producer")
 
@@ -187,32 +188,6 @@ def read_from_dir(name: str) -> bool:
 
 
 # -- resolving --data paths -----------------------------------------------------------------------------
-
-
-LOCAL_PROTOCOLS = ("file", "local")  # fsspec's names for this machine's files
-
-
-def local_path(p: str) -> str | None:
-    """The local path a --data string names: `p` itself when it is not a URL, the path of a file:// (or
-    local://) URL, percent-decoded (file:///tmp/a%20b.txt is /tmp/a b.txt, file://localhost/x is /x); None
-    for any other URL. A URL of another host is a ValueError (one line).
-
-    The one place a file:// URL becomes the local file it names: read through fsspec it was a remote object,
-    not checked for changes (check_unchanged), not in the content digest, refused as binary by nothing. As
-    its path, it is that file everywhere; DataFile.given keeps the URL for messages and record ids."""
-    if not is_url(p):
-        return p
-    scheme, rest = p.split("://", 1)
-    if scheme.lower() not in LOCAL_PROTOCOLS:
-        return None
-    host, slash, path = rest.partition("/")
-    if host and host.lower() != "localhost":
-        raise ValueError(
-            f"{p}: names host {host!r}; a {scheme}:// URL is read only as this machine's file "
-            f"({scheme}:///absolute/path or {scheme}://localhost/absolute/path): give the local path itself "
-            "(a relative one too), or a URL of the store that serves it (s3://, https://...)"
-        )
-    return os.fsdecode(unquote_to_bytes(slash + path)) or "/"  # names not UTF-8 too (surrogateescape)
 
 
 def resolve(paths: list[str]) -> list[DataFile]:

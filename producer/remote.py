@@ -80,10 +80,6 @@ class MissingExtra(ValueError):
     one line naming the extra."""
 
 
-def is_url(path: str) -> bool:
-    return "://" in path
-
-
 def protocol(url: str) -> str:
     return url.split("://", 1)[0]
 

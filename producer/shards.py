@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from lmpipe.producer.remote import Remote, is_url
+from lmpipe.producer.remote import Remote
 from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.files import SHARD_META as META
-from lmpipe.shared.files import sha256_file
+from lmpipe.shared.files import is_url, sha256_file
 from lmpipe.shared.tokenizer import FACTS, TokenizerInfo, facts_well_formed
 
 FORMAT_VERSION = 2  # 2: shards may hold mask-k.bin; a set without masks is still written as version 1

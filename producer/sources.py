@@ -40,6 +40,7 @@ from lmpipe.producer import builtin_corpus, formats
 from lmpipe.producer.formats import DataFile
 from lmpipe.producer.shards import ShardSet, is_shard_dir
 from lmpipe.shared.config import MAX_LINE_BYTES, PipelineConfig
+from lmpipe.shared.files import local_path
 
 log = logging.getLogger("lmpipe.producer")
 DRAIN_CHUNK = 1 << 20  # bytes read at a time while skipping an over-long line
@@ -421,7 +422,7 @@ class Corpus:
         if doc_split not in DOC_SPLITS:
             raise ValueError(f"--doc-split must be one of {', '.join(DOC_SPLITS)}, not {doc_split!r}")
         self.shards: ShardSet | None = None
-        local = [formats.local_path(p) for p in paths or []]  # a file:// URL of a folder is that folder
+        local = [local_path(p) for p in paths or []]  # a file:// URL of a folder is that folder
         if paths and len(paths) == 1 and is_shard_dir(local[0] or paths[0]):
             self.shards = ShardSet(local[0] or paths[0])
             self.paths: list[DataFile] = []

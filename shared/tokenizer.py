@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from lmpipe.shared.files import SHARD_META
+from lmpipe.shared.files import SHARD_META, local_path
 
 BUILTIN_PATH = Path(__file__).parent / "assets" / "builtin-tokenizer.json"
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
@@ -217,12 +217,17 @@ _loaded: dict[tuple[str, int, int], TokenizerInfo] = {}
 
 
 def _recorded(data: Sequence[str]) -> dict[str, Any] | None:
-    """The tokenizer facts a local shard directory's meta.json recorded, if `data` is one and they are
-    well-formed (anything else: None, and the file is parsed; the shard reader reports a damaged meta.json)."""
-    if len(data) != 1 or "://" in data[0]:
+    """The tokenizer facts a local shard directory's meta.json recorded, if `data` is one (a path or a
+    file:// URL) and they are well-formed (anything else: None, and the file is parsed; the shard reader
+    reports a damaged meta.json)."""
+    try:
+        local = local_path(data[0]) if len(data) == 1 else None
+    except ValueError:  # a file:// URL of another host: the producer says so
+        return None
+    if local is None:
         return None
     try:
-        rec = json.loads((Path(data[0]) / SHARD_META).read_bytes()).get("tokenizer")
+        rec = json.loads((Path(local) / SHARD_META).read_bytes()).get("tokenizer")
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return rec if facts_well_formed(rec) and rec.keys() == FACTS.keys() else None

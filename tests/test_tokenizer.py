@@ -8,6 +8,7 @@ import random
 import shutil
 from pathlib import Path
 
+import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from lmpipe.shared import tokenizer
@@ -60,18 +61,22 @@ def _prepared(tmp_path, tok_path) -> tuple[Path, list[str]]:
     return out, texts
 
 
-def test_a_run_from_shards_takes_the_tokenizer_facts_prepare_recorded_and_parses_nothing(tmp_path):
+@pytest.mark.parametrize("as_url", [False, True], ids=["path", "file-url"])
+def test_a_run_from_shards_takes_the_tokenizer_facts_prepare_recorded_and_parses_nothing(tmp_path, as_url):
+    """The shard directory given as its path, or as a file:// URL (which was parsed: taken for remote)."""
     from lmpipe.producer.sources import Corpus
     from lmpipe.producer.stream import DocStream
 
     path = tmp_path / "tok.json"
     shutil.copy(BUILTIN_PATH, path)
     shards, texts = _prepared(tmp_path, path)
+    data = [shards.as_uri() if as_url else str(shards)]
     parsed = load_tokenizer(path)
     _forget_loaded()
-    tok = load_tokenizer(path, [str(shards)])
+    tok = load_tokenizer(path, data)
     assert tok.facts() == parsed.facts() and tok.path == str(path)
-    docs = list(DocStream(Corpus([str(shards)]), tok, shuffle_window=0).docs(0))  # a whole epoch
+    assert tokenizer._parse.cache_info().misses == 0
+    docs = list(DocStream(Corpus(data), tok, shuffle_window=0).docs(0))  # a whole epoch
     assert len(docs) == len(texts) and tokenizer._parse.cache_info().misses == 0
     # whatever does need the tokenizer itself still gets it, parsed then
     assert tok.tokenizer.decode(docs[0].ids[:-1].tolist()) == texts[0]
