@@ -159,3 +159,16 @@ def test_the_using_it_block_runs_on_a_slice_of_wikitext(tmp_path):
         "the second small run resumes"
     )
     assert (tmp_path / "model.safetensors").stat().st_size > 0
+
+
+def test_the_readme_lists_every_gpu_check_stage():
+    """scripts/gpu_check.sh's stages (the ones its `case` accepts) are the ones its usage line and the README
+    name: a stage added to the script is documented, and a documented one runs."""
+    script = (REPO / "scripts" / "gpu_check.sh").read_text()
+    accepted = re.search(r"^\s*((?:[\w-]+\|)+[\w-]+)\) ;;$", script, re.M)
+    usage = re.search(r"gpu_check\.sh \[([\w|-]+)\]", script)
+    readme = re.search(r"`scripts/gpu_check\.sh \[([\w|-]+)\]`", README.read_text())
+    assert accepted and usage and readme
+    stages = accepted.group(1).split("|")
+    assert usage.group(1).split("|") == stages
+    assert readme.group(1).split("|") == stages
