@@ -4,8 +4,10 @@ A step is host-bound when the Python that issues it (compiled graphs' wrappers, 
 Triton's launchers, the optimizer, the batch's block mask) takes longer than the GPU's kernels: the GPU
 then waits between them, and GPU-side savings do not show in tokens/s. Each measured step here starts behind
 a long GPU sleep, so the host never waits for the GPU while it issues the step: the host time is the time to
-return, the GPU time is CUDA events around the step's kernels (after the sleep). Then cProfile over a few
-such steps names the host-side functions that cost most.
+return, the GPU time is CUDA events around the step's kernels (after the sleep). The host time is then split
+by part (the block mask, the compiled forward, backward, grad norm, optimizer, and nvmath's GEMM calls inside
+the forward and backward) with timers around those functions, and one nvmath GEMM call is set against one
+torch.mm of the same shape. Then cProfile over a few such steps names the host-side functions that cost most.
 
     python -m bench.host [--batch-size 32] [--compile-mode autotune-attention]
 """
@@ -13,17 +15,109 @@ such steps names the host-side functions that cost most.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
 import statistics
 import subprocess
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 
 import torch
 
+import bench.trainbench
 from bench.common import table, write_result
-from bench.trainbench import apply_smoke, common_args, warm_synthetic_steps
+from bench.trainbench import SyntheticSteps, apply_smoke, common_args, warm_synthetic_steps
+from lmpipe.consumer import cublaslt
+
+# (part, is it inside the forward or backward): the parts that are not add up to the step, with the rest
+PARTS = [
+    ("inputs and block mask", False),
+    ("forward (compiled graph, custom ops)", False),
+    ("backward (compiled graph, custom ops)", False),
+    ("grad norm", False),
+    ("optimizer step", False),
+    ("nvmath GEMM calls", True),
+]
+
+
+QUEUED = 4  # steps issued behind one GPU sleep
+
+
+class _TimedModule:
+    """The step's model with its calls timed; everything else (train(), parameters()) passes through."""
+
+    def __init__(self, module, timed: Callable):
+        self._module, self._timed = module, timed
+
+    def __call__(self, *args, **kwargs):
+        return self._timed(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+@contextlib.contextmanager
+def timed_parts(step: SyntheticSteps) -> Iterator[dict[str, float]]:
+    """Host seconds spent in each of PARTS while the block runs, summed over its steps."""
+    spent: dict[str, float] = defaultdict(float)
+
+    def timer(part: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - t0
+
+        return timed
+
+    runner = step.trainer.runner
+    names = [p for p, _ in PARTS]
+    # module attributes the step looks up at call time, so a patch here is seen there
+    patches = [
+        (bench.trainbench, "build_inputs", names[0]),
+        (torch.autograd, "backward", names[2]),
+        (torch.nn.utils, "get_total_norm", names[3]),
+        (cublaslt, "gemm", names[5]),
+    ]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+    model = runner.model
+    try:
+        for obj, attr, part in patches:
+            setattr(obj, attr, timer(part, getattr(obj, attr)))
+        runner.model = _TimedModule(model, timer(names[1], model))
+        runner.optimizer.step = timer(names[4], runner.optimizer.step)  # an instance attribute, deleted after
+        yield spent
+    finally:
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
+        runner.model = model
+        del runner.optimizer.step
+
+
+def gemm_call_cost(n: int, k: int, m: int, calls: int = 50) -> list[float] | None:
+    """Host microseconds of one call, [n, k] x [k, m] in bf16 (the LM head's shape at the step's rows), of
+    cublaslt.gemm through nvmath's Matmul.execute(), of the same straight to cuBLASLt, and of torch.mm; each
+    run of calls issued behind a GPU sleep. None without nvmath."""
+    if cublaslt.unavailable():
+        return None
+    a = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).t()
+    cublaslt.gemm(a, b)  # plans (and times) the shape once
+    torch.cuda.synchronize()
+    costs = []
+    for direct, fn in ((False, cublaslt.gemm), (True, cublaslt.gemm), (True, torch.mm)):
+        cublaslt.DIRECT = direct
+        torch.cuda._sleep(int(1e9))
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(a, b)
+        costs.append(1e6 * (time.perf_counter() - t0) / calls)
+        torch.cuda.synchronize()
+    return costs
 
 
 def main() -> None:
@@ -49,6 +143,33 @@ def main() -> None:
     times = [behind_a_sleep(args.warmup + i) for i in range(args.steps)]
     host = statistics.median(h for h, _ in times)
     gpu = statistics.median(g for _, g in times)
+    # steps queued behind one long sleep: the GPU runs them back to back whatever the host does meanwhile, so
+    # their per-step GPU time against the back-to-back run below says whether the host or the GPU (its
+    # clocks under load) makes the difference
+    queued: list[float] = []
+    ahead = []
+    for r in range(3):
+        torch.cuda._sleep(int(4e9))
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(QUEUED + 1)]
+        events[0].record()
+        for j in range(QUEUED):
+            step(args.warmup + r * QUEUED + j)
+            events[j + 1].record()
+        ahead.append(not torch.cuda.current_stream().query())  # all issued while the GPU still slept
+        torch.cuda.synchronize()
+        queued += [events[j].elapsed_time(events[j + 1]) for j in range(QUEUED)]
+    with timed_parts(step) as spent:
+        split = [behind_a_sleep(args.warmup + i) for i in range(args.steps)]
+    split_host = sum(h for h, _ in split) / len(split)
+    part_ms = {part: 1e3 * spent[part] / len(split) for part, _ in PARTS}
+    rest = split_host - sum(part_ms[part] for part, inner in PARTS if not inner)
+    part_rows = [
+        [part + (" (inside the two above)" if inner else ""), part_ms[part]] for part, inner in PARTS
+    ]
+    part_rows.append(["the rest (the step's own Python, autocast, loss sum, lr)", rest])
+    part_rows.append(["host total, these steps' mean (the timers' own cost included)", split_host])
+    head_cost = gemm_call_cost(args.batch_size * args.seq_len, step.trainer.model.config.n_embd,
+                               step.trainer.model.config.vocab_size)  # fmt: skip
     # the same steps back to back, as training runs them, with the SM clock and power sampled meanwhile
     smi = subprocess.Popen(
         ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active", "--format=csv,noheader,nounits",
@@ -88,6 +209,19 @@ def main() -> None:
         + table(
             ["host ms to issue a step", "GPU ms to run it", "host / GPU"],
             [[host, gpu, host / gpu]],
+        )
+        + f"\n\n{QUEUED} steps queued behind one GPU sleep, 3 times: GPU ms a step by CUDA events median "
+        f"{statistics.median(queued):.2f} (min {min(queued):.2f}, max {max(queued):.2f}); the host had issued "
+        f"them all before the sleep ended in {sum(ahead)} of 3."
+        + "\n\nHost ms a step by part (timers around the functions the step calls; means):\n\n"
+        + table(["part", "host ms a step"], part_rows)
+        + (
+            f"\n\nOne LM-head GEMM ({args.batch_size * args.seq_len} x {step.trainer.model.config.n_embd} by "
+            f"{step.trainer.model.config.n_embd} x {step.trainer.model.config.vocab_size}, bf16), host "
+            f"microseconds a call: nvmath's Matmul.execute() {head_cost[0]:.1f}, straight to cuBLASLt (the "
+            f"shipped path) {head_cost[1]:.1f}, torch.mm {head_cost[2]:.1f}."
+            if head_cost
+            else ""
         )
         + f"\n\n{n_run} steps back to back: {wall:.2f} ms a step by the wall clock, by CUDA events median "
         f"{statistics.median(per_step):.2f} ms (min {min(per_step):.2f}, max {max(per_step):.2f}); while they "

@@ -183,6 +183,26 @@ def test_head_backward_scale_is_the_fp32_product_rounded_once():
             assert torch.equal(_times(t, s), (t.float() * s).bfloat16()), (n, scale)
 
 
+@pytest.mark.parametrize("attention", ["flex", "flash"])
+def test_building_a_batchs_inputs_does_not_wait_for_the_gpu(attention):
+    """The block mask (and flash's offsets) are made on the host and copied while the GPU still runs the
+    last step's kernels: no host sync (an .item(), a .cpu(), a blocking copy) may creep into the build.
+    The copy is from pageable memory; for these few kilobytes CUDA stages it without waiting for the stream
+    (checked on an H100, bench/results/host-h100-2026-11-27.md)."""
+    B, L = 4, 1024
+    seg_host = np.repeat(np.arange(8, dtype=np.int32), L // 8)[None].repeat(B, 0)
+    tokens = torch.randint(0, 100, (B, L), device=DEV, dtype=torch.int32)
+    lengths = torch.full((B,), L, device=DEV, dtype=torch.int32)
+    seg = torch.from_numpy(seg_host).to(DEV)
+    build_inputs(tokens, lengths, seg, attention=attention, seg_host=seg_host)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # a second or so of GPU work queued ahead of the copy
+    inp = build_inputs(tokens, lengths, seg, attention=attention, seg_host=seg_host)
+    assert not torch.cuda.current_stream().query(), "building the inputs waited for the GPU's queued work"
+    torch.cuda.synchronize()
+    assert inp.idx.shape == (B, L)
+
+
 def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
     from lmpipe.consumer.slots import HostSlot
     from lmpipe.producer.batching import BatchSpec, batches
