@@ -82,13 +82,6 @@ VARIANTS: list[tuple] = [
         {"gelu_epilogue": False},
     ),
     (
-        "nvmath's GEMMs through Matmul.execute(), not straight to cuBLASLt (host time; consumer/cublaslt.py)",
-        {},
-        {},
-        {},
-        {"lmpipe.consumer.cublaslt.DIRECT": False},
-    ),
-    (
         "the LM head's GEMMs as torch picks them, not cuBLASLt's fastest timed (nvmath)",
         {},
         {},

@@ -98,10 +98,10 @@ def timed_parts(step: SyntheticSteps) -> Iterator[dict[str, float]]:
         del runner.optimizer.step
 
 
-def gemm_call_cost(n: int, k: int, m: int, calls: int = 50) -> list[float] | None:
-    """Host microseconds of one call, [n, k] x [k, m] in bf16 (the LM head's shape at the step's rows), of
-    cublaslt.gemm through nvmath's Matmul.execute(), of the same straight to cuBLASLt, and of torch.mm; each
-    run of calls issued behind a GPU sleep. None without nvmath."""
+def gemm_call_cost(n: int, k: int, m: int, calls: int = 50) -> tuple[float, float] | None:
+    """Host microseconds of one nvmath GEMM call (consumer/cublaslt.py) and of one torch.mm, [n, k] x [k, m]
+    in bf16 (the LM head's shape at the step's rows), each run of calls issued behind a GPU sleep; None
+    without nvmath."""
     if cublaslt.unavailable():
         return None
     a = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -109,15 +109,14 @@ def gemm_call_cost(n: int, k: int, m: int, calls: int = 50) -> list[float] | Non
     cublaslt.gemm(a, b)  # plans (and times) the shape once
     torch.cuda.synchronize()
     costs = []
-    for direct, fn in ((False, cublaslt.gemm), (True, cublaslt.gemm), (True, torch.mm)):
-        cublaslt.DIRECT = direct
+    for fn in (cublaslt.gemm, torch.mm):
         torch.cuda._sleep(int(1e9))
         t0 = time.perf_counter()
         for _ in range(calls):
             fn(a, b)
         costs.append(1e6 * (time.perf_counter() - t0) / calls)
         torch.cuda.synchronize()
-    return costs
+    return costs[0], costs[1]
 
 
 def main() -> None:
@@ -218,8 +217,7 @@ def main() -> None:
         + (
             f"\n\nOne LM-head GEMM ({args.batch_size * args.seq_len} x {step.trainer.model.config.n_embd} by "
             f"{step.trainer.model.config.n_embd} x {step.trainer.model.config.vocab_size}, bf16), host "
-            f"microseconds a call: nvmath's Matmul.execute() {head_cost[0]:.1f}, straight to cuBLASLt (the "
-            f"shipped path) {head_cost[1]:.1f}, torch.mm {head_cost[2]:.1f}."
+            f"microseconds a call: nvmath {head_cost[0]:.1f}, torch.mm {head_cost[1]:.1f}."
             if head_cost
             else ""
         )
