@@ -10,7 +10,8 @@ gradients the same blocks every step. With the norm and clip: 1.48 ms against to
 
 The optimizer is torch.optim.AdamW (fused) with this step: the same state ('step', 'exp_avg', 'exp_avg_sq'),
 so checkpoints move between the two, and torch's fused kernel still runs whatever this one does not take:
-amsgrad, maximize, a tensor lr, non-fp32 or non-contiguous tensors, and a loss scaler's found_inf (fp16).
+amsgrad, maximize, non-fp32 or non-contiguous tensors, and a loss scaler's found_inf (fp16). A tensor lr
+(0-d fp32 on the parameters' device) is read by the kernel, so a captured CUDA graph's step follows it.
 bench.optimizer times the two; bench.ablation switches this off (ENABLED).
 """
 
@@ -28,11 +29,14 @@ WARPS = 8
 
 
 @triton.jit
-def _adamw(table, lr, beta1, beta2, eps, decay, scale, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr,
-           BLOCK: tl.constexpr):  # fmt: skip
+def _adamw(table, lr, beta1, beta2, eps, decay, scale, HAS_SCALE: tl.constexpr, LR_PTR: tl.constexpr,
+           CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """torch's AdamW for one chunk: w -= lr * decay * w; m = lerp(m, g, 1 - beta1); v = beta2 v + (1 - beta2)
     g^2; w -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps), with g the gradient divided by
-    scale[0] where HAS_SCALE (a clip's factor), t the tensor's step counter (already advanced)."""
+    scale[0] where HAS_SCALE (a clip's factor), t the tensor's step counter (already advanced); lr is read
+    from memory where LR_PTR."""
+    if LR_PTR:
+        lr = tl.load(lr)
     row = table + tl.program_id(0).to(tl.int64) * 6
     w = tl.load(row).to(tl.pointer_type(tl.float32))
     g = tl.load(row + 1).to(tl.pointer_type(tl.float32))
@@ -75,6 +79,10 @@ def _dense_fp32(g: torch.Tensor | None) -> bool:
     return g is not None and g.dtype == torch.float32 and g.is_contiguous() and not g.is_sparse
 
 
+def _device_scalar(lr: torch.Tensor, params: list[torch.Tensor]) -> bool:
+    return lr.dim() == 0 and lr.dtype == torch.float32 and all(p.device == lr.device for p in params)
+
+
 class AdamW(torch.optim.AdamW):
     """torch.optim.AdamW(fused=True) whose step runs the Triton kernel above where it can."""
 
@@ -86,7 +94,8 @@ class AdamW(torch.optim.AdamW):
         return (
             ENABLED
             and getattr(self, "found_inf", None) is None
-            and not (group["amsgrad"] or group["maximize"] or torch.is_tensor(group["lr"]))
+            and not (group["amsgrad"] or group["maximize"])
+            and (not torch.is_tensor(group["lr"]) or _device_scalar(group["lr"], params))
             and all(p.dtype == torch.float32 and p.is_contiguous() and _dense_fp32(p.grad) for p in params)
         )
 
@@ -115,9 +124,10 @@ class AdamW(torch.optim.AdamW):
             table = cached[1]
             torch._foreach_add_(steps, 1.0)
             beta1, beta2 = group["betas"]
+            lr = group["lr"]
             _adamw[(table.size(0),)](
-                table, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                table, lr if torch.is_tensor(lr) else float(lr), float(beta1), float(beta2), float(group["eps"]),
                 float(group["weight_decay"]), scale if scale is not None else table, HAS_SCALE=scale is not None,
-                CHUNK=CHUNK, BLOCK=BLOCK, num_warps=WARPS,
+                LR_PTR=torch.is_tensor(lr), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=WARPS,
             )  # fmt: skip
         return None

@@ -1,6 +1,6 @@
 """The Triton AdamW (consumer/adamw.py) on CPU, through Triton's interpreter: the same weights, moments and
-step counters as torch's AdamW over several steps, with a clip's grad_scale, a changing lr, gradients that
-move between steps and two parameter groups; the state loads into torch's AdamW. tests/test_cuda.py runs it
+step counters as torch's AdamW over several steps, with a clip's grad_scale, a changing lr (a tensor in the
+last step), gradients that move between steps and two parameter groups; the state loads into torch's AdamW. tests/test_cuda.py runs it
 on a GPU."""
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ ref = [w.clone() for w in ours]
 groups = lambda ws: [{"params": ws[:2] + ws[4:], "weight_decay": 0.1}, {"params": ws[2:4], "weight_decay": 0.0}]
 opt = A.AdamW(groups(ours), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 torch_opt = torch.optim.AdamW(groups(ref), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
-for step, (lr, scale) in enumerate([(1e-2, None), (3e-3, 2.5), (5e-3, None), (5e-3, 1.0)]):
+real_step = torch.optim.AdamW.step
+def no_fallback(*args, **kwargs):
+    raise AssertionError("a tensor lr went to torch's AdamW, not the kernel")
+# the last step's lr is a tensor, as a captured CUDA graph's step reads it: the kernel takes it
+for step, (lr, scale) in enumerate([(1e-2, None), (3e-3, 2.5), (5e-3, None), (5e-3, 1.0), (2e-3, None)]):
+    tensor_lr = step == 4
     grads = [torch.randn(s) for s in shapes]
     for w, r, g in zip(ours, ref, grads):
         if step == 2:  # the same gradient tensors as the step before, updated in place: the table is kept
@@ -33,10 +38,12 @@ for step, (lr, scale) in enumerate([(1e-2, None), (3e-3, 2.5), (5e-3, None), (5e
         r.grad = g / scale if scale else g.clone()
     for o in (opt, torch_opt):
         for g in o.param_groups:
-            g["lr"] = lr
+            g["lr"] = torch.tensor(lr) if (tensor_lr and o is opt) else lr
     if scale:
         opt.grad_scale = torch.tensor(scale)
+    torch.optim.AdamW.step = no_fallback if tensor_lr else real_step
     opt.step()
+    torch.optim.AdamW.step = real_step
     if scale:
         del opt.grad_scale
     torch_opt.step()
@@ -44,7 +51,9 @@ for step, (lr, scale) in enumerate([(1e-2, None), (3e-3, 2.5), (5e-3, None), (5e
         torch.testing.assert_close(w, r, rtol=2e-5, atol=2e-6)
         for k in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(opt.state[w][k].float(), torch_opt.state[r][k].float(), rtol=2e-5, atol=1e-7)
-assert opt.state[ours[0]]["step"].item() == 4.0
+assert opt.state[ours[0]]["step"].item() == 5.0
+for g in opt.param_groups:
+    g["lr"] = 5e-3
 # the checkpoint format is torch's: our state loads into torch's AdamW and steps on alike
 back = [w.clone() for w in ours]
 other = torch.optim.AdamW(groups(back), lr=5e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
