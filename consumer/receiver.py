@@ -760,10 +760,7 @@ class Receiver(threading.Thread):
         diff = mismatches(self.fingerprint, hello.fingerprint, skip=() if pinned else ("data",))
         if diff:
             return self._refuse(identity, where, "config mismatch: " + "; ".join(diff), "config_mismatch")
-        if (
-            messages.comparable(hello.data_content, self.data_content)
-            and hello.data_content != self.data_content
-        ):
+        if self.data_content and hello.data_content and hello.data_content != self.data_content:
             return self._refuse(identity, where, _other_content(hello.data_content, self.data_content),
                                 "config_mismatch")  # fmt: skip
         if not pinned:
@@ -900,12 +897,10 @@ class Receiver(threading.Thread):
 
 
 def _other_content(theirs: str, ours: str) -> str:
-    """The refusal of a producer whose corpus files match `data` (names and sizes) but not in content (or,
-    for remote objects, in the versions their store reports)."""
-    what = "objects' versions (ETags)" if ours.startswith(messages.VERSIONED) else "content"
+    """The refusal of a producer whose corpus files match `data` (names and sizes) but not in content."""
     return (
         f"config mismatch: data_content: the producer's corpus files have the same names and sizes but other "
-        f"{what} (producer has {_printable(theirs, 48)!r}, trainer has {ours!r}); serve the same files"
+        f"content (producer has {_printable(theirs, 40)!r}, trainer has {ours!r}); serve the same files"
     )
 
 

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 from lmpipe.consumer.config import TrainConfig, per_rank
 from lmpipe.options import ProduceOptions, ReportOptions
 from lmpipe.shared.config import PipelineConfig
-from lmpipe.shared.messages import VERSIONED, comparable
 from lmpipe.shared.settings import SettingsError
 
 if TYPE_CHECKING:
@@ -141,10 +140,9 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
     if not had or had == now:
         # the same names and sizes: the same contents, where the checkpoint says them ("": not checked)
         had_content, content = str(header.get("data_content") or ""), corpus.content_digest()
-        if had and comparable(had_content, content) and had_content != content:
-            what = "their versions in the store" if content.startswith(VERSIONED) else "their contents"
+        if had and had_content and content and had_content != content:
             raise SettingsError(
-                f"{path} was trained on --data files of the same names and sizes, but {what} changed "
+                f"{path} was trained on --data files of the same names and sizes, but their contents changed "
                 "since it was written: its cursors would not follow; resume with the files it was trained "
                 "on, or start a new run"
             )

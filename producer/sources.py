@@ -41,7 +41,6 @@ from lmpipe.producer.formats import DataFile
 from lmpipe.producer.shards import ShardSet, is_shard_dir
 from lmpipe.shared.config import MAX_LINE_BYTES, PipelineConfig
 from lmpipe.shared.files import local_path
-from lmpipe.shared.messages import VERSIONED
 
 log = logging.getLogger("lmpipe.producer")
 DRAIN_CHUNK = 1 << 20  # bytes read at a time while skipping an over-long line
@@ -505,23 +504,17 @@ class Corpus:
         """A short sha256 over each file's name, size and content digest (formats.DataFile.digest, taken when
         the file was found), in corpus order: what the hello's `data_content` says beside `data` (names and
         sizes), so that the trainer refuses a later producer whose files have the same names and sizes but
-        other content. Host-independent (base names, as `data`). A corpus of remote objects that all report
-        a version (an ETag, an MD5: remote.version) gets "version:" and a digest over those instead: a store
-        says which content an object has without a read, but not in terms a local file's hash can match, so
-        the trainer compares digests of one kind only (receiver.py). "" (not checked) for the built-in corpus
-        and shards (their `data` names their content), a corpus mixing local and remote files, and a file
-        with neither (unreadable, a store that reports no version)."""
-        if self.shards is not None or self.builtin or not self.paths:
-            return ""
-        local = all(p.digest is not None for p in self.paths)
-        if not local and not all(p.remote is not None and p.version for p in self.paths):
+        other content. Host-independent (base names, as `data`). "" (not checked) for the built-in corpus
+        and shards (their `data` names their content), and when a file has no digest (remote, unreadable):
+        a local file and its remote copy agree in `data`, and must not be refused here."""
+        if self.shards is not None or self.builtin or any(p.digest is None for p in self.paths):
             return ""
         h = hashlib.sha256()
         for p in self.paths:
             name = _printable_name(p.name).encode()
             h.update(len(name).to_bytes(4, "little") + name + p.size.to_bytes(8, "little"))
-            h.update(p.digest if local and p.digest else (p.version or "").encode())
-        return h.hexdigest()[:32] if local else f"{VERSIONED}{h.hexdigest()[:32]}"
+            h.update(p.digest or b"")
+        return h.hexdigest()[:32]
 
     # -- random access (built-in corpus, shards) -----------------------------------------------------
 

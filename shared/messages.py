@@ -39,17 +39,6 @@ HOLDER_SILENCE = 40.0
 STOP_GRACE = 60.0
 
 
-# A hello's data_content from remote objects' versions (an ETag, an MD5 their store reports), not from the
-# files' bytes: comparable with another of its kind only, so that a producer reading local files and one
-# reading their copy in a bucket never refuse each other (Corpus.content_digest, receiver.py)
-VERSIONED = "version:"
-
-
-def comparable(a: str, b: str) -> bool:
-    """Whether two data_content digests say something about each other: both given and of one kind."""
-    return bool(a and b) and a.startswith(VERSIONED) == b.startswith(VERSIONED)
-
-
 @dataclass
 class Hello:
     worker: int  # the producer's own number (--worker; -1: none), for logs only
@@ -66,9 +55,8 @@ class Hello:
     # stream this producer reads it with; the trainer keeps each shard's highest count (receiver.py)
     skipped: dict[str, int] = field(default_factory=dict)
     # a digest of the corpus files' names, sizes and contents (Corpus.content_digest) beside the fingerprint's
-    # `data` (names and sizes), or VERSIONED and one of remote objects' versions; "": none (the built-in
-    # corpus, shards, local and remote files mixed, or an older producer). Outside the fingerprint, which an
-    # older trainer compares key by key; an older trainer ignores it.
+    # `data` (names and sizes); "": none (the built-in corpus, shards, a remote file, or an older producer).
+    # Outside the fingerprint, which an older trainer compares key by key; an older trainer ignores it.
     data_content: str = ""
 
 

@@ -23,15 +23,7 @@ from lmpipe.producer import remote
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from tests.corpora import FORMATS, builtin_docs, token_lengths, write, write_finetune_corpus
-from tests.helpers import (
-    REPO,
-    assert_exactly_once,
-    free_ports,
-    lmpipe_env,
-    read_doc_log,
-    steps_logged,
-    wait_until,
-)
+from tests.helpers import REPO, assert_exactly_once, free_ports, lmpipe_env, read_doc_log
 
 BUCKET = "corpora"
 MIXED = ("jsonl.gz", "jsonl.zst", "parquet", "arrow-file")  # one file each in s3://corpora/mixed/, then hf/
@@ -326,65 +318,3 @@ def test_remote_shards_train_every_document_exactly_once(procs, s3, tmp_path, po
     out = json.loads(summary.read_text())
     assert out["stopped_by"] == "end of data" and out["rejected"] == 0
     assert_exactly_once(read_doc_log(log), token_lengths(_tok(), dict(enumerate(s3.docs["shards"]))))
-
-
-def _versioned_object(s3, name: str, body: bytes) -> str:
-    """Writes s3://corpora/versions/<name> (a new version of it, if it was there) and returns its URL."""
-    fs = remote.filesystem("s3")
-    fs.pipe(f"{BUCKET}/versions/{name}", body)
-    fs.invalidate_cache()  # the next listing asks the server, as a producer started later would
-    return f"s3://{BUCKET}/versions/{name}"
-
-
-def _one_byte_other(body: bytes) -> bytes:
-    changed = bytearray(body)
-    changed[len(changed) // 2] ^= 1
-    return bytes(changed)
-
-
-def test_a_remote_corpus_digest_follows_its_objects_versions(s3, tmp_path):
-    """A corpus of objects has a `data_content` from the versions its store reports (S3's ETag), so that a
-    rewritten object of the same name and size is told apart without reading it; it is never compared with
-    a local file's content digest (the same corpus read from disk and from its copy in a bucket)."""
-    from lmpipe.shared.messages import VERSIONED, comparable
-
-    body = b"".join(b"document %d of the corpus\n\n" % i for i in range(400))
-    url = _versioned_object(s3, "digest.txt", body)
-    first = Corpus([url]).content_digest()
-    assert first.startswith(VERSIONED) and first == Corpus([url]).content_digest()
-    _versioned_object(s3, "digest.txt", _one_byte_other(body))
-    second = Corpus([url]).content_digest()
-    assert second.startswith(VERSIONED) and second != first, "same name and size, another version"
-    assert Corpus([url]).fingerprint() == Corpus([url]).fingerprint()
-    local = tmp_path / "digest.txt"
-    local.write_bytes(body)
-    on_disk = Corpus([str(local)]).content_digest()
-    assert on_disk and not comparable(on_disk, first), "a local hash and an ETag say nothing of each other"
-    assert comparable(first, second) and comparable(on_disk, on_disk)
-    assert Corpus([str(local), url]).content_digest() == "", "local and remote mixed: not checked"
-
-
-@pytest.mark.slow
-def test_a_later_producer_reading_a_rewritten_object_is_refused(procs, s3, tmp_path, port):
-    """As a rewritten local file is (test_elastic.py): a producer that joins after the object it reads was
-    replaced by one of the same size is refused, naming the versions, and the run goes on."""
-    from lmpipe.producer import builtin_corpus
-
-    text = "\n\n".join(builtin_corpus.document(1, i) for i in range(300)).encode()
-    url = _versioned_object(s3, "corpus.txt", text)
-    env = {**lmpipe_env(), **s3.env()}
-    log = tmp_path / "docs.jsonl"
-    common = ["--port", str(port), "--epochs", "0", "--seq-len", "64", "--batch-size", "4", "--metrics-port",
-              "-1"]  # fmt: skip
-    t = procs.start("train", *common, "--producers", "1", "--shards", "4", "--steps", "0", "--threads", "1",
-                    "--doc-log", str(log), env=env, name="trainer")  # fmt: skip
-    p0 = procs.start("produce", *common, "--data", url, env=env, name="p0")
-    wait_until(lambda: steps_logged(log) >= 2, 90, "steps with the first producer")
-
-    _versioned_object(s3, "corpus.txt", _one_byte_other(text))
-    why = "the producer's corpus files have the same names and sizes but other objects' versions (ETags)"
-    late = procs.start("produce", *common, "--data", url, env=env, name="late")
-    assert procs.wait(late, 60) == 2, procs.log(late)[-3000:]
-    assert f"trainer refused this producer: config mismatch: data_content: {why}" in procs.log(late)
-    procs.wait_for(t, why)
-    assert t.poll() is None and p0.poll() is None, "a refused producer takes nothing down"
