@@ -84,18 +84,24 @@ def timed_parts(step: SyntheticSteps) -> Iterator[dict[str, float]]:
         (cublaslt, "gemm", names[5]),
     ]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
-    model = runner.model
+    model, opt = runner.model, runner.optimizer
+    own_step = vars(opt).get(
+        "step"
+    )  # an instance attribute of its own (a scheduler's wrapper), put back after
     try:
         for obj, attr, part in patches:
             setattr(obj, attr, timer(part, getattr(obj, attr)))
         runner.model = _TimedModule(model, timer(names[1], model))
-        runner.optimizer.step = timer(names[4], runner.optimizer.step)  # an instance attribute, deleted after
+        opt.step = timer(names[4], opt.step)
         yield spent
     finally:
         for obj, attr, fn in saved:
             setattr(obj, attr, fn)
         runner.model = model
-        del runner.optimizer.step
+        if own_step is not None:
+            opt.step = own_step
+        else:
+            vars(opt).pop("step", None)
 
 
 def gemm_call_cost(n: int, k: int, m: int, calls: int = 50) -> tuple[float, float] | None:
@@ -154,7 +160,9 @@ def main() -> None:
         for j in range(QUEUED):
             step(args.warmup + r * QUEUED + j)
             events[j + 1].record()
-        ahead.append(not torch.cuda.current_stream().query())  # all issued while the GPU still slept
+        ahead.append(
+            not events[0].query()
+        )  # all issued before the sleep ended (events[0] comes right after it)
         torch.cuda.synchronize()
         queued += [events[j].elapsed_time(events[j + 1]) for j in range(QUEUED)]
     with timed_parts(step) as spent:
