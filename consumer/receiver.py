@@ -237,6 +237,7 @@ class Receiver(threading.Thread):
         vocab_size: int,
         *,
         data_content: str = "",
+        data_versions: list[str] | None = None,
     ):
         super().__init__(name="lmpipe-receiver", daemon=True)
         self.cfg, self.slots, self.table = cfg, slots, table
@@ -246,6 +247,9 @@ class Receiver(threading.Thread):
         # the corpus files' contents (a hello's `data_content`): given (the trainer's --data, a resumed
         # checkpoint's header) or pinned by the first producer that sends one; "": none yet
         self.data_content = data_content
+        # remote objects' versions (a hello's `data_versions`), one pin per location (the objects' URLs): given
+        # (the trainer's --data, a resumed checkpoint's header) or pinned by the first producer reading them
+        self.data_versions = {messages.version_location(v): v for v in data_versions or []}
         self.ready: queue.Queue = queue.Queue()
         self.bound = threading.Event()
         self._error: BaseException | None = None
@@ -763,6 +767,16 @@ class Receiver(threading.Thread):
         if self.data_content and hello.data_content and hello.data_content != self.data_content:
             return self._refuse(identity, where, _other_content(hello.data_content, self.data_content),
                                 "config_mismatch")  # fmt: skip
+        where_versions = messages.version_location(hello.data_versions)
+        versions = self.data_versions.get(where_versions) if hello.data_versions else None
+        if versions and versions != hello.data_versions:
+            return self._refuse(
+                identity, where, _other_versions(hello.data_versions, versions), "config_mismatch"
+            )
+        if hello.data_versions and not versions:
+            self.data_versions[where_versions] = (
+                hello.data_versions
+            )  # the first producer reading these objects
         if not pinned:
             self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
         if not self.data_content:
@@ -901,6 +915,15 @@ def _other_content(theirs: str, ours: str) -> str:
     return (
         f"config mismatch: data_content: the producer's corpus files have the same names and sizes but other "
         f"content (producer has {_printable(theirs, 40)!r}, trainer has {ours!r}); serve the same files"
+    )
+
+
+def _other_versions(theirs: str, ours: str) -> str:
+    """The refusal of a producer reading the run's remote objects after one of them changed."""
+    return (
+        f"config mismatch: data_versions: the producer's corpus objects have the same names and sizes but other "
+        f"versions in their store (producer has {_printable(theirs, 60)!r}, trainer has {ours!r}): an object "
+        f"was rewritten since the run began; serve the objects it was trained on"
     )
 
 

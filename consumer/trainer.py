@@ -52,7 +52,10 @@ log = logging.getLogger("lmpipe.trainer")
 
 
 class Trainer:
-    def __init__(self, pcfg: PipelineConfig, tcfg: TrainConfig, *, data: str = "", data_content: str = ""):
+    def __init__(
+        self, pcfg: PipelineConfig, tcfg: TrainConfig, *, data: str = "", data_content: str = "",
+        data_versions: str = "",
+    ):  # fmt: skip
         """`data` and `data_content`: the corpus the producers must serve (Corpus.fingerprint and
         content_digest), where the user named it (lmpipe/launch.py); "": the first producer pins it. A resumed
         checkpoint's own "data" and "data_content" override them."""
@@ -102,6 +105,7 @@ class Trainer:
         self.slots = [HostSlot(pcfg.batch_size, pcfg.seq_len, dt, pin) for _ in range(n_slots)]
         self.fingerprint = fingerprint(pcfg, self.tok.hash, self.tok.vocab_size, data)
         self.data_content = data_content if data else ""  # the files' contents producers must serve; "": any
+        self.data_versions = [data_versions] if (data and data_versions) else []  # remote objects' versions
         self.checkpoints = (
             CheckpointManager(tcfg.checkpoint_dir, tcfg.keep_checkpoints) if tcfg.checkpoint_dir else None
         )
@@ -174,6 +178,8 @@ class Trainer:
             # the files' contents as pinned (receiver.py); "" (unchecked: built-in corpus, shards, remote files)
             # is left out, as checkpoints before it left it out
             **({"data_content": content} if (content := self._data_content()) else {}),
+            # remote objects' versions as pinned, one per location; left out where none (older checkpoints)
+            **({"data_versions": versions} if (versions := self._data_versions()) else {}),
         }
         path = self.checkpoints.save(self.step, header, state)
         self.metrics.checkpoints.inc()
@@ -225,9 +231,12 @@ class Trainer:
         if ck.header.get("data"):
             if ck.header["data"] != self.fingerprint.get("data"):
                 self.data_content = ""  # the given corpus's contents are not the checkpoint's corpus's
+                self.data_versions = []
             self.fingerprint["data"] = ck.header["data"]  # producers must serve the same corpus
             if ck.header.get("data_content"):  # and the same contents (older checkpoints lack it)
                 self.data_content = str(ck.header["data_content"])
+            if isinstance(ck.header.get("data_versions"), list):  # and the same remote objects' versions
+                self.data_versions = [str(v) for v in ck.header["data_versions"]]
         cursors = ", ".join(f"s{w.worker}@seq{w.last_seq}" for w in self.table.workers)
         log.info("resumed from %s: step %d, shard cursors %s", ck.path, self.step, cursors)
         self.metrics.global_step.set(self.step)
@@ -236,6 +245,10 @@ class Trainer:
     def _data_content(self) -> str:
         receiver = getattr(self, "receiver", None)  # pins it from the first producer that says it
         return receiver.data_content if receiver is not None else self.data_content
+
+    def _data_versions(self) -> list[str]:
+        receiver = getattr(self, "receiver", None)
+        return sorted(receiver.data_versions.values()) if receiver is not None else list(self.data_versions)
 
     def request_stop(self, reason: str = "signal") -> None:
         self._stop_reason = reason
@@ -256,6 +269,7 @@ class Trainer:
             self.session,
             self.tok.vocab_size,
             data_content=self.data_content,
+            data_versions=self.data_versions,
         )
         self.receiver.start()
         self.receiver.bound.wait()

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from lmpipe.consumer.config import TrainConfig, per_rank
 from lmpipe.options import ProduceOptions, ReportOptions
 from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.messages import version_location
 from lmpipe.shared.settings import SettingsError
 
 if TYPE_CHECKING:
@@ -140,9 +141,17 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
     if not had or had == now:
         # the same names and sizes: the same contents, where the checkpoint says them ("": not checked)
         had_content, content = str(header.get("data_content") or ""), corpus.content_digest()
-        if had and had_content and content and had_content != content:
+        had_versions = header.get("data_versions")
+        versions = corpus.version_digest()
+        pinned = (
+            {version_location(str(v)): str(v) for v in had_versions} if isinstance(had_versions, list) else {}
+        )
+        other_content = bool(had_content and content and had_content != content)
+        other_versions = bool(versions) and pinned.get(version_location(versions), versions) != versions
+        if had and (other_content or other_versions):
+            what = "their contents" if other_content else "their versions in the store"
             raise SettingsError(
-                f"{path} was trained on --data files of the same names and sizes, but their contents changed "
+                f"{path} was trained on --data files of the same names and sizes, but {what} changed "
                 "since it was written: its cursors would not follow; resume with the files it was trained "
                 "on, or start a new run"
             )
@@ -394,7 +403,9 @@ def train(
         raise SettingsError(
             f"--vocab-size {tcfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size}"
         )
-    data = data_content = ""  # the corpus producers must serve; "": the first producer's (`train` alone)
+    data = data_content = data_versions = (
+        ""  # the corpus producers must serve; "": the first producer's (`train` alone)
+    )
     if local_producers or cfg.data:  # `lmpipe train --data X` trains on X, not on what a producer serves
         try:
             corpus = check_corpus(cfg, tok)
@@ -407,7 +418,11 @@ def train(
             ) from None
         if tcfg.resume:
             check_resume_corpus(corpus, tcfg)
-        data, data_content = corpus.fingerprint(), corpus.content_digest()
+        data, data_content, data_versions = (
+            corpus.fingerprint(),
+            corpus.content_digest(),
+            corpus.version_digest(),
+        )
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     if tcfg.checkpoint_dir and (Path(tcfg.checkpoint_dir) / "header.json").is_file():
@@ -433,7 +448,7 @@ def train(
         from lmpipe.consumer.report import print_status
         from lmpipe.consumer.trainer import Trainer
 
-        trainer = Trainer(cfg, tcfg, data=data, data_content=data_content)
+        trainer = Trainer(cfg, tcfg, data=data, data_content=data_content, data_versions=data_versions)
     except BaseException:
         for p in procs:
             p.kill()

@@ -59,7 +59,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from lmpipe.producer.remote import BLOCK, MissingExtra, RangeReader, Remote, RemoteError
+from lmpipe.producer.remote import BLOCK, MissingExtra, RangeReader, Remote, RemoteError, version
 from lmpipe.producer.shards import is_shard_dir
 from lmpipe.shared.files import local_path
 
@@ -113,6 +113,8 @@ class DataFile:
     same_content: set[tuple[int, int, int, int]] = field(default_factory=set, repr=False)
     # a local file given as a file:// URL: that URL, as messages and record ids name it (path: its local path)
     given: str | None = None
+    # a remote object's version as its store reports it (remote.version: an ETag, an MD5), None if none
+    version: str | None = None
 
     def __str__(self) -> str:
         return self.given or self.path
@@ -446,21 +448,23 @@ def _resolve_remote(url: str) -> list[DataFile]:
     r = Remote(url)
     url = url.rstrip("/")
 
-    def remote_file(u: str, size: int) -> DataFile:
+    def remote_file(u: str, size: int, ver: str | None) -> DataFile:
         fmt, compression = _classify(u.rsplit("/", 1)[-1], size, lambda a, b: r.read(u, a, b))
-        return DataFile(u, fmt, compression, size, r)
+        return DataFile(u, fmt, compression, size, r, version=ver)
 
     if any(c in url.split("://", 1)[1] for c in "*?["):
-        return [remote_file(u, size) for u, size in r.glob(url)]
+        return [remote_file(u, size, ver) for u, size, ver in r.glob(url)]
     info = r.info(url)  # a missing bucket or key: FileNotFoundError naming the URL
     if info["type"] != "directory":
-        return [remote_file(url, int(info.get("size") or 0))]
+        return [remote_file(url, int(info.get("size") or 0), version(info))]
     entries = r.ls(url)
-    by_name = {u.rsplit("/", 1)[-1]: (u, size) for u, size, kind in entries if kind == "file"}
+    by_name = {u.rsplit("/", 1)[-1]: (u, size, ver) for u, size, kind, ver in entries if kind == "file"}
     hf = _hf_dataset(url, set(by_name), lambda name: r.read_all(by_name[name][0]).decode())
     if hf is not None:
         return [remote_file(*by_name[name]) for name in hf]
-    return [remote_file(u, size) for name, (u, size) in sorted(by_name.items()) if read_from_dir(name)]
+    return [
+        remote_file(u, size, ver) for name, (u, size, ver) in sorted(by_name.items()) if read_from_dir(name)
+    ]
 
 
 def _hf_dataset(where: str, names: set[str], read) -> list[str] | None:

@@ -112,6 +112,7 @@ class Producer:
             m.labels(cfg.strategy)
         self.fingerprint = fingerprint(cfg, self.tok.hash, self.tok.vocab_size, self.corpus.fingerprint())
         self.data_content = self.corpus.content_digest()  # the files' contents as found (hello, receiver.py)
+        self.data_versions = self.corpus.version_digest()  # or the remote objects' versions
         self.session = ""
         check_connect(cfg.host, cfg.trusted_network, cfg.curve_dir)
         self.endpoints = endpoints(cfg)  # creates and checks the runtime directory (ValueError if unsafe)
@@ -198,6 +199,7 @@ class Producer:
                 wire=WIRE_VERSION,
                 skipped=self._skipped_counts() if skipped is None else skipped,
                 data_content=self.data_content,
+                data_versions=self.data_versions,
             )
         )
 

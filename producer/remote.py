@@ -193,6 +193,20 @@ def filesystem(proto: str) -> Any:
 os.register_at_fork(after_in_child=filesystem.cache_clear)
 
 
+# what a store says identifies an object's content, best first: GCS's MD5 (its etag also moves when only
+# metadata changes), S3's and HTTP's ETag (an MD5 of the content for single-part uploads), an HTTP server's
+# digest headers, GCS's generation
+VERSION_KEYS = ("md5Hash", "ETag", "etag", "Content-MD5", "Digest", "generation")
+
+
+def version(info: dict[str, Any]) -> str | None:
+    """The object's version as its store reports it (VERSION_KEYS), or None if it reports none."""
+    for key in VERSION_KEYS:
+        if info.get(key):
+            return f"{key}={str(info[key]).strip(chr(34))}"
+    return None
+
+
 class Remote:
     """One URL's filesystem, with every call retried; paths given and returned are full URLs."""
 
@@ -209,14 +223,22 @@ class Remote:
     def info(self, url: str) -> dict[str, Any]:
         return retry(url, lambda: self.fs.info(self.key(url)))
 
-    def ls(self, url: str) -> list[tuple[str, int, str]]:
-        """(url, size, type) of the entries directly under a directory URL, sorted by name."""
+    def ls(self, url: str) -> list[tuple[str, int, str, str | None]]:
+        """(url, size, type, version) of the entries directly under a directory URL, sorted by name."""
         entries = retry(url, lambda: self.fs.ls(self.key(url), detail=True))
-        return sorted((self.url(e["name"]), int(e.get("size") or 0), e["type"]) for e in entries)
+        return sorted(
+            ((self.url(e["name"]), int(e.get("size") or 0), e["type"], version(e)) for e in entries),
+            key=lambda e: e[0],
+        )
 
-    def glob(self, pattern: str) -> list[tuple[str, int]]:
+    def glob(self, pattern: str) -> list[tuple[str, int, str | None]]:
+        """(url, size, version) of the files a glob pattern matches, sorted."""
         found = retry(pattern, lambda: self.fs.glob(self.key(pattern), detail=True))
-        return sorted((self.url(k), int(v.get("size") or 0)) for k, v in found.items() if v["type"] == "file")
+        return sorted(
+            (self.url(k), int(v.get("size") or 0), version(v))
+            for k, v in found.items()
+            if v["type"] == "file"
+        )
 
     def read(self, url: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of an object."""

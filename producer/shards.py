@@ -431,7 +431,7 @@ class _RemoteShards:
         shards.meta, self.dtype = _load_meta(remote.read_all(meta_url), meta_url)
         m = shards.meta
         self.vocab_size = int(m["vocab_size"])
-        sizes = {u.rsplit("/", 1)[-1]: size for u, size, _ in remote.ls(base)}
+        sizes = {u.rsplit("/", 1)[-1]: size for u, size, _, _ in remote.ls(base)}
         self.token_urls: list[str] = []
         self.mask_urls: list[str | None] = []
         offsets, rids = [], []

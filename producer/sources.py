@@ -516,6 +516,24 @@ class Corpus:
             h.update(p.digest or b"")
         return h.hexdigest()[:32]
 
+    def version_digest(self) -> str:
+        """For a corpus of remote objects that all report a version (remote.version: an MD5, an ETag),
+        "<location>:<digest>": the location a short sha256 of the objects' URLs, the digest one of their URLs,
+        sizes and versions, in corpus order. What the hello's `data_versions` says, so that the trainer
+        refuses a later producer reading the same objects after one was rewritten (same name, same size),
+        without reading them. Only the same objects are compared: a copy in another bucket may carry other
+        ETags for the same bytes (a multipart upload), and a local file's content digest is no version.
+        "": local files, local and remote mixed, shards, or a store that reports no version."""
+        if self.shards is not None or self.builtin or not self.paths:
+            return ""
+        if not all(p.remote is not None and p.version for p in self.paths):
+            return ""
+        where = hashlib.sha256("\n".join(str(p) for p in self.paths).encode()).hexdigest()[:16]
+        h = hashlib.sha256()
+        for p in self.paths:
+            h.update(f"{p}\n{p.size}\n{p.version}\n".encode())
+        return f"{where}:{h.hexdigest()[:32]}"
+
     # -- random access (built-in corpus, shards) -----------------------------------------------------
 
     def owned(self, worker: int, num_workers: int) -> np.ndarray:

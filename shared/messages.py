@@ -39,6 +39,11 @@ HOLDER_SILENCE = 40.0
 STOP_GRACE = 60.0
 
 
+def version_location(data_versions: str) -> str:
+    """Which objects a hello's data_versions speaks of (its part before the colon)."""
+    return data_versions.partition(":")[0]
+
+
 @dataclass
 class Hello:
     worker: int  # the producer's own number (--worker; -1: none), for logs only
@@ -58,6 +63,11 @@ class Hello:
     # `data` (names and sizes); "": none (the built-in corpus, shards, a remote file, or an older producer).
     # Outside the fingerprint, which an older trainer compares key by key; an older trainer ignores it.
     data_content: str = ""
+    # remote objects' versions (Corpus.version_digest): "<location>:<digest>", the location a digest of the
+    # objects' URLs, so that only producers reading the very same objects are compared (a copy in another
+    # bucket may carry other ETags for the same bytes); "": none (local files, local and remote mixed, a
+    # store that reports no version, an older producer). An older trainer ignores it.
+    data_versions: str = ""
 
 
 @dataclass

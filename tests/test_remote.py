@@ -23,7 +23,15 @@ from lmpipe.producer import remote
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from tests.corpora import FORMATS, builtin_docs, token_lengths, write, write_finetune_corpus
-from tests.helpers import REPO, assert_exactly_once, free_ports, lmpipe_env, read_doc_log
+from tests.helpers import (
+    REPO,
+    assert_exactly_once,
+    free_ports,
+    lmpipe_env,
+    read_doc_log,
+    steps_logged,
+    wait_until,
+)
 
 BUCKET = "corpora"
 MIXED = ("jsonl.gz", "jsonl.zst", "parquet", "arrow-file")  # one file each in s3://corpora/mixed/, then hf/
@@ -318,3 +326,104 @@ def test_remote_shards_train_every_document_exactly_once(procs, s3, tmp_path, po
     out = json.loads(summary.read_text())
     assert out["stopped_by"] == "end of data" and out["rejected"] == 0
     assert_exactly_once(read_doc_log(log), token_lengths(_tok(), dict(enumerate(s3.docs["shards"]))))
+
+
+def _versioned_object(name: str, body: bytes, bucket: str = BUCKET) -> str:
+    """Writes s3://<bucket>/versions/<name> (a new version of it, if it was there) and returns its URL."""
+    fs = remote.filesystem("s3")
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    fs.pipe(f"{bucket}/versions/{name}", body)
+    fs.invalidate_cache()  # the next listing asks the server, as a producer started later would
+    return f"s3://{bucket}/versions/{name}"
+
+
+def _one_byte_other(body: bytes) -> bytes:
+    changed = bytearray(body)
+    changed[len(changed) // 2] ^= 1
+    return bytes(changed)
+
+
+def test_a_remote_corpus_names_its_objects_versions(s3, tmp_path):
+    """A corpus of objects has a `data_versions` from the versions its store reports (S3's ETag), scoped to
+    those objects' URLs: a rewritten object of the same name and size is told apart without reading it, and
+    a copy in another bucket is another location, never compared (its ETag may differ for the same bytes)."""
+    from lmpipe.shared.messages import version_location
+
+    body = b"".join(b"document %d of the corpus\n\n" % i for i in range(400))
+    url = _versioned_object("digest.txt", body)
+    first = Corpus([url]).version_digest()
+    assert first and first == Corpus([url]).version_digest()
+    _versioned_object("digest.txt", _one_byte_other(body))
+    second = Corpus([url]).version_digest()
+    assert second != first and version_location(second) == version_location(first), "same objects, rewritten"
+    copy = Corpus([_versioned_object("digest.txt", body, bucket="copies")]).version_digest()
+    assert version_location(copy) != version_location(first), "another bucket: other objects"
+    local = tmp_path / "digest.txt"
+    local.write_bytes(body)
+    assert Corpus([str(local)]).version_digest() == "" and Corpus([str(local)]).content_digest()
+    assert Corpus([str(local), url]).version_digest() == "", "local and remote mixed: not checked"
+    assert Corpus([url]).content_digest() == "", "a store's version is not a content digest"
+
+
+@pytest.mark.slow
+def test_rewritten_objects_and_rewritten_files_are_both_refused_in_one_run(procs, s3, tmp_path, port):
+    """The trainer's --data is a bucket object (its version pinned); producers read it there or from a local
+    copy. After the object is rewritten with the same size, a producer reading it is refused, naming the
+    versions; a local copy whose bytes differ from the first local producer's is still refused by content;
+    the trainer and the accepted producers go on."""
+    from lmpipe.producer import builtin_corpus
+
+    text = "\n\n".join(builtin_corpus.document(1, i) for i in range(300)).encode()
+    url = _versioned_object("corpus.txt", text)
+    same, other = tmp_path / "same", tmp_path / "other"
+    for d, body in ((same, text), (other, _one_byte_other(text))):
+        d.mkdir()
+        (d / "corpus.txt").write_bytes(body)
+    env = {**lmpipe_env(), **s3.env()}
+    log = tmp_path / "docs.jsonl"
+    common = ["--port", str(port), "--epochs", "0", "--seq-len", "64", "--batch-size", "4", "--metrics-port",
+              "-1"]  # fmt: skip
+    t = procs.start("train", *common, "--data", url, "--producers", "1", "--shards", "4", "--steps", "0",
+                    "--threads", "1", "--doc-log", str(log), env=env, name="trainer")  # fmt: skip
+    p0 = procs.start("produce", *common, "--data", url, env=env, name="p0")
+    wait_until(lambda: steps_logged(log) >= 2, 90, "steps with the first producer")
+    p1 = procs.start("produce", *common, "--data", str(same / "corpus.txt"), env=env, name="local")
+    wait_until(lambda: procs.log(t).count("joined from") >= 2, 60, "the producer of the local copy joins")
+
+    _versioned_object("corpus.txt", _one_byte_other(text))
+    versions = "data_versions: the producer's corpus objects have the same names and sizes but other versions"
+    late = procs.start("produce", *common, "--data", url, env=env, name="late")
+    assert procs.wait(late, 60) == 2, procs.log(late)[-3000:]
+    assert f"trainer refused this producer: config mismatch: {versions}" in procs.log(late)
+    content = "data_content: the producer's corpus files have the same names and sizes but other content"
+    bad = procs.start("produce", *common, "--data", str(other / "corpus.txt"), env=env, name="bad")
+    assert procs.wait(bad, 60) == 2, procs.log(bad)[-3000:]
+    assert f"trainer refused this producer: config mismatch: {content}" in procs.log(bad)
+    assert t.poll() is None and p0.poll() is None and p1.poll() is None, "refused producers take nothing down"
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_bucket_object_rewritten_since_the_checkpoint(procs, s3, tmp_path, port):
+    """The checkpoint keeps the remote objects' versions beside `data`: after a same-size rewrite of the
+    object, a resume says so in one line, where before it resumed onto other document boundaries."""
+    import json
+
+    from lmpipe.consumer.checkpoint import CheckpointManager
+    from lmpipe.producer import builtin_corpus
+
+    text = "\n".join(builtin_corpus.document(2, i).replace("\n", " ") for i in range(200)).encode()
+    url, ck = _versioned_object("resume.txt", text), tmp_path / "ck"
+    env = {**lmpipe_env(), **s3.env()}
+    base = ["--port", str(port), "--doc-split", "line", "--seq-len", "64", "--batch-size", "4", "--metrics-port",
+            "-1", "--producers", "1", "--threads", "1", "--checkpoint-dir", str(ck), "--data", url]  # fmt: skip
+    r = procs.start("run", *base, "--steps", "3", env=env, name="make")
+    assert procs.wait(r, timeout=120) == 0, procs.log(r)
+    header = json.loads((CheckpointManager(ck).latest() / "header.json").read_text())
+    assert [v.partition(":")[0] for v in header["data_versions"]] == [Corpus([url]).version_digest()[:16]]
+    _versioned_object("resume.txt", _one_byte_other(text))
+    p = procs.start("run", *base, "--steps", "6", "--resume", "auto", env=env, name="changed")
+    assert procs.wait(p, timeout=60) == 2, procs.log(p)
+    last = [line for line in procs.log(p).splitlines() if line.strip()][-1]
+    assert "their versions in the store changed since it was written" in last, procs.log(p)[-2000:]
+    assert "Traceback" not in procs.log(p)
