@@ -236,7 +236,10 @@ class Trainer:
             if ck.header.get("data_content"):  # and the same contents (older checkpoints lack it)
                 self.data_content = str(ck.header["data_content"])
             if isinstance(ck.header.get("data_versions"), list):  # and the same remote objects' versions
-                self.data_versions = [str(v) for v in ck.header["data_versions"]]
+                # beside --data's own (another location: lmpipe/launch.py refused a changed one already)
+                self.data_versions = list(
+                    dict.fromkeys(self.data_versions + [str(v) for v in ck.header["data_versions"]])
+                )
         cursors = ", ".join(f"s{w.worker}@seq{w.last_seq}" for w in self.table.workers)
         log.info("resumed from %s: step %d, shard cursors %s", ck.path, self.step, cursors)
         self.metrics.global_step.set(self.step)

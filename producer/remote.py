@@ -193,10 +193,10 @@ def filesystem(proto: str) -> Any:
 os.register_at_fork(after_in_child=filesystem.cache_clear)
 
 
-# what a store says identifies an object's content, best first: GCS's MD5 (its etag also moves when only
-# metadata changes), S3's and HTTP's ETag (an MD5 of the content for single-part uploads), an HTTP server's
-# digest headers, GCS's generation
-VERSION_KEYS = ("md5Hash", "ETag", "etag", "Content-MD5", "Digest", "generation")
+# what a store says identifies an object's content, best first: GCS's MD5, or its CRC32C and generation
+# for composite objects, which have no MD5 (GCS's etag also moves when only metadata changes), S3's and
+# HTTP's ETag (an MD5 of the content for single-part uploads), an HTTP server's digest headers
+VERSION_KEYS = ("md5Hash", "crc32c", "generation", "ETag", "etag", "Content-MD5", "Digest")
 
 
 def version(info: dict[str, Any]) -> str | None:

@@ -528,10 +528,12 @@ class Corpus:
             return ""
         if not all(p.remote is not None and p.version for p in self.paths):
             return ""
-        where = hashlib.sha256("\n".join(str(p) for p in self.paths).encode()).hexdigest()[:16]
+        # each URL as its filesystem spells it (s3a://b/k and a folder's s3://b/k are one object)
+        urls = [p.remote.url(p.remote.key(p.path)) for p in self.paths if p.remote is not None]
+        where = hashlib.sha256("\n".join(urls).encode()).hexdigest()[:16]
         h = hashlib.sha256()
-        for p in self.paths:
-            h.update(f"{p}\n{p.size}\n{p.version}\n".encode())
+        for url, p in zip(urls, self.paths):
+            h.update(f"{url}\n{p.size}\n{p.version}\n".encode())
         return f"{where}:{h.hexdigest()[:32]}"
 
     # -- random access (built-in corpus, shards) -----------------------------------------------------

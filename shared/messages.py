@@ -15,6 +15,7 @@ trainer does with a message can trip over a value it did not expect.
 
 from __future__ import annotations
 
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, cast
 
@@ -37,6 +38,10 @@ HOLDER_SILENCE = 40.0
 # waiting for a trainer forever. A producer gone silent costs no more than before: the ZMTP heartbeat closes
 # its connection 30-32 s after it fell silent, which counts as its bye.
 STOP_GRACE = 60.0
+
+
+# Corpus.version_digest's shape: what a hello may say there (the receiver pins each location it names)
+VERSIONS_SHAPE = re.compile(r"[0-9a-f]{16}:[0-9a-f]{32}")
 
 
 def version_location(data_versions: str) -> str:
@@ -179,6 +184,13 @@ def unpack(raw: bytes | memoryview) -> Any:
         raise WireError("bad_control", f"{name} names an impossible number of shards")
     if cls is Welcome and not 0 <= cast(int, kwargs["worker"]) < total:
         raise WireError("bad_control", f"welcome.worker {kwargs['worker']} is not one of its shards")
+    if (
+        cls is Hello
+        and kwargs.get("data_versions")
+        and not VERSIONS_SHAPE.fullmatch(cast(str, kwargs["data_versions"]))
+    ):
+        shown = cast(str, kwargs["data_versions"])[:60]
+        raise WireError("bad_control", f"hello.data_versions {shown!r} is not a versions digest")
     if cls is Welcome and "cursor" in kwargs:
         cursor = cast(dict, kwargs["cursor"])
         if any(cursor.get(k, -1) < 0 for k in CURSOR_KEYS):

@@ -364,6 +364,24 @@ def test_a_remote_corpus_names_its_objects_versions(s3, tmp_path):
     assert Corpus([str(local)]).version_digest() == "" and Corpus([str(local)]).content_digest()
     assert Corpus([str(local), url]).version_digest() == "", "local and remote mixed: not checked"
     assert Corpus([url]).content_digest() == "", "a store's version is not a content digest"
+    # one object reached as a single URL (another spelling of the protocol), a folder, a glob: one location
+    one = _versioned_object("a.txt", body, bucket="spelled")
+    spellings = [one.replace("s3://", "s3a://"), "s3://spelled/versions/", "s3://spelled/versions/*.txt", one]
+    assert len({Corpus([u]).version_digest() for u in spellings}) == 1
+
+
+def test_a_version_is_what_the_store_says_of_the_content_not_its_metadata():
+    """GCS's etag moves with a metadata-only update; a composite object has no MD5, only a CRC32C and its
+    generation, which move with the content alone. S3's ETag is what S3 has."""
+    composite = {"etag": "CJCm2Jf7hPkCEAE=", "generation": "1700000000000000", "crc32c": "yZRlqg=="}
+    after_setmeta = {**composite, "etag": "CJCm2Jf7hPkCEAI="}
+    assert remote.version(composite) == remote.version(after_setmeta) == "crc32c=yZRlqg=="
+    assert remote.version({"md5Hash": "abc", **composite}) == "md5Hash=abc"
+    assert (
+        remote.version({"ETag": '"9b2cf535f27731c974343645a3985328"'})
+        == "ETag=9b2cf535f27731c974343645a3985328"
+    )
+    assert remote.version({"size": 3}) is None
 
 
 @pytest.mark.slow

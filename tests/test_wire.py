@@ -190,3 +190,17 @@ def test_control_messages_round_trip_and_reject_garbage():
     ]:
         with pytest.raises(WireError, match=match):
             messages.unpack(raw)
+
+
+def test_a_hello_names_remote_versions_only_in_their_digest_shape():
+    """The receiver pins every location a hello's data_versions names: anything but Corpus.version_digest's
+    shape is a bad hello, refused as one, not a pin (a pin stays for the run and goes into checkpoints)."""
+    from lmpipe.shared import messages
+
+    good = "0123456789abcdef:" + "0" * 32
+    hello = messages.unpack(messages.pack(messages.Hello(worker=0, fingerprint={}, data_versions=good)))
+    assert hello.data_versions == good
+    assert messages.unpack(messages.pack(messages.Hello(worker=0, fingerprint={}))).data_versions == ""
+    for bad in ("junk", good + "0", good.upper(), "x" * 10_000, ":" + "0" * 32):
+        with pytest.raises(WireError, match="is not a versions digest"):
+            messages.unpack(messages.pack(messages.Hello(worker=0, fingerprint={}, data_versions=bad)))
