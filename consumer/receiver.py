@@ -773,10 +773,8 @@ class Receiver(threading.Thread):
             return self._refuse(
                 identity, where, _other_versions(hello.data_versions, versions), "config_mismatch"
             )
-        if hello.data_versions and not versions:
-            self.data_versions[where_versions] = (
-                hello.data_versions
-            )  # the first producer reading these objects
+        if hello.data_versions and not versions:  # the first producer reading these objects pins them
+            self.data_versions[where_versions] = hello.data_versions
         if not pinned:
             self.fingerprint["data"] = hello.fingerprint.get("data", "")  # the first producer pins the corpus
         if not self.data_content:

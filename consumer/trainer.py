@@ -56,9 +56,10 @@ class Trainer:
         self, pcfg: PipelineConfig, tcfg: TrainConfig, *, data: str = "", data_content: str = "",
         data_versions: str = "",
     ):  # fmt: skip
-        """`data` and `data_content`: the corpus the producers must serve (Corpus.fingerprint and
-        content_digest), where the user named it (lmpipe/launch.py); "": the first producer pins it. A resumed
-        checkpoint's own "data" and "data_content" override them."""
+        """`data`, `data_content` and `data_versions`: the corpus the producers must serve (Corpus.fingerprint,
+        content_digest and version_digest), where the user named it (lmpipe/launch.py); "": the first producer
+        pins it. A resumed checkpoint's own "data" and "data_content" override them; its "data_versions" join
+        them."""
         check_bind(pcfg.host, pcfg.trusted_network, pcfg.curve_dir)
         self.dist = from_env(tcfg.device)
         if self.dist.enabled:
