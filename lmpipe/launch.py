@@ -403,9 +403,8 @@ def train(
         raise SettingsError(
             f"--vocab-size {tcfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size}"
         )
-    data = data_content = data_versions = (
-        ""  # the corpus producers must serve; "": the first producer's (`train` alone)
-    )
+    # the corpus producers must serve; "": the first producer's (`train` alone)
+    data = data_content = data_versions = ""
     if local_producers or cfg.data:  # `lmpipe train --data X` trains on X, not on what a producer serves
         try:
             corpus = check_corpus(cfg, tok)
@@ -418,11 +417,8 @@ def train(
             ) from None
         if tcfg.resume:
             check_resume_corpus(corpus, tcfg)
-        data, data_content, data_versions = (
-            corpus.fingerprint(),
-            corpus.content_digest(),
-            corpus.version_digest(),
-        )
+        data, data_content = corpus.fingerprint(), corpus.content_digest()
+        data_versions = corpus.version_digest()
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     if tcfg.checkpoint_dir and (Path(tcfg.checkpoint_dir) / "header.json").is_file():
