@@ -18,7 +18,7 @@ from lmpipe.consumer.flash import unavailable as flash_unavailable
 from lmpipe.consumer.mlp_kernel import unavailable as gelu_epilogue_unavailable
 from lmpipe.consumer.model import GPT, MLP, CausalSelfAttention, fused_linear_cross_entropy, preset
 from lmpipe.consumer.scaler import LossScaler, make_scaler
-from lmpipe.consumer.step import StepRunner, make_optimizer, to_float8
+from lmpipe.consumer.step import StepRunner, make_optimizer, step_graph_problem, to_float8
 from lmpipe.shared.config import PipelineConfig
 
 log = logging.getLogger("lmpipe.trainer")
@@ -147,4 +147,6 @@ def build(
             compiled = torch.compile(step_model, dynamic=False, mode=mode)
         step_model = cast(torch.nn.Module, compiled)
     runner = StepRunner(step_model, optimizer, tcfg, autocast_dtype, scaler, no_sync=no_sync)
+    if tcfg.step_graph and (why := step_graph_problem(runner)):
+        log.warning("--step-graph: the step runs eagerly: %s", why)
     return Built(model, optimizer, scaler, step_model, runner)

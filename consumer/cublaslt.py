@@ -6,6 +6,13 @@ best algorithm timed, an H100) and weight gradient (3.37 against 3.28 ms), nor f
 GEMM (7% slower), and torch exposes no epilogues at all (bench/results/head-h100-2026-11-27.md,
 gelu-epilogue-h100-2026-11-27.md). nvmath plans a GEMM once per shape and can time cuBLASLt's candidates
 (autotune); the plans are kept here.
+
+Each call after the first goes straight to cuBLASLt's matmul through nvmath's binding, with the plan's
+descriptors and best algorithm, a workspace from torch's allocator and the outputs made by torch:
+`Matmul.execute()` costs about 300 us of host time a call (a CUDA event created and recorded, stream and
+tensor wrappers, its own workspace), 26 calls a GPT-2 124M step, and at 16 rows the step is host-bound
+(bench/results/host-h100-2026-11-27.md). The plan's descriptors are nvmath's attributes, not its API: a
+version without them takes `execute()`, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +31,13 @@ _nvmath_log.setLevel(logging.WARNING)
 AUTOTUNED_SHAPES = 16
 
 _plans: dict[tuple, Any] = {}  # nvmath Matmul objects
+_workspaces: dict[torch.device, torch.Tensor] = {}  # one a device: every call is ordered on its stream
+DIRECT = True  # False: every call through Matmul.execute() (bench.host compares the two)
+
+# the planned Matmul's attributes the direct call reads (nvmath-python 1.0)
+_DIRECT_NEEDS = ("handle", "mm_desc", "mm_desc_ifc", "alpha", "beta", "a_layout_ptr", "b_layout_ptr",
+                 "c_layout_ptr", "d_layout_ptr", "cached_best_algorithm_struct", "workspace", "result_traits",
+                 "d_dtype_name", "epilog_output_handlers", "epilog_input_name_to_handler", "num_operands")  # fmt: skip
 
 
 @functools.cache
@@ -53,8 +67,49 @@ def gemm(a: torch.Tensor, b: torch.Tensor, epilog=None, aux: torch.Tensor | None
         if len(_plans) < AUTOTUNED_SHAPES:
             mm.autotune(iterations=5, stream=stream)
         _plans[key] = mm
+    elif DIRECT and _direct_ok(mm):
+        return _direct(mm, a, b, inputs, stream)
     else:
         mm.reset_operands_unchecked(a=a, b=b, epilog_inputs=inputs, stream=stream)
     out = mm.execute(stream=stream)
     mm.release_operands()  # keep no activation alive between calls
     return out
+
+
+def _direct_ok(mm) -> bool:
+    """Whether this planned Matmul has what the direct call reads (a plain 2-operand GEMM)."""
+    return all(hasattr(mm, name) for name in _DIRECT_NEEDS) and mm.num_operands == 2
+
+
+def _workspace(device: torch.device, size: int) -> torch.Tensor:
+    ws = _workspaces.get(device)
+    if ws is None or ws.numel() < size:
+        # a bigger one replaces it; the old one's memory is reused only after the calls queued on it
+        ws = _workspaces[device] = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+    return ws
+
+
+def _direct(mm, a: torch.Tensor, b: torch.Tensor, inputs: dict[str, torch.Tensor] | None, stream):
+    """mm's GEMM on a and b (the shapes and strides it was planned for), as execute() runs it."""
+    from nvmath.bindings import cublasLt
+
+    traits = mm.result_traits
+    out = torch.empty_strided(traits.result_shape, traits.result_strides, dtype=getattr(torch, mm.d_dtype_name),
+                              device=a.device)  # fmt: skip
+    made = {}
+    for handler in mm.epilog_output_handlers:
+        shape, strides, dtype_name = handler.attributes()
+        made[handler.name] = t = torch.empty_strided(
+            shape, strides, dtype=getattr(torch, dtype_name), device=a.device
+        )
+        handler.update_pointer(mm.mm_desc_ifc, t.data_ptr())
+    for name, t in (inputs or {}).items():
+        mm.epilog_input_name_to_handler[name].update_pointer(mm.mm_desc_ifc, t.data_ptr())
+    ws = _workspace(a.device, mm.workspace.size)
+    cublasLt.matmul(
+        mm.handle, mm.mm_desc, mm.alpha.ctypes.data,
+        a.data_ptr(), mm.a_layout_ptr, b.data_ptr(), mm.b_layout_ptr,
+        mm.beta.ctypes.data, 0, mm.c_layout_ptr, out.data_ptr(), mm.d_layout_ptr,
+        mm.cached_best_algorithm_struct.ctypes.data, ws.data_ptr(), mm.workspace.size, stream.cuda_stream,
+    )  # fmt: skip
+    return (out, made) if mm.epilog_output_handlers else out

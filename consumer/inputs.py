@@ -195,7 +195,7 @@ def build_inputs(
             bm = document_block_mask(seg)
         else:  # a partial last block: let FlexAttention's own builder handle the edge
             bm = create_block_mask(document_causal_mask_mod(seg), B, None, L, L, device=idx.device)
-        return ModelInputs(idx, pos, targets, AttnSpec("flex", block_mask=bm))
+        return ModelInputs(idx, pos, targets, AttnSpec("flex", block_mask=bm, seg=seg))
     causal = (
         mask_cache.causal(L, idx.device)
         if mask_cache

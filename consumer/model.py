@@ -69,6 +69,7 @@ class AttnSpec:
     mask: torch.Tensor | None = None  # dense: bool [B, 1, L, L], True = may attend
     block_mask: object | None = None  # flex: torch.nn.attention.flex_attention.BlockMask
     cu_seqlens: torch.Tensor | None = None  # varlen: int32 document starts (consumer/flash.py)
+    seg: torch.Tensor | None = None  # flex: the document ids its mask_mod reads (a step graph copies them)
 
 
 class CausalSelfAttention(nn.Module):

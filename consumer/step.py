@@ -19,6 +19,7 @@ import torch
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.inputs import ModelInputs
 from lmpipe.consumer.scaler import LossScaler
+from lmpipe.consumer.step_graph import GRAPH_AFTER, StepGraph, shape_key
 
 log = logging.getLogger("lmpipe.trainer")
 
@@ -57,6 +58,27 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, foreach=True)
 
 
+def step_graph_problem(runner: StepRunner) -> str | None:
+    """Why --step-graph cannot capture this runner's step, or None."""
+    if runner.device_type != "cuda":
+        return f"it needs CUDA, not {runner.device_type}"
+    if runner.no_sync is not None:
+        return "DDP (torchrun) all-reduces inside the backward; the step runs eagerly"
+    if runner.scaler is not None:
+        return "fp16's loss scaler decides on the host whether to step"
+    if runner.cudagraphs:
+        return f"--compile-mode {runner.cfg.compile_mode} records CUDA graphs of its own"
+    if runner.cfg.accum != 1:
+        return "it captures one micro-batch a step (--accum 1)"
+    if importlib.util.find_spec("triton") is None:
+        return "it needs the Triton AdamW, and Triton is not installed"
+    from lmpipe.consumer import adamw  # Triton: imported where it runs
+
+    if not (isinstance(runner.optimizer, adamw.AdamW) and adamw.ENABLED):
+        return "it needs the Triton AdamW (fused AdamW on CUDA with Triton), which reads lr from memory"
+    return None
+
+
 class StepRunner:
     """Forward/backward over a step's micro-batches and one optimizer step. Returns device tensors only."""
 
@@ -77,6 +99,10 @@ class StepRunner:
         # CUDA graphs (compile mode reduce-overhead/max-autotune): each forward starts a new replay, so
         # the previous step's outputs (already read) may be overwritten
         self.cudagraphs = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+        # --step-graph: the whole step as CUDA graphs (consumer/step_graph.py), where step_graph_problem allows
+        self.graphs = cfg.step_graph and step_graph_problem(self) is None
+        self._graph: StepGraph | None = None
+        self._eager_steps = 0
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -87,21 +113,42 @@ class StepRunner:
         """One optimizer step over `micro`, the summed loss divided by `denom` (the step's target tokens;
         under DDP, which averages gradients over R ranks, all ranks' targets / R). Returns (summed loss
         over this rank's targets, grad norm before clipping)."""
+        denom = denom if denom > 0 else 1.0
+        if self.graphs and len(micro) == 1:
+            graph = self._graph
+            if graph is not None and graph.takes(micro[0]):
+                return graph.run(micro[0], denom, lr)
+            if graph is None and shape_key(micro[0]) is not None:
+                self._eager_steps += 1
+                if self._eager_steps > GRAPH_AFTER:  # compiled, tuned and planned by now: capture
+                    self._graph = StepGraph(self, micro[0], denom, lr)
+                    return self._graph.first
+        if self._graph is not None:  # the graph's gradients stay in p.grad; an eager backward starts anew
+            self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        denom = denom if denom > 0 else 1.0
         loss_sum = torch.zeros((), device=micro[0].idx.device)
         for i, inp in enumerate(micro):
             last = i == len(micro) - 1
             with self.no_sync() if (self.no_sync and not last) else contextlib.nullcontext():
                 if self.cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                with self._autocast():
-                    _, loss = self.model(inp.idx, inp.pos, inp.attn, inp.targets)
-                scaled = loss / denom
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.detach()
+                loss_sum += self.forward_backward(inp, denom)
+        norm = self.clip_and_update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm
+
+    def forward_backward(self, inp: ModelInputs, denom: float | torch.Tensor) -> torch.Tensor:
+        """One micro-batch's forward and backward of loss / denom; its summed loss, detached."""
+        with self._autocast():
+            _, loss = self.model(inp.idx, inp.pos, inp.attn, inp.targets)
+        scaled = loss / denom
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        return loss.detach()
+
+    def clip_and_update(self) -> torch.Tensor:
+        """The grad norm (returned, before clipping), the clip and the optimizer's step; the gradients stay."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -129,8 +176,7 @@ class StepRunner:
                 del self.optimizer.grad_scale  # type: ignore[attr-defined]
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, norm
+        return norm
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:

@@ -101,3 +101,49 @@ def test_a_bf16_cuda_trainer_takes_the_epilogues_and_says_so(caplog):
     assert not any(b.mlp.gelu_epilogue for b in graphed.model.transformer.h)
     assert "GEMM epilogues" in caplog.text and "needs --precision bf16, not fp16" in caplog.text
     assert "reduce-overhead records CUDA graphs" in caplog.text
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("epilogue", [None, "GELU_AUX", "DGELU"])
+def test_a_gemm_straight_to_cublaslt_equals_nvmaths_execute(epilogue, monkeypatch):
+    """After its first call plans a shape, cublaslt.gemm calls cuBLASLt itself with the plan's descriptors
+    and algorithm (consumer/cublaslt.py): the same bits as nvmath's execute(), on new operands each call,
+    the epilogue's auxiliary input and output included."""
+    _need_nvmath()
+    from nvmath.linalg.advanced import MatmulEpilog
+
+    from lmpipe.consumer import cublaslt
+
+    monkeypatch.setattr(cublaslt, "_plans", {})
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, k, m = 512, 256, 1024  # [m, n] column-major result, as the MLP's GEMMs make them
+    epilog = getattr(MatmulEpilog, epilogue) if epilogue else None
+
+    def operands():
+        a = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16).T
+        aux = (
+            torch.randn(n, m, device="cuda", generator=g, dtype=torch.bfloat16).T
+            if epilogue == "DGELU"
+            else None
+        )
+        return a, b, aux
+
+    cublaslt.gemm(*operands()[:2], epilog, operands()[2])  # plans the shape
+    for _ in range(3):
+        a, b, aux = operands()
+        monkeypatch.setattr(cublaslt, "DIRECT", True)
+        direct = cublaslt.gemm(a, b, epilog, aux)
+        monkeypatch.setattr(cublaslt, "DIRECT", False)
+        executed = cublaslt.gemm(a, b, epilog, aux)
+        if epilogue == "GELU_AUX":
+            (direct, made), (executed, want) = direct, executed
+            assert made.keys() == want.keys() == {"gelu_aux"}
+            assert torch.equal(made["gelu_aux"], want["gelu_aux"])
+            assert made["gelu_aux"].stride() == want["gelu_aux"].stride()
+        elif epilogue == "DGELU":
+            direct, executed = (t[0] if isinstance(t, tuple) else t for t in (direct, executed))
+        assert direct.shape == executed.shape and direct.stride() == executed.stride()
+        assert torch.equal(direct, executed)
+        if epilogue is None:  # and both are the product, not two copies of one mistake
+            torch.testing.assert_close(direct.float(), a.float() @ b.float(), rtol=2e-2, atol=5e-2)

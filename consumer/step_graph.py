@@ -1,0 +1,144 @@
+"""The whole training step as two CUDA graphs, replayed for every batch of the same shapes (--step-graph).
+
+On an H100 the host takes 24-28 ms to issue GPT-2 124M's 16-row step (~600 launches: compiled graphs, custom
+ops, AdamW), about the GPU's 28 ms, so the GPU waits for it; four steps queued behind one sleep run at
+28.7 ms each, back to back behind the host at 29.8 ms (bench/results/host-h100-2026-11-27.md). Replayed, a
+step costs the host a few copies into static buffers and two replays.
+
+torch's `reduce-overhead` graphs only the compiled forward and backward, and copies or re-records for each
+batch's new inputs and block mask (0.48x, bench/results/overhead-2026-11-26.md). Here the whole step is
+captured once, by hand, as torch's "whole-network capture" recipe does:
+
+- graph 1: forward and backward of the static batch. Gradients start from None when it is captured, so the
+  backward writes them into the graph's memory; each replay overwrites them (no accumulation).
+- graph 2: grad norm, clip and AdamW over those gradients. The Triton AdamW's address table is built by an
+  eager step over the same gradients before capture, so nothing is uploaded inside the graph. lr and the
+  loss's denominator are device tensors written before each replay.
+
+Every tensor a graph reads (static inputs, lr, denominator, AdamW's tables, the GEMMs' workspace) is held
+here for the graphs' life. Taken only where capture is safe: one CUDA device, no DDP, one micro-batch a step,
+no fp16 loss scaler, the Triton AdamW, and a batch whose tensors keep their shapes (pack, pad); anything
+else steps eagerly, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from lmpipe.consumer.inputs import ModelInputs, document_causal_mask_mod
+from lmpipe.consumer.model import AttnSpec
+
+if TYPE_CHECKING:
+    from lmpipe.consumer.step import StepRunner
+
+log = logging.getLogger("lmpipe.trainer")
+
+# eager steps of one shape before capture: compile, autotuning, the GEMM plans, the allocator's warm-up
+GRAPH_AFTER = 3
+
+_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")  # fmt: skip
+
+
+def _tensors(inp: ModelInputs) -> list[torch.Tensor | None] | None:
+    """The batch's tensors in a fixed order, or None for a batch a graph cannot replay (varlen offsets
+    change length with the documents)."""
+    attn = inp.attn
+    out: list[torch.Tensor | None] = [inp.idx, inp.pos, inp.targets]
+    if attn.kind == "causal":
+        return out
+    if attn.kind == "dense":
+        return [*out, attn.mask]
+    if attn.kind == "flex" and attn.seg is not None and isinstance(attn.block_mask, BlockMask):
+        return [*out, attn.seg, *(getattr(attn.block_mask, name) for name in _MASK_TENSORS)]
+    return None
+
+
+def shape_key(inp: ModelInputs) -> tuple | None:
+    """What a captured graph fixes about a batch: None where it cannot be captured."""
+    ts = _tensors(inp)
+    if ts is None:
+        return None
+    return (inp.attn.kind, *((None if t is None else (t.shape, t.dtype, t.device)) for t in ts))
+
+
+def _static_copy(inp: ModelInputs) -> ModelInputs:
+    """Tensors of the batch's shapes that every replay reads; filled by StepGraph.run."""
+    idx, pos, targets = inp.idx.clone(), inp.pos.clone(), inp.targets.clone()
+    attn = inp.attn
+    if attn.kind == "causal":
+        return ModelInputs(idx, pos, targets, AttnSpec("causal"))
+    if attn.kind == "dense":
+        assert attn.mask is not None
+        return ModelInputs(idx, pos, targets, AttnSpec("dense", mask=attn.mask.clone()))
+    bm = attn.block_mask
+    assert isinstance(bm, BlockMask) and attn.seg is not None
+    seg = attn.seg.clone()
+    parts = {
+        name: (None if getattr(bm, name) is None else getattr(bm, name).clone()) for name in _MASK_TENSORS
+    }
+    static = BlockMask(seq_lengths=bm.seq_lengths, BLOCK_SIZE=bm.BLOCK_SIZE,
+                       mask_mod=document_causal_mask_mod(seg), **parts)  # type: ignore[arg-type]  # fmt: skip
+    return ModelInputs(idx, pos, targets, AttnSpec("flex", block_mask=static, seg=seg))
+
+
+class StepGraph:
+    """The runner's step for batches of one shape, captured at construction (which also trains on `inp`)."""
+
+    def __init__(self, runner: StepRunner, inp: ModelInputs, denom: float, lr: float):
+        self.runner = runner
+        self.key = shape_key(inp)
+        opt = runner.optimizer
+        device = inp.idx.device
+        self.static = _static_copy(inp)
+        self.denom = torch.full((), denom, device=device)
+        self.lr = torch.full((), lr, dtype=torch.float32, device=device)
+        for g in opt.param_groups:
+            g["lr"] = self.lr  # the Triton AdamW reads it from memory (consumer/adamw.py)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # torch's rule: warm up on the stream that captures
+            runner.forward_backward(self.static, self.denom)
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.fwd_bwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd_bwd, stream=side):
+            self.loss = runner.forward_backward(self.static, self.denom)
+        self.fwd_bwd.replay()  # this batch's gradients, now in the graph's memory
+        # the update for this batch, eager: it builds AdamW's tables over the graph's gradients
+        _, norm = runner.clip_and_update()
+        side.wait_stream(torch.cuda.current_stream(device))
+        self.update = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.update, pool=self.fwd_bwd.pool(), stream=side):
+            _, self.norm = runner.clip_and_update()
+        torch.cuda.current_stream(device).wait_stream(side)
+        # what the graphs read by address and nothing else holds for good
+        tables = getattr(opt, "_tables", {})
+        self._keep = [t for _, t in tables.values()] + _workspaces()
+        self.first = (self.loss.detach().clone(), norm)
+        log.info("the training step runs as CUDA graphs from here (--step-graph)")
+
+    def takes(self, inp: ModelInputs) -> bool:
+        return shape_key(inp) == self.key
+
+    def run(self, inp: ModelInputs, denom: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        for dst, src in zip(_tensors(self.static) or [], _tensors(inp) or []):
+            if dst is not None and src is not None:
+                dst.copy_(src, non_blocking=True)
+        self.denom.fill_(denom)
+        self.lr.fill_(lr)
+        self.fwd_bwd.replay()
+        self.update.replay()
+        return self.loss.detach(), self.norm
+
+
+def _workspaces() -> list[torch.Tensor]:
+    try:
+        from lmpipe.consumer import cublaslt
+    except ImportError:
+        return []
+    return list(getattr(cublaslt, "_workspaces", {}).values())
