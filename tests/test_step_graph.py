@@ -1,0 +1,82 @@
+"""--step-graph (consumer/step_graph.py): the whole training step captured as CUDA graphs trains as the eager
+step does, follows the lr schedule and the loss's denominator, and steps eagerly where it cannot capture."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lmpipe.consumer.build import build
+from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.distributed import Dist
+from lmpipe.consumer.inputs import build_inputs
+from lmpipe.consumer.step_graph import GRAPH_AFTER
+from lmpipe.shared.config import PipelineConfig
+from tests.helpers import masked_packed_batch
+
+
+def _built(device: str, step_graph: bool, compile: bool = False, **kw):
+    torch.manual_seed(0)
+    tcfg = TrainConfig(
+        model="tiny", compile=compile, step_graph=step_graph, grad_clip=1.0, metrics_port=None, **kw
+    )
+    dtype = torch.bfloat16 if device == "cuda" else None
+    return build(PipelineConfig(seq_len=256), tcfg, 97, torch.device(device), "bf16" if dtype else "fp32", dtype,
+                 Dist())  # fmt: skip
+
+
+def _batch(seed: int, L: int = 256, device: str = "cuda"):
+    tokens, lengths, seg, mask = (t.to(device) for t in masked_packed_batch(L, seed))
+    return build_inputs(
+        tokens, lengths, seg, attention="flex" if device == "cuda" else "dense", loss_mask=mask
+    )
+
+
+def _train(built, lengths: list[int]) -> list[float]:
+    losses = []
+    for i, L in enumerate(lengths):
+        inp = _batch(i, L)
+        denom = float((inp.targets >= 0).sum())
+        loss, norm = built.runner.step([inp], denom, 1e-3 * (1 + i % 4))  # lr changes every step
+        losses.append(float(loss) / denom)
+        assert torch.isfinite(norm)
+    return losses
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-model", "compiled"])
+def test_a_captured_step_trains_as_the_eager_step(compile):
+    """Steps 1-3 eager, the 4th captures (and trains), the rest replay; a 128-token batch in between steps
+    eagerly beside the graph. Same losses and weights as an all-eager run, every step."""
+    lengths = [256] * (GRAPH_AFTER + 3) + [128] + [256] * 3
+    eager, graphed = _built("cuda", False, compile), _built("cuda", True, compile)
+    want, got = _train(eager, lengths), _train(graphed, lengths)
+    assert graphed.runner._graph is not None and eager.runner._graph is None
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+    for (name, a), (_, b) in zip(graphed.model.named_parameters(), eager.model.named_parameters()):
+        assert (a - b).norm() <= 1e-3 * b.norm(), name
+    # the optimizer counted every step once, replayed or not
+    steps = {float(s["step"]) for s in graphed.optimizer.state.values()}
+    assert steps == {float(len(lengths))}
+
+
+@pytest.mark.cuda
+def test_step_graph_says_why_it_cannot_capture(caplog):
+    with caplog.at_level(logging.WARNING, logger="lmpipe.trainer"):
+        accum = _built("cuda", True, accum=2)
+    assert not accum.runner.graphs and "--accum 1" in caplog.text
+
+
+def test_on_a_cpu_step_graph_says_so_and_trains_eagerly(caplog):
+    with caplog.at_level(logging.WARNING, logger="lmpipe.trainer"):
+        built = _built("cpu", True)
+    assert not built.runner.graphs
+    assert "--step-graph: the step runs eagerly: it needs CUDA, not cpu" in caplog.text
+    losses = []
+    inp = _batch(0, 64, "cpu")
+    for _ in range(GRAPH_AFTER + 2):  # past the point where a CUDA runner would capture
+        loss, _ = built.runner.step([inp], float((inp.targets >= 0).sum()), 1e-2)
+        losses.append(float(loss))
+    assert built.runner._graph is None and losses[-1] < losses[0]
