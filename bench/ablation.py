@@ -30,6 +30,7 @@ from bench.trainbench import (
 VARIANTS: list[tuple] = [
     ("all on", {}, {}),
     ("CUDA graphs (compile mode reduce-overhead)", {}, {"compile_mode": "reduce-overhead"}),
+    ("the whole step as CUDA graphs (--step-graph)", {}, {"step_graph": True}),
     (
         "max-autotune (Triton matmul templates, no CUDA graphs)",
         {},
