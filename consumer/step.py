@@ -104,10 +104,10 @@ class StepRunner:
         self._graph: StepGraph | None = None
         self._eager_steps = 0
 
-    def _autocast(self):
+    def _autocast(self, cache: bool = True):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype, cache_enabled=cache)
 
     def step(self, micro: list[ModelInputs], denom: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over `micro`, the summed loss divided by `denom` (the step's target tokens;
@@ -139,9 +139,12 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, norm
 
-    def forward_backward(self, inp: ModelInputs, denom: float | torch.Tensor) -> torch.Tensor:
-        """One micro-batch's forward and backward of loss / denom; its summed loss, detached."""
-        with self._autocast():
+    def forward_backward(
+        self, inp: ModelInputs, denom: float | torch.Tensor, cache: bool = True
+    ) -> torch.Tensor:
+        """One micro-batch's forward and backward of loss / denom; its summed loss, detached. `cache`: autocast's
+        cache of cast weights (off for a CUDA graph's capture, as torch's CUDA-graph notes ask)."""
+        with self._autocast(cache):
             _, loss = self.model(inp.idx, inp.pos, inp.attn, inp.targets)
         scaled = loss / denom
         (self.scaler.scale(scaled) if self.scaler else scaled).backward()

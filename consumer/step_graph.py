@@ -102,12 +102,12 @@ class StepGraph:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # torch's rule: warm up on the stream that captures
-            runner.forward_backward(self.static, self.denom)
+            runner.forward_backward(self.static, self.denom, cache=False)
             opt.zero_grad(set_to_none=True)
         torch.cuda.current_stream(device).wait_stream(side)
         self.fwd_bwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.fwd_bwd, stream=side):
-            self.loss = runner.forward_backward(self.static, self.denom)
+            self.loss = runner.forward_backward(self.static, self.denom, cache=False)
         self.fwd_bwd.replay()  # this batch's gradients, now in the graph's memory
         # the update for this batch, eager: it builds AdamW's tables over the graph's gradients
         _, norm = runner.clip_and_update()
