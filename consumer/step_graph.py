@@ -40,8 +40,10 @@ log = logging.getLogger("lmpipe.trainer")
 # eager steps of one shape before capture: compile, autotuning, the GEMM plans, the allocator's warm-up
 GRAPH_AFTER = 3
 
-_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")  # fmt: skip
+# the block mask's tensors: torch's own list where it has one (2.13 adds the backward's dq orders)
+_MASK_TENSORS: tuple[str, ...] = tuple(getattr(BlockMask, "_TENSOR_ATTRS", (
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")))  # fmt: skip
 
 
 def _tensors(inp: ModelInputs) -> list[torch.Tensor | None] | None:
@@ -81,6 +83,8 @@ def _static_copy(inp: ModelInputs) -> ModelInputs:
     parts = {
         name: (None if getattr(bm, name) is None else getattr(bm, name).clone()) for name in _MASK_TENSORS
     }
+    if hasattr(bm, "dq_kv_order_spt"):
+        parts["dq_kv_order_spt"] = bm.dq_kv_order_spt
     static = BlockMask(seq_lengths=bm.seq_lengths, BLOCK_SIZE=bm.BLOCK_SIZE,
                        mask_mod=document_causal_mask_mod(seg), **parts)  # type: ignore[arg-type]  # fmt: skip
     return ModelInputs(idx, pos, targets, AttnSpec("flex", block_mask=static, seg=seg))
@@ -110,11 +114,11 @@ class StepGraph:
             self.loss = runner.forward_backward(self.static, self.denom, cache=False)
         self.fwd_bwd.replay()  # this batch's gradients, now in the graph's memory
         # the update for this batch, eager: it builds AdamW's tables over the graph's gradients
-        _, norm = runner.clip_and_update()
+        norm = runner.clip_and_update()
         side.wait_stream(torch.cuda.current_stream(device))
         self.update = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.update, pool=self.fwd_bwd.pool(), stream=side):
-            _, self.norm = runner.clip_and_update()
+            self.norm = runner.clip_and_update()
         torch.cuda.current_stream(device).wait_stream(side)
         # what the graphs read by address and nothing else holds for good
         tables = getattr(opt, "_tables", {})

@@ -12,7 +12,7 @@ from lmpipe.consumer.build import build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
 from lmpipe.consumer.inputs import build_inputs
-from lmpipe.consumer.step_graph import GRAPH_AFTER
+from lmpipe.consumer.step_graph import GRAPH_AFTER, _static_copy, _tensors, shape_key
 from lmpipe.shared.config import PipelineConfig
 from tests.helpers import masked_packed_batch
 
@@ -80,3 +80,26 @@ def test_on_a_cpu_step_graph_says_so_and_trains_eagerly(caplog):
         loss, _ = built.runner.step([inp], float((inp.targets >= 0).sum()), 1e-2)
         losses.append(float(loss))
     assert built.runner._graph is None and losses[-1] < losses[0]
+
+
+def test_a_graphs_static_batch_is_its_own_copy_and_its_mask_reads_it():
+    """The static batch every replay reads: same shapes and values as the batch it was made from, its own
+    memory (a replay's copy must not write into the feed's buffers), and a block mask whose mask_mod reads the
+    static document ids, so copying the next batch's ids in changes what it masks."""
+    tokens, lengths, seg, mask = masked_packed_batch(256, 0)
+    inp = build_inputs(tokens, lengths, seg, attention="flex", loss_mask=mask)
+    static = _static_copy(inp)
+    assert shape_key(static) == shape_key(inp) is not None
+    for a, b in zip(_tensors(static) or [], _tensors(inp) or []):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    sseg = static.attn.seg
+    assert sseg is not None
+    q = int(torch.nonzero(sseg[0, 1:] == sseg[0, :-1])[0]) + 1  # a position in the same document as q - 1
+    b, h, qi, kv = torch.tensor(0), torch.tensor(0), torch.tensor(q), torch.tensor(q - 1)
+    mod = static.attn.block_mask.mask_mod  # type: ignore[union-attr]
+    assert bool(mod(b, h, qi, kv))
+    sseg[0, q - 1] = sseg[0, q] + 1  # as a replay's copy of another batch would
+    assert not bool(mod(b, h, qi, kv))
+    assert bool(inp.attn.block_mask.mask_mod(b, h, qi, kv))  # type: ignore[union-attr]  # the batch's own: unchanged
