@@ -42,6 +42,7 @@ VARIANTS = [
     # this run, not across runs
     ("compile, block mask from create_block_mask (before)", {"compile": True}),
     ("compile + CUDA graphs (reduce-overhead)", {"compile": True, "compile_mode": "reduce-overhead"}),
+    ("compile + the whole step as CUDA graphs (--step-graph)", {"compile": True, "step_graph": True}),
 ]
 
 
@@ -124,6 +125,7 @@ def main() -> None:
     p.set_defaults(model="tiny", seq_len=256, batch_size=32, vocab_size=0, warmup=30, steps=100)
     p.add_argument("--profile-steps", type=int, default=30)
     p.add_argument("--skip-pipeline", action="store_true", help="synthetic-fed rows only")
+    p.add_argument("--only", nargs="+", default=None, help="variants whose names contain one of these")
     args = apply_smoke(p.parse_args())
     tok, shards = bench_data(Path(args.work))
     pcfg = pipeline_config(shards, tok, args)
@@ -132,6 +134,8 @@ def main() -> None:
         print(*r, sep=": ", flush=True)
     rows, base = [], {}
     for name, over in VARIANTS:
+        if args.only and not any(o in name for o in args.only):
+            continue
         for fed in ("synthetic", "pipeline"):
             if fed == "pipeline" and args.skip_pipeline:
                 continue
@@ -152,7 +156,7 @@ def main() -> None:
         + "\n\nHost operators by self CPU time:\n\n```\n"
         + top
         + "\n```\n\n## Step time side by side\n\n"
-        + table(["variant", "fed by", "step ms", "speed vs eager", "tokens/s", "data wait %"], rows)
+        + table(["variant", "fed by", "step ms", "speed vs the first row", "tokens/s", "data wait %"], rows)
     )
     print(body)
     write_result("overhead", "Per-step overhead of a small model", body, args.out)

@@ -55,8 +55,10 @@ def test_a_captured_step_trains_as_the_eager_step(compile):
     want, got = _train(eager, lengths), _train(graphed, lengths)
     assert graphed.runner._graph is not None and eager.runner._graph is None
     torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+    # bf16 kernels compiled under autocast's cache on and off round differently (1.0e-3 seen, H100); an lr
+    # or denominator the graph failed to follow moves the weights by ~5e-2 over these steps
     for (name, a), (_, b) in zip(graphed.model.named_parameters(), eager.model.named_parameters()):
-        assert (a - b).norm() <= 1e-3 * b.norm(), name
+        assert (a - b).norm() <= 4e-3 * b.norm(), name
     # the optimizer counted every step once, replayed or not
     steps = {float(s["step"]) for s in graphed.optimizer.state.values()}
     assert steps == {float(len(lengths))}
