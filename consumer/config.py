@@ -135,9 +135,10 @@ class TrainConfig:
     # The host issues GPT-2 124M's 16-row step about as fast as an H100 runs it; replayed, a step costs it a
     # few copies and two launches (consumer/step_graph.py, bench/results/host-h100-2026-11-27.md)
     step_graph: bool = setting(
-        False,
-        help="CUDA, one GPU, --accum 1, no fp16: capture the whole training step (forward, backward, clip, "
-        "AdamW) as CUDA graphs after a few steps, then replay them for every batch of the same shapes",
+        True,
+        help="capture the whole training step (forward, backward, clip, AdamW) as CUDA graphs after a few "
+        "steps and replay them for every batch (one CUDA GPU, --accum 1, bf16/fp32/fp8, --strategy pack or "
+        "pad; elsewhere the step runs eagerly)",
     )
     grad_checkpointing: bool = setting(False, help="recompute activations in backward")
     compile: bool = setting(False, help="torch.compile the model")

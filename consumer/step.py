@@ -19,7 +19,7 @@ import torch
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.inputs import ModelInputs
 from lmpipe.consumer.scaler import LossScaler
-from lmpipe.consumer.step_graph import GRAPH_AFTER, StepGraph, shape_key
+from lmpipe.consumer.step_graph import GRAPH_AFTER, CaptureFailed, StepGraph, shape_key
 
 log = logging.getLogger("lmpipe.trainer")
 
@@ -63,11 +63,14 @@ def step_graph_problem(runner: StepRunner) -> str | None:
     if runner.device_type != "cuda":
         return f"it needs CUDA, not {runner.device_type}"
     if runner.no_sync is not None:
-        return "DDP (torchrun) all-reduces inside the backward; the step runs eagerly"
+        return "DDP (torchrun) all-reduces inside the backward"
     if runner.scaler is not None:
         return "fp16's loss scaler decides on the host whether to step"
     if runner.cudagraphs:
         return f"--compile-mode {runner.cfg.compile_mode} records CUDA graphs of its own"
+    if runner.strategy not in ("pack", "pad"):
+        # one graph holds its own activations: eager steps for the other shapes beside it would double them
+        return f"--strategy {runner.strategy} changes the batches' shape from step to step"
     if runner.cfg.accum != 1:
         return "it captures one micro-batch a step (--accum 1)"
     if importlib.util.find_spec("triton") is None:
@@ -90,8 +93,10 @@ class StepRunner:
         autocast_dtype,
         scaler: LossScaler | None = None,
         no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+        strategy: str = "pack",
     ):
         self.model, self.optimizer, self.cfg = model, optimizer, cfg
+        self.strategy = strategy  # the batches' (shared/config.py): pack and pad keep one shape
         self.no_sync = no_sync  # DDP: skip the gradient all-reduce on all but a step's last micro-batch
         self.device_type = next(model.parameters()).device.type
         self.autocast_dtype = autocast_dtype
@@ -121,8 +126,15 @@ class StepRunner:
             if graph is None and shape_key(micro[0]) is not None:
                 self._eager_steps += 1
                 if self._eager_steps > GRAPH_AFTER:  # compiled, tuned and planned by now: capture
-                    self._graph = StepGraph(self, micro[0], denom, lr)
-                    return self._graph.first
+                    try:
+                        self._graph = StepGraph(self, micro[0], denom, lr)
+                        return self._graph.first
+                    except CaptureFailed as e:  # the same step fails the same way: eager from here on
+                        self.graphs = False
+                        log.warning("the training step cannot be captured as CUDA graphs (%s); it runs "
+                                    "eagerly from here (--no-step-graph: no attempt)", e)  # fmt: skip
+                        if e.result is not None:
+                            return e.result
         if self._graph is not None:  # the graph's gradients stay in p.grad; an eager backward starts anew
             self.optimizer.zero_grad(set_to_none=True)
         self.model.train()

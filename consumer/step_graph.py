@@ -90,6 +90,15 @@ def _static_copy(inp: ModelInputs) -> ModelInputs:
     return ModelInputs(idx, pos, targets, AttnSpec("flex", block_mask=static, seg=seg))
 
 
+class CaptureFailed(Exception):
+    """Something in the step cannot be captured (a host sync, an uncapturable library call). `result`: the
+    batch's (loss, norm) where it trained before the failure, else None (it has not trained)."""
+
+    def __init__(self, error: Exception, result: tuple[torch.Tensor, torch.Tensor] | None):
+        super().__init__(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        self.result = result
+
+
 class StepGraph:
     """The runner's step for batches of one shape, captured at construction (which also trains on `inp`)."""
 
@@ -103,6 +112,8 @@ class StepGraph:
         self.lr = torch.full((), lr, dtype=torch.float32, device=device)
         for g in opt.param_groups:
             g["lr"] = self.lr  # the Triton AdamW reads it from memory (consumer/adamw.py)
+        # the eager steps' cached blocks back to the driver: the graph's pool holds a step's activations of its own
+        torch.cuda.empty_cache()
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # torch's rule: warm up on the stream that captures
@@ -110,20 +121,29 @@ class StepGraph:
             opt.zero_grad(set_to_none=True)
         torch.cuda.current_stream(device).wait_stream(side)
         self.fwd_bwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd_bwd, stream=side):
-            self.loss = runner.forward_backward(self.static, self.denom, cache=False)
+        try:
+            with torch.cuda.graph(self.fwd_bwd, stream=side):
+                self.loss = runner.forward_backward(self.static, self.denom, cache=False)
+        except Exception as e:  # nothing ran: the gradients made in the capture are not this batch's
+            opt.zero_grad(set_to_none=True)
+            raise CaptureFailed(e, None) from e
         self.fwd_bwd.replay()  # this batch's gradients, now in the graph's memory
         # the update for this batch, eager: it builds AdamW's tables over the graph's gradients
         norm = runner.clip_and_update()
+        self.first = (self.loss.detach().clone(), norm)
         side.wait_stream(torch.cuda.current_stream(device))
         self.update = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.update, pool=self.fwd_bwd.pool(), stream=side):
-            self.norm = runner.clip_and_update()
+        try:
+            with torch.cuda.graph(self.update, pool=self.fwd_bwd.pool(), stream=side):
+                self.norm = runner.clip_and_update()
+        except Exception as e:  # this batch has trained (above): its result stands
+            torch.cuda.current_stream(device).wait_stream(side)
+            opt.zero_grad(set_to_none=True)
+            raise CaptureFailed(e, self.first) from e
         torch.cuda.current_stream(device).wait_stream(side)
         # what the graphs read by address and nothing else holds for good
         tables = getattr(opt, "_tables", {})
         self._keep = [t for _, t in tables.values()] + _workspaces()
-        self.first = (self.loss.detach().clone(), norm)
         log.info("the training step runs as CUDA graphs from here (--step-graph)")
 
     def takes(self, inp: ModelInputs) -> bool:

@@ -12,6 +12,7 @@ from lmpipe.consumer.build import build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
 from lmpipe.consumer.inputs import build_inputs
+from lmpipe.consumer.step import step_graph_problem
 from lmpipe.consumer.step_graph import GRAPH_AFTER, _static_copy, _tensors, shape_key
 from lmpipe.shared.config import PipelineConfig
 from tests.helpers import masked_packed_batch
@@ -66,22 +67,55 @@ def test_a_captured_step_trains_as_the_eager_step(compile):
 
 @pytest.mark.cuda
 def test_step_graph_says_why_it_cannot_capture(caplog):
-    with caplog.at_level(logging.WARNING, logger="lmpipe.trainer"):
+    with caplog.at_level(logging.INFO, logger="lmpipe.trainer"):
         accum = _built("cuda", True, accum=2)
     assert not accum.runner.graphs and "--accum 1" in caplog.text
 
 
-def test_on_a_cpu_step_graph_says_so_and_trains_eagerly(caplog):
+@pytest.mark.cuda
+@pytest.mark.parametrize("phase", ["forward_backward", "clip_and_update"])
+def test_a_step_that_cannot_be_captured_trains_eagerly_and_says_why(phase, monkeypatch, caplog):
+    """A host sync inside the captured work (as an uncapturable library call would make) fails the capture:
+    one warning, and training goes on eagerly with nothing lost or trained twice, the same as an eager run."""
+    lengths = [256] * (GRAPH_AFTER + 4)
+    eager, graphed = _built("cuda", False), _built("cuda", True)
+    real = getattr(graphed.runner, phase)
+
+    def syncing(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(graphed.runner, phase, syncing)
+    want = _train(eager, lengths)
     with caplog.at_level(logging.WARNING, logger="lmpipe.trainer"):
-        built = _built("cpu", True)
+        got = _train(graphed, lengths)
+    assert graphed.runner._graph is None and not graphed.runner.graphs
+    assert caplog.text.count("cannot be captured as CUDA graphs") == 1
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+    steps = {float(s["step"]) for s in graphed.optimizer.state.values()}
+    assert steps == {float(len(lengths))}
+
+
+def test_on_a_cpu_the_step_runs_eagerly_and_says_why():
+    built = _built("cpu", True)
     assert not built.runner.graphs
-    assert "--step-graph: the step runs eagerly: it needs CUDA, not cpu" in caplog.text
+    assert step_graph_problem(built.runner) == "it needs CUDA, not cpu"
     losses = []
     inp = _batch(0, 64, "cpu")
     for _ in range(GRAPH_AFTER + 2):  # past the point where a CUDA runner would capture
         loss, _ = built.runner.step([inp], float((inp.targets >= 0).sum()), 1e-2)
         losses.append(float(loss))
     assert built.runner._graph is None and losses[-1] < losses[0]
+
+
+def test_batches_that_change_shape_are_not_captured():
+    """A graph holds one shape's activations; eager steps beside it for the others would double them."""
+    for strategy, problem in [("pad-batch", True), ("bucket", True), ("pad", False), ("pack", False)]:
+        runner = _built("cpu", True).runner
+        runner.strategy, runner.device_type = strategy, "cuda"  # past the CPU check, to the strategy's
+        why = step_graph_problem(runner) or ""
+        assert ("changes the batches' shape" in why) == problem, (strategy, why)
 
 
 def test_a_graphs_static_batch_is_its_own_copy_and_its_mask_reads_it():
