@@ -146,7 +146,9 @@ def build(
             mode = None if tcfg.compile_mode == "default" else tcfg.compile_mode
             compiled = torch.compile(step_model, dynamic=False, mode=mode)
         step_model = cast(torch.nn.Module, compiled)
-    runner = StepRunner(step_model, optimizer, tcfg, autocast_dtype, scaler, no_sync=no_sync, strategy=pcfg.strategy)
+    runner = StepRunner(
+        step_model, optimizer, tcfg, autocast_dtype, scaler, no_sync=no_sync, strategy=pcfg.strategy
+    )
     # on by default: said on CUDA, where it could have run, not on every CPU run
     if tcfg.step_graph and runner.device_type == "cuda" and (why := step_graph_problem(runner)):
         log.info("the training step runs eagerly, not as CUDA graphs (--step-graph): %s", why)

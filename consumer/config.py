@@ -137,7 +137,7 @@ class TrainConfig:
     step_graph: bool = setting(
         True,
         help="capture the whole training step (forward, backward, clip, AdamW) as CUDA graphs after a few "
-        "steps and replay them for every batch (one CUDA GPU, --accum 1, bf16/fp32/fp8, --strategy pack or "
+        "steps and replay them for every batch (one CUDA GPU, --accum 1, bf16 or fp32, --strategy pack or "
         "pad; elsewhere the step runs eagerly)",
     )
     grad_checkpointing: bool = setting(False, help="recompute activations in backward")

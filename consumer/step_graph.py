@@ -141,6 +141,8 @@ class StepGraph:
             opt.zero_grad(set_to_none=True)
             raise CaptureFailed(e, self.first) from e
         torch.cuda.current_stream(device).wait_stream(side)
+        for g in opt.param_groups:
+            g["lr"] = lr  # the graph holds self.lr's address; a checkpoint's param_groups keep a plain float
         # what the graphs read by address and nothing else holds for good
         tables = getattr(opt, "_tables", {})
         self._keep = [t for _, t in tables.values()] + _workspaces()
@@ -155,6 +157,8 @@ class StepGraph:
                 dst.copy_(src, non_blocking=True)
         self.denom.fill_(denom)
         self.lr.fill_(lr)
+        for g in self.runner.optimizer.param_groups:
+            g["lr"] = lr  # as the eager step leaves it, for whoever reads param_groups
         self.fwd_bwd.replay()
         self.update.replay()
         return self.loss.detach(), self.norm
