@@ -148,7 +148,8 @@ class StepRunner:
             with self.no_sync() if (self.no_sync and not last) else contextlib.nullcontext():
                 if self.cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                loss_sum += self.forward_backward(inp, denom)
+                # autocast's cache as the capture will have it: one compiled graph for both (dynamo guards on it)
+                loss_sum += self.forward_backward(inp, denom, cache=not self.graphs)
         norm = self.clip_and_update()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, norm

@@ -3,7 +3,8 @@
 On an H100 the host takes 24-28 ms to issue GPT-2 124M's 16-row step (~600 launches: compiled graphs, custom
 ops, AdamW), about the GPU's 28 ms, so the GPU waits for it; four steps queued behind one sleep run at
 28.7 ms each, back to back behind the host at 29.8 ms (bench/results/host-h100-2026-11-27.md). Replayed, a
-step costs the host a few copies into static buffers and two replays.
+step costs the host a few copies into static buffers and two replays: 1.14-1.59x at 16 rows, 1.03x at 32, 3.9x
+for the tiny model (bench/results/step-graph-h100-2026-11-27.md).
 
 torch's `reduce-overhead` graphs only the compiled forward and backward, and copies or re-records for each
 batch's new inputs and block mask (0.48x, bench/results/overhead-2026-11-26.md). Here the whole step is
@@ -16,9 +17,10 @@ captured once, by hand, as torch's "whole-network capture" recipe does:
   loss's denominator are device tensors written before each replay.
 
 Every tensor a graph reads (static inputs, lr, denominator, AdamW's tables, the GEMMs' workspace) is held
-here for the graphs' life. Taken only where capture is safe: one CUDA device, no DDP, one micro-batch a step,
-no fp16 loss scaler, the Triton AdamW, and a batch whose tensors keep their shapes (pack, pad); anything
-else steps eagerly, as before.
+here for the graphs' life. On by default; taken only where capture is safe (step.step_graph_problem): one
+CUDA device, no DDP, one micro-batch a step, no fp16 loss scaler, no fp8, the Triton AdamW, and batches of one
+shape (--strategy pack, pad). Anything else steps eagerly, as does a step whose capture fails (CaptureFailed:
+said once, nothing lost or trained twice).
 """
 
 from __future__ import annotations
