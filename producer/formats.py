@@ -94,7 +94,7 @@ class FormatError(ValueError):
 
 
 class CorpusChanged(ValueError):
-    """A local corpus file no longer as the run found it: a run's record ids and cursors describe that file."""
+    """A corpus file or object no longer as the run found it: a run's record ids and cursors describe it."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -308,12 +308,15 @@ def _when(ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
 
 
-def check_unchanged(f: DataFile) -> None:
-    """Raise CorpusChanged when local file `f` is not as the run found it: record ids and cursors number its
-    records as they were, and an emptied file read as one would end the epoch. Its size, times and inode
-    are compared (a stat); a file of the same size whose times or inode changed is hashed again (once per
-    new state) and read on if its content is as found."""
-    if f.inode is None:  # a URL: its size was taken at the start, and is what ranged reads stop at
+def check_unchanged(f: DataFile, each_batch: bool = False) -> None:
+    """Raise CorpusChanged when `f` is not as the run found it: record ids and cursors number its records as
+    they were, and an emptied file read as one would end the epoch. A local file's size, times and inode are
+    compared (a stat); a file of the same size whose times or inode changed is hashed again (once per new
+    state) and read on if its content is as found. An object's version and size are asked of its store (one
+    HEAD), except `each_batch` (a round trip per batch of a table would cost more than the batch)."""
+    if f.inode is None:  # a URL
+        if f.remote is not None and f.version is not None and not each_batch:
+            _check_object(f)
         return
     try:
         st = os.stat(f.path)
@@ -336,6 +339,26 @@ def check_unchanged(f: DataFile) -> None:
             what = changed
     raise CorpusChanged(
         f"corpus file {f} changed during the run ({what}); the run cannot go on reading it as it was: "
+        "restore it or start a new run"
+    )
+
+
+def _check_object(f: DataFile) -> None:
+    """CorpusChanged when object `f` no longer has the version and size its store reported when found."""
+    assert f.remote is not None
+    key = f.remote.key(f.path)
+    f.remote.fs.invalidate_cache(key)  # a filesystem's listing cache would answer with the version it found
+    try:
+        info = f.remote.info(f.path)
+    except FileNotFoundError:
+        what = "deleted"
+    else:
+        size, now = int(info.get("size") or 0), version(info)
+        if size == f.size and now == f.version:
+            return
+        what = f"{f.size:,} -> {size:,} bytes" if size != f.size else f"rewritten: {f.version} -> {now}"
+    raise CorpusChanged(
+        f"corpus object {f} changed during the run ({what}); the run cannot go on reading it as it was: "
         "restore it or start a new run"
     )
 
@@ -740,13 +763,13 @@ def _arrow_batches(f: DataFile, text_column: str) -> Iterator[tuple[Any, str]]:
             reader = pa.ipc.open_file(source)
             name, kind = _column(f, reader.schema, text_column)
             for k in range(reader.num_record_batches):
-                check_unchanged(f)
+                check_unchanged(f, each_batch=True)
                 yield reader.get_batch(k).column(name), kind
         else:
             stream = pa.ipc.open_stream(source)
             name, kind = _column(f, stream.schema, text_column)
             while True:
-                check_unchanged(f)
+                check_unchanged(f, each_batch=True)
                 try:
                     batch = stream.read_next_batch()
                 except StopIteration:

@@ -4,6 +4,7 @@ line, and a server killed and restarted mid-epoch retried with every document st
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import pyarrow as pa
 import pytest
 
 from lmpipe.producer import remote
+from lmpipe.producer.formats import CorpusChanged
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from tests.corpora import FORMATS, builtin_docs, token_lengths, write, write_finetune_corpus
@@ -389,7 +391,8 @@ def test_rewritten_objects_and_rewritten_files_are_both_refused_in_one_run(procs
     """The trainer's --data is a bucket object (its version pinned); producers read it there or from a local
     copy. After the object is rewritten with the same size, a producer reading it is refused, naming the
     versions; a local copy whose bytes differ from the first local producer's is still refused by content;
-    the trainer and the accepted producers go on."""
+    the producer that was reading the object stops at its next pass, in one line; the trainer and the local
+    copy's producer go on."""
     from lmpipe.producer import builtin_corpus
 
     text = "\n\n".join(builtin_corpus.document(1, i) for i in range(300)).encode()
@@ -418,7 +421,47 @@ def test_rewritten_objects_and_rewritten_files_are_both_refused_in_one_run(procs
     bad = procs.start("produce", *common, "--data", str(other / "corpus.txt"), env=env, name="bad")
     assert procs.wait(bad, 60) == 2, procs.log(bad)[-3000:]
     assert f"trainer refused this producer: config mismatch: {content}" in procs.log(bad)
-    assert t.poll() is None and p0.poll() is None and p1.poll() is None, "refused producers take nothing down"
+    assert t.poll() is None and p1.poll() is None, "refused producers take nothing down"
+    # the producer that was reading the object stops at its next pass: what it would serve is not the run's
+    assert procs.wait(p0, 60) == 2, procs.log(p0)[-3000:]
+    assert f"corpus object {url} changed during the run (rewritten: ETag=" in procs.log(p0)
+    assert t.poll() is None and p1.poll() is None, "the trainer and the local copy's producer go on"
+
+
+def test_an_object_rewritten_during_the_run_stops_its_reading_in_one_line(s3):
+    """Each pass over an object starts and ends by asking its store for its version and size (a HEAD): a
+    rewrite (same size, one byte other), a new size or a delete stop the reading with one line naming the
+    object, where before the next pass served other text under the run's record ids. The same bytes put
+    back (the same ETag) read on."""
+    body = b"".join(b"document %d of the corpus\n\n" % i for i in range(400))
+    url = _versioned_object("live.txt", body)
+    c = Corpus([url])
+    first = [(r.rid, r.text) for r in c.records()]
+    _versioned_object("live.txt", body)  # uploaded again, unchanged
+    assert [(r.rid, r.text) for r in c.records()] == first
+    _versioned_object("live.txt", _one_byte_other(body))
+    with pytest.raises(CorpusChanged, match=rf"^corpus object {re.escape(url)} changed during the run \(rewritten: "
+                       r"ETag=[0-9a-f]{32} -> ETag=[0-9a-f]{32}\); .* restore it or start a new run$"):  # fmt: skip
+        list(c.records())
+    # during a pass: said at its end, before the next pass reads a byte of it
+    mid = Corpus([_versioned_object("mid.parquet", _parquet_bytes([f"row {i}" for i in range(150)]))])
+    it = mid.records()
+    next(it)
+    _versioned_object("mid.parquet", _parquet_bytes([f"row {i}" for i in range(180)]))
+    with pytest.raises(CorpusChanged, match=r"changed during the run \([0-9,]+ -> [0-9,]+ bytes\)"):
+        list(it)
+    gone = Corpus([_versioned_object("gone.txt", body)])
+    remote.filesystem("s3").rm(f"{BUCKET}/versions/gone.txt")
+    with pytest.raises(CorpusChanged, match=r"changed during the run \(deleted\)"):
+        list(gone.records())
+
+
+def _parquet_bytes(texts: list[str]) -> bytes:
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": texts}), buf)
+    return buf.getvalue()
 
 
 @pytest.mark.slow
