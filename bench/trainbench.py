@@ -177,11 +177,11 @@ class SyntheticSteps:
         return loss, real
 
 
-def warm_synthetic_steps(args: argparse.Namespace, n_batches: int = 8) -> SyntheticSteps:
-    """The synthetic-fed step for the parsed common_args, run `args.warmup` times (compile, warm-up) and
-    synced: the GPU-only probes (bench.kernels, bench.host) start from it."""
+def warm_synthetic_steps(args: argparse.Namespace, n_batches: int = 8, **over) -> SyntheticSteps:
+    """The synthetic-fed step for the parsed common_args (trainer settings `over` them), run `args.warmup`
+    times (compile, warm-up) and synced: the GPU-only probes (bench.kernels, bench.host) start from it."""
     tok, shards = bench_data(Path(args.work))
-    step = SyntheticSteps(pipeline_config(shards, tok, args), train_config(args), n_batches)
+    step = SyntheticSteps(pipeline_config(shards, tok, args), train_config(args, **over), n_batches)
     for i in range(args.warmup):
         step(i)
     step.sync()

@@ -66,6 +66,8 @@ def step_graph_problem(runner: StepRunner) -> str | None:
         return "DDP (torchrun) all-reduces inside the backward"
     if runner.scaler is not None:
         return "fp16's loss scaler decides on the host whether to step"
+    if runner.cfg.fused_ce:
+        return "--fused-ce (liger) reads the loss on the host every step"
     if runner.cfg.precision == "fp8":
         return "torchao's float8 matmuls have not been run under CUDA graph capture here yet"
     if runner.cudagraphs:
@@ -110,6 +112,7 @@ class StepRunner:
         self.graphs = cfg.step_graph and step_graph_problem(self) is None
         self._graph: StepGraph | None = None
         self._eager_steps = 0
+        self._last_key: tuple | None = None
 
     def _autocast(self, cache: bool = True):
         if self.autocast_dtype is None:
@@ -125,8 +128,11 @@ class StepRunner:
             graph = self._graph
             if graph is not None and graph.takes(micro[0]):
                 return graph.run(micro[0], denom, lr)
-            if graph is None and shape_key(micro[0]) is not None:
-                self._eager_steps += 1
+            key = shape_key(micro[0])
+            if graph is None and key is not None:
+                # steps in a row of this shape: a graph is made for the shape the run keeps, not a short batch's
+                self._eager_steps = self._eager_steps + 1 if key == self._last_key else 1
+                self._last_key = key
                 if self._eager_steps > GRAPH_AFTER:  # compiled, tuned and planned by now: capture
                     try:
                         self._graph = StepGraph(self, micro[0], denom, lr)

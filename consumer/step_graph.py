@@ -25,8 +25,10 @@ said once, nothing lost or trained twice).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from lmpipe.consumer.step import StepRunner
 
 log = logging.getLogger("lmpipe.trainer")
+T = TypeVar("T")
 
 # eager steps of one shape before capture: compile, autotuning, the GEMM plans, the allocator's warm-up
 GRAPH_AFTER = 3
@@ -105,15 +108,14 @@ class StepGraph:
     """The runner's step for batches of one shape, captured at construction (which also trains on `inp`)."""
 
     def __init__(self, runner: StepRunner, inp: ModelInputs, denom: float, lr: float):
-        self.runner = runner
+        if why := _gemm_problem():  # refused before anything is captured or changed
+            raise CaptureFailed(ValueError(why), None)
         self.key = shape_key(inp)
-        opt = runner.optimizer
+        self.optimizer = opt = runner.optimizer  # not the runner: it holds this graph (no reference cycle)
         device = inp.idx.device
         self.static = _static_copy(inp)
         self.denom = torch.full((), denom, device=device)
         self.lr = torch.full((), lr, dtype=torch.float32, device=device)
-        for g in opt.param_groups:
-            g["lr"] = self.lr  # the Triton AdamW reads it from memory (consumer/adamw.py)
         # the eager steps' cached blocks back to the driver: the graph's pool holds a step's activations of its own
         torch.cuda.empty_cache()
         side = torch.cuda.Stream(device)
@@ -122,29 +124,37 @@ class StepGraph:
             runner.forward_backward(self.static, self.denom, cache=False)
             opt.zero_grad(set_to_none=True)
         torch.cuda.current_stream(device).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
         self.fwd_bwd = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.fwd_bwd, stream=side):
-                self.loss = runner.forward_backward(self.static, self.denom, cache=False)
+            self.loss = _capture(
+                self.fwd_bwd,
+                side,
+                pool,
+                lambda: runner.forward_backward(self.static, self.denom, cache=False),
+            )
         except Exception as e:  # nothing ran: the gradients made in the capture are not this batch's
             opt.zero_grad(set_to_none=True)
             raise CaptureFailed(e, None) from e
         self.fwd_bwd.replay()  # this batch's gradients, now in the graph's memory
-        # the update for this batch, eager: it builds AdamW's tables over the graph's gradients
-        norm = runner.clip_and_update()
-        self.first = (self.loss.detach().clone(), norm)
-        side.wait_stream(torch.cuda.current_stream(device))
-        self.update = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(self.update, pool=self.fwd_bwd.pool(), stream=side):
-                self.norm = runner.clip_and_update()
-        except Exception as e:  # this batch has trained (above): its result stands
-            torch.cuda.current_stream(device).wait_stream(side)
-            opt.zero_grad(set_to_none=True)
-            raise CaptureFailed(e, self.first) from e
-        torch.cuda.current_stream(device).wait_stream(side)
         for g in opt.param_groups:
-            g["lr"] = lr  # the graph holds self.lr's address; a checkpoint's param_groups keep a plain float
+            g["lr"] = self.lr  # the Triton AdamW reads it from memory (consumer/adamw.py)
+        try:
+            # the update for this batch, eager: it builds AdamW's tables over the graph's gradients
+            norm = runner.clip_and_update()
+            self.first = (self.loss.detach().clone(), norm)
+            side.wait_stream(torch.cuda.current_stream(device))
+            self.update = torch.cuda.CUDAGraph()
+            try:
+                self.norm = _capture(self.update, side, pool, runner.clip_and_update)
+            except Exception as e:  # this batch has trained (above): its result stands
+                torch.cuda.current_stream(device).wait_stream(side)
+                opt.zero_grad(set_to_none=True)
+                raise CaptureFailed(e, self.first) from e
+            torch.cuda.current_stream(device).wait_stream(side)
+        finally:
+            for g in opt.param_groups:
+                g["lr"] = lr  # the graph holds self.lr's address; param_groups (checkpoints) keep a float
         # what the graphs read by address and nothing else holds for good
         tables = getattr(opt, "_tables", {})
         self._keep = [t for _, t in tables.values()] + _workspaces()
@@ -159,11 +169,42 @@ class StepGraph:
                 dst.copy_(src, non_blocking=True)
         self.denom.fill_(denom)
         self.lr.fill_(lr)
-        for g in self.runner.optimizer.param_groups:
+        for g in self.optimizer.param_groups:
             g["lr"] = lr  # as the eager step leaves it, for whoever reads param_groups
         self.fwd_bwd.replay()
         self.update.replay()
         return self.loss.detach(), self.norm
+
+
+def _capture(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, pool, fn: Callable[[], T]) -> T:
+    """fn() captured into `graph` on stream `side`, its memory from `pool`. A failed capture leaves neither
+    the current stream nor the allocator in capture mode: torch.cuda.graph's exit restores the stream only
+    after capture_end succeeds, and the allocator, while it thinks a capture is under way, frees no block
+    that another stream used (record_stream: the feed's every batch) until the process ends."""
+    prev = torch.cuda.current_stream(side.device)
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=side):
+            return fn()
+    except Exception:
+        torch.cuda.set_stream(prev)
+        with contextlib.suppress(Exception):  # already ended where capture_end got that far
+            torch._C._cuda_endAllocateToPool(side.device.index, pool)
+        raise
+
+
+def _gemm_problem() -> str | None:
+    """Why nvmath's GEMMs (consumer/cublaslt.py) would fail a capture, or None: only the direct cuBLASLt call
+    can be captured (Matmul.execute() records an event of its own)."""
+    import sys
+
+    cublaslt = sys.modules.get("lmpipe.consumer.cublaslt")
+    if cublaslt is None or not cublaslt._plans:
+        return None
+    if not cublaslt.DIRECT:
+        return "nvmath's GEMMs run through Matmul.execute(), which cannot be captured"
+    if not all(cublaslt._direct_ok(mm) for mm in cublaslt._plans.values()):
+        return "this nvmath-python's planned GEMMs lack what the direct cuBLASLt call reads (nvmath 1.0's)"
+    return None
 
 
 def _workspaces() -> list[torch.Tensor]:

@@ -277,6 +277,9 @@ class Trainer:
         )
         self.receiver.start()
         self.receiver.bound.wait()
+        # one batch shape per compiled graph, and for the step's CUDA graphs (a short last batch stepped
+        # eagerly beside them would need a second step's activations)
+        fixed_rows = self.cfg.compile or (self.model is not None and self.runner.graphs)
         self.feed = DeviceFeed(
             self.receiver,
             self.table,
@@ -284,7 +287,7 @@ class Trainer:
             self.metrics,
             self.device,
             copy_stream=self.cfg.copy_stream,
-            rows=self.pcfg.batch_size if self.cfg.compile else None,  # one batch shape per compiled graph
+            rows=self.pcfg.batch_size if fixed_rows else None,
             attention=self.cfg.attention,
             mask_cache=self.mask_cache,
             wait_timeout=self.cfg.wait_timeout,

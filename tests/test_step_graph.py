@@ -49,12 +49,14 @@ def _train(built, lengths: list[int]) -> list[float]:
 @pytest.mark.cuda
 @pytest.mark.parametrize("compile", [False, True], ids=["eager-model", "compiled"])
 def test_a_captured_step_trains_as_the_eager_step(compile):
-    """Steps 1-3 eager, the 4th captures (and trains), the rest replay; a 128-token batch in between steps
-    eagerly beside the graph. Same losses and weights as an all-eager run, every step."""
-    lengths = [256] * (GRAPH_AFTER + 3) + [128] + [256] * 3
+    """The 4th step in a row of one shape captures (and trains), the rest replay; a 128-token batch before
+    that restarts the count (a short batch is not the shape the run keeps), one after it steps eagerly beside
+    the graph. Same losses and weights as an all-eager run, every step."""
+    lengths = [256] * GRAPH_AFTER + [128] + [256] * (GRAPH_AFTER + 3) + [128] + [256] * 3
     eager, graphed = _built("cuda", False, compile), _built("cuda", True, compile)
     want, got = _train(eager, lengths), _train(graphed, lengths)
-    assert graphed.runner._graph is not None and eager.runner._graph is None
+    graph = graphed.runner._graph
+    assert graph is not None and eager.runner._graph is None and graph.static.idx.shape[1] == 256
     torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
     # bf16 kernels compiled under autocast's cache on and off round differently (1.0e-3 seen, H100); an lr
     # or denominator the graph failed to follow moves the weights by ~5e-2 over these steps
@@ -95,6 +97,20 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_and_says_why(phase, monke
     torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
     steps = {float(s["step"]) for s in graphed.optimizer.state.values()}
     assert steps == {float(len(lengths))}
+    assert all(isinstance(g["lr"], float) for g in graphed.optimizer.param_groups), "checkpoints keep a float"
+    # nothing left in capture mode: the current stream is the default one again, and the allocator frees
+    # blocks another stream used (the feed's record_stream) instead of parking them while "a capture is on"
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    other = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(8):
+        x = torch.empty(1 << 22, device="cuda")
+        x.record_stream(other)
+        del x
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")  # an allocation makes the allocator look at finished streams' events
+    assert torch.cuda.memory_allocated() - before < 1 << 22
 
 
 def test_on_a_cpu_the_step_runs_eagerly_and_says_why():
@@ -118,6 +134,27 @@ def test_batches_that_change_shape_are_not_captured():
         assert ("changes the batches' shape" in why) == problem, (strategy, why)
     runner.cfg.precision = "fp8"  # torchao's float8 scaling has not run under capture
     assert "float8" in (step_graph_problem(runner) or "")
+    runner.cfg.fused_ce = True  # liger's .item() a step: every capture would fail
+    assert "--fused-ce" in (step_graph_problem(runner) or "")
+
+
+def test_nvmath_gemms_that_cannot_be_captured_are_refused_before_capture(monkeypatch):
+    """Only the direct cuBLASLt call can be captured: with it off, or with plans of an nvmath-python that lacks
+    what it reads, the step graph is refused up front (CaptureFailed with nothing trained), not attempted."""
+    from lmpipe.consumer import cublaslt
+    from lmpipe.consumer.step_graph import CaptureFailed, StepGraph
+
+    class OldPlan:  # a planned Matmul of an nvmath-python without the direct call's attributes
+        num_operands = 2
+
+    monkeypatch.setattr(cublaslt, "_plans", {("key",): OldPlan()})
+    runner = _built("cpu", True).runner
+    with pytest.raises(CaptureFailed, match="lack what the direct cuBLASLt call reads") as e:
+        StepGraph(runner, _batch(0, 64, "cpu"), 1.0, 1e-3)
+    assert e.value.result is None
+    monkeypatch.setattr(cublaslt, "DIRECT", False)
+    with pytest.raises(CaptureFailed, match=r"Matmul.execute\(\), which cannot be captured"):
+        StepGraph(runner, _batch(0, 64, "cpu"), 1.0, 1e-3)
 
 
 def test_a_graphs_static_batch_is_its_own_copy_and_its_mask_reads_it():
