@@ -71,7 +71,7 @@ def main() -> None:
     p.set_defaults(model="gpt2-124m", seq_len=1024, batch_size=32, warmup=15, steps=10)
     p.add_argument("--top", type=int, default=15, help="kernels listed by GPU time")
     args = apply_smoke(p.parse_args())
-    step = warm_synthetic_steps(args)
+    step = warm_synthetic_steps(args, step_graph=False)  # each kernel by name, not a graph's replay
     trainer, tcfg, sync, cuda = step.trainer, step.tcfg, step.sync, step.trainer.device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:

@@ -66,6 +66,8 @@ def step_graph_problem(runner: StepRunner) -> str | None:
         return "DDP (torchrun) all-reduces inside the backward"
     if runner.scaler is not None:
         return "fp16's loss scaler decides on the host whether to step"
+    if runner.cfg.attention == "flash":
+        return "--attention flash's document offsets change length from batch to batch"
     if runner.cfg.fused_ce:
         return "--fused-ce (liger) reads the loss on the host every step"
     if runner.cfg.precision == "fp8":
@@ -112,6 +114,8 @@ class StepRunner:
         self.graphs = cfg.step_graph and step_graph_problem(self) is None
         self._graph: StepGraph | None = None
         self._eager_steps = 0
+        # autocast's cache as a capture has it, for the whole run: dynamo guards on it (one compile, not two)
+        self._autocast_cache = not self.graphs
         self._last_key: tuple | None = None
 
     def _autocast(self, cache: bool = True):
@@ -154,8 +158,7 @@ class StepRunner:
             with self.no_sync() if (self.no_sync and not last) else contextlib.nullcontext():
                 if self.cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                # autocast's cache as the capture will have it: one compiled graph for both (dynamo guards on it)
-                loss_sum += self.forward_backward(inp, denom, cache=not self.graphs)
+                loss_sum += self.forward_backward(inp, denom, cache=self._autocast_cache)
         norm = self.clip_and_update()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, norm

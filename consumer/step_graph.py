@@ -25,7 +25,6 @@ said once, nothing lost or trained twice).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -99,8 +98,10 @@ class CaptureFailed(Exception):
     """Something in the step cannot be captured (a host sync, an uncapturable library call). `result`: the
     batch's (loss, norm) where it trained before the failure, else None (it has not trained)."""
 
-    def __init__(self, error: Exception, result: tuple[torch.Tensor, torch.Tensor] | None):
-        super().__init__(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    def __init__(self, error: BaseException, result: tuple[torch.Tensor, torch.Tensor] | None):
+        # an invalidated capture's error comes from capture_end, raised while the real cause was handled
+        cause = error.__context__ if isinstance(error.__context__, Exception) else error
+        super().__init__(f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
         self.result = result
 
 
@@ -187,8 +188,12 @@ def _capture(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, pool, fn: Cal
             return fn()
     except Exception:
         torch.cuda.set_stream(prev)
-        with contextlib.suppress(Exception):  # already ended where capture_end got that far
+        try:
             torch._C._cuda_endAllocateToPool(side.device.index, pool)
+        except Exception:
+            pass  # capture_end got that far: the graph ended the capture and gives its pool back itself
+        else:  # it did not: nothing else gives back the pool's use that the capture took
+            torch._C._cuda_releasePool(side.device.index, pool)
         raise
 
 

@@ -353,7 +353,7 @@ def _check_object(f: DataFile) -> None:
     except FileNotFoundError:
         what = "deleted"
     else:
-        size, now = int(info.get("size") or 0), version(info)
+        size, now = int(info.get("size") or 0), version(info, f.remote.proto)
         if size == f.size and now == f.version:
             return
         what = f"{f.size:,} -> {size:,} bytes" if size != f.size else f"rewritten: {f.version} -> {now}"
@@ -479,7 +479,7 @@ def _resolve_remote(url: str) -> list[DataFile]:
         return [remote_file(u, size, ver) for u, size, ver in r.glob(url)]
     info = r.info(url)  # a missing bucket or key: FileNotFoundError naming the URL
     if info["type"] != "directory":
-        return [remote_file(url, int(info.get("size") or 0), version(info))]
+        return [remote_file(url, int(info.get("size") or 0), version(info, r.proto))]
     entries = r.ls(url)
     by_name = {u.rsplit("/", 1)[-1]: (u, size, ver) for u, size, kind, ver in entries if kind == "file"}
     hf = _hf_dataset(url, set(by_name), lambda name: r.read_all(by_name[name][0]).decode())

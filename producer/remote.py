@@ -91,6 +91,8 @@ def _one_line(exc: BaseException) -> str:
 
 def is_transient(exc: BaseException) -> bool:
     """Worth trying again: the network or the server, not the request."""
+    if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None and is_transient(exc.__cause__):
+        return True  # fsspec's HTTP info() turns a failed GET into "not found", a 503's too
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     if isinstance(exc, (TimeoutError, ConnectionError)):
@@ -199,9 +201,15 @@ os.register_at_fork(after_in_child=filesystem.cache_clear)
 VERSION_KEYS = ("md5Hash", "crc32c", "generation", "ETag", "etag", "Content-MD5", "Digest")
 
 
-def version(info: dict[str, Any]) -> str | None:
-    """The object's version as its store reports it (VERSION_KEYS), or None if it reports none."""
-    for key in VERSION_KEYS:
+# an HTTP server's ETag may be per node behind a load balancer (nginx's time-size, Apache's inode-based), so
+# it would read as a rewrite on the next request: there only a digest of the content is a version
+HTTP_VERSION_KEYS = ("Content-MD5", "Digest")
+
+
+def version(info: dict[str, Any], proto: str = "") -> str | None:
+    """The object's version as its store (`proto`: remote.protocol's name) reports it, or None if it
+    reports none."""
+    for key in HTTP_VERSION_KEYS if proto.lower() in ("http", "https") else VERSION_KEYS:
         if info.get(key):
             return f"{key}={str(info[key]).strip(chr(34))}"
     return None
@@ -227,7 +235,10 @@ class Remote:
         """(url, size, type, version) of the entries directly under a directory URL, sorted by name."""
         entries = retry(url, lambda: self.fs.ls(self.key(url), detail=True))
         return sorted(
-            ((self.url(e["name"]), int(e.get("size") or 0), e["type"], version(e)) for e in entries),
+            (
+                (self.url(e["name"]), int(e.get("size") or 0), e["type"], version(e, self.proto))
+                for e in entries
+            ),
             key=lambda e: e[0],
         )
 
@@ -235,7 +246,7 @@ class Remote:
         """(url, size, version) of the files a glob pattern matches, sorted."""
         found = retry(pattern, lambda: self.fs.glob(self.key(pattern), detail=True))
         return sorted(
-            (self.url(k), int(v.get("size") or 0), version(v))
+            (self.url(k), int(v.get("size") or 0), version(v, self.proto))
             for k, v in found.items()
             if v["type"] == "file"
         )

@@ -3,6 +3,7 @@ step does, follows the lr schedule and the loss's denominator, and steps eagerly
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -80,16 +81,19 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_and_says_why(phase, monke
     """A host sync inside the captured work (as an uncapturable library call would make) fails the capture:
     one warning, and training goes on eagerly with nothing lost or trained twice, the same as an eager run."""
     lengths = [256] * (GRAPH_AFTER + 4)
-    eager, graphed = _built("cuda", False), _built("cuda", True)
-    real = getattr(graphed.runner, phase)
+    eager = _built("cuda", False)
+    want = _train(eager, lengths)
+    del eager
+    base = _reserved()
+    graphed = _built("cuda", True)
+    real = {"fn": getattr(graphed.runner, phase)}  # held here, so the run can be let go of at the end
 
     def syncing(*args, **kwargs):
         if torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize()
-        return real(*args, **kwargs)
+        return real["fn"](*args, **kwargs)
 
     monkeypatch.setattr(graphed.runner, phase, syncing)
-    want = _train(eager, lengths)
     with caplog.at_level(logging.WARNING, logger="lmpipe.trainer"):
         got = _train(graphed, lengths)
     assert graphed.runner._graph is None and not graphed.runner.graphs
@@ -111,6 +115,20 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_and_says_why(phase, monke
     torch.cuda.synchronize()
     torch.empty(1, device="cuda")  # an allocation makes the allocator look at finished streams' events
     assert torch.cuda.memory_allocated() - before < 1 << 22
+    # and the failed capture's pool goes back once the run is gone (the graph's activations are not kept)
+    monkeypatch.undo()
+    real.clear()
+    del graphed
+    assert _reserved() <= base + (2 << 20)
+
+
+def _reserved() -> int:
+    """The GPU memory torch's allocator holds once nothing unreferenced is cached."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()  # one per (handle, stream): the capture's side stream made one
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
 
 
 def test_on_a_cpu_the_step_runs_eagerly_and_says_why():
