@@ -52,6 +52,7 @@ import threading
 import time
 import zlib
 from collections.abc import Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -308,14 +309,15 @@ def _when(ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
 
 
-def check_unchanged(f: DataFile, each_batch: bool = False) -> None:
+def check_unchanged(f: DataFile, routine: bool = False) -> None:
     """Raise CorpusChanged when `f` is not as the run found it: record ids and cursors number its records as
     they were, and an emptied file read as one would end the epoch. A local file's size, times and inode are
     compared (a stat); a file of the same size whose times or inode changed is hashed again (once per new
-    state) and read on if its content is as found. An object's version and size are asked of its store (one
-    HEAD), except `each_batch` (a round trip per batch of a table would cost more than the batch)."""
+    state) and read on if its content is as found. An object's version and size are asked of its store (a
+    HEAD request), except on the `routine` checks of the read path: objects are asked about all at once at
+    each pass's start and end instead (check_objects)."""
     if f.inode is None:  # a URL
-        if f.remote is not None and f.version is not None and not each_batch:
+        if f.remote is not None and f.version is not None and not routine:
             _check_object(f)
         return
     try:
@@ -341,6 +343,23 @@ def check_unchanged(f: DataFile, each_batch: bool = False) -> None:
         f"corpus file {f} changed during the run ({what}); the run cannot go on reading it as it was: "
         "restore it or start a new run"
     )
+
+
+def check_objects(files: list[DataFile], in_flight: int = 16) -> None:
+    """check_unchanged for every remote object of `files` at once, `in_flight` HEAD requests at a time (at a
+    pass's start and end: one after another, a round trip per object would cost about as much as reading a
+    small object)."""
+    objects = [f for f in files if f.inode is None and f.remote is not None and f.version is not None]
+    if len(objects) < 2:
+        for f in objects:
+            _check_object(f)
+        return
+    pool = ThreadPoolExecutor(min(in_flight, len(objects)), thread_name_prefix="lmpipe-head")
+    try:
+        for _ in pool.map(_check_object, objects):  # the first change, in corpus order
+            pass
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _check_object(f: DataFile) -> None:
@@ -763,13 +782,13 @@ def _arrow_batches(f: DataFile, text_column: str) -> Iterator[tuple[Any, str]]:
             reader = pa.ipc.open_file(source)
             name, kind = _column(f, reader.schema, text_column)
             for k in range(reader.num_record_batches):
-                check_unchanged(f, each_batch=True)
+                check_unchanged(f, routine=True)
                 yield reader.get_batch(k).column(name), kind
         else:
             stream = pa.ipc.open_stream(source)
             name, kind = _column(f, stream.schema, text_column)
             while True:
-                check_unchanged(f, each_batch=True)
+                check_unchanged(f, routine=True)
                 try:
                     batch = stream.read_next_batch()
                 except StopIteration:
@@ -797,5 +816,5 @@ def table_records(f: DataFile, first_rid: int, worker: int, num_workers: int, *,
             f"{f}: unreadable {f.fmt.capitalize()} data after row {row} ({' '.join(str(exc).split())}); "
             "re-download or re-create the file"
         ) from None
-    check_unchanged(f)  # the whole pass read the file as it was
+    check_unchanged(f, routine=True)  # the whole pass read the file as it was
     return first_rid + row

@@ -566,10 +566,13 @@ class Corpus:
                 yield self.record(i)
             return
         rid = 0
+        # every pass reads the files the run found (size, modification time; an object's version), and all
+        # of each: one cut short, grown or rewritten would shift record ids and cursors, or end the epoch
+        # early. Local files are checked before and after each is read, objects all together before the
+        # pass reads any and after it read all (a HEAD request each)
+        formats.check_objects(self.paths)
         for p in self.paths:
-            # every pass reads the file the run found (its size, modification time), and all of it: one cut
-            # short, grown or rewritten would shift record ids and cursors, or end the epoch early
-            formats.check_unchanged(p)
+            formats.check_unchanged(p, routine=True)
             if p.fmt in formats.TABLES:  # yields only this worker's rows; returns the next file's first id
                 rid = yield from formats.table_records(
                     p, rid, worker, num_workers, text_column=self.text_column, vocab_size=self.vocab_size,
@@ -589,9 +592,11 @@ class Corpus:
                 only = rec if rec.rid == first_rid else None
                 if rec.rid % num_workers == worker:
                     yield rec
-            formats.check_unchanged(p)  # (a table's reader checks before each batch and at its end)
+            # (a table's reader checks before each batch and at its end)
+            formats.check_unchanged(p, routine=True)
             if p.fmt == "text" and only is not None and only.bad is None and "\n" in (only.text or ""):
                 self.one_document.add(str(p))  # lines, but no document boundary: --doc-split's hint
+        formats.check_objects(self.paths)
 
 
 def refuse_binary(path: DataFile) -> None:

@@ -518,6 +518,15 @@ def test_an_object_rewritten_during_the_run_stops_its_reading_in_one_line(s3):
     _versioned_object("mid.parquet", _parquet_bytes([f"row {i}" for i in range(180)]))
     with pytest.raises(CorpusChanged, match=r"changed during the run \([0-9,]+ -> [0-9,]+ bytes\)"):
         list(it)
+    # many objects: all asked about at the pass's start, together, before any of them is read
+    urls = [_versioned_object(f"many/{i}.txt", body) for i in range(5)]
+    many = Corpus([f"s3://{BUCKET}/versions/many/"])
+    assert [str(f) for f in many.paths] == urls
+    assert len(list(many.records())) == 5 * len(first)
+    _versioned_object("many/4.txt", _one_byte_other(body))
+    it = many.records()
+    with pytest.raises(CorpusChanged, match=rf"^corpus object {re.escape(urls[4])} changed during the run"):
+        next(it)  # not a record of the first four objects first
     gone = Corpus([_versioned_object("gone.txt", body)])
     remote.filesystem("s3").rm(f"{BUCKET}/versions/gone.txt")
     with pytest.raises(CorpusChanged, match=r"changed during the run \(deleted\)"):
