@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from lmpipe.consumer import cublaslt  # torch alone: nvmath is imported where a GEMM is planned
 from lmpipe.consumer.inputs import ModelInputs, document_causal_mask_mod
 from lmpipe.consumer.model import AttnSpec
 
@@ -158,7 +159,7 @@ class StepGraph:
                 g["lr"] = lr  # the graph holds self.lr's address; param_groups (checkpoints) keep a float
         # what the graphs read by address and nothing else holds for good
         tables = getattr(opt, "_tables", {})
-        self._keep = [t for _, t in tables.values()] + _workspaces()
+        self._keep = [t for _, t in tables.values()] + list(cublaslt._workspaces.values())
         log.info("the training step runs as CUDA graphs from here (--step-graph)")
 
     def takes(self, inp: ModelInputs) -> bool:
@@ -200,21 +201,10 @@ def _capture(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, pool, fn: Cal
 def _gemm_problem() -> str | None:
     """Why nvmath's GEMMs (consumer/cublaslt.py) would fail a capture, or None: only the direct cuBLASLt call
     can be captured (Matmul.execute() records an event of its own)."""
-    import sys
-
-    cublaslt = sys.modules.get("lmpipe.consumer.cublaslt")
-    if cublaslt is None or not cublaslt._plans:
+    if not cublaslt._plans:
         return None
     if not cublaslt.DIRECT:
         return "nvmath's GEMMs run through Matmul.execute(), which cannot be captured"
     if not all(cublaslt._direct_ok(mm) for mm in cublaslt._plans.values()):
         return "this nvmath-python's planned GEMMs lack what the direct cuBLASLt call reads (nvmath 1.0's)"
     return None
-
-
-def _workspaces() -> list[torch.Tensor]:
-    try:
-        from lmpipe.consumer import cublaslt
-    except ImportError:
-        return []
-    return list(getattr(cublaslt, "_workspaces", {}).values())
