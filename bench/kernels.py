@@ -15,11 +15,13 @@ import argparse
 import re
 import time
 from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from bench.common import table, write_result
-from bench.trainbench import apply_smoke, common_args, warm_synthetic_steps
+from bench.trainbench import SyntheticSteps, apply_smoke, common_args, warm_synthetic_steps
 from lmpipe.consumer.report import peak_flops
 
 # first match wins; names as CUDA, cuBLAS, Triton (inductor) and FlexAttention give them
@@ -37,6 +39,7 @@ CLASSES = [
 
 BLOCKING = (
     r"^cuda(Stream|Device|Event)Synchronize|^cudaMemcpy$|^cudaMemcpyAsync|^cuda(Malloc|Free)|^cudaHostAlloc"
+    r"|^cudaGraphLaunch"
     r"|^aten::(item|_local_scalar_dense|nonzero|is_nonzero|masked_select|unique)"
 )
 
@@ -65,79 +68,128 @@ def gpu_idle(events, steps: int, top: int = 8) -> tuple[float, list[list]]:
     return idle / steps, sorted(gaps, key=lambda g: -g[0])[:top]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common_args(p)
-    p.set_defaults(model="gpt2-124m", seq_len=1024, batch_size=32, warmup=15, steps=10)
-    p.add_argument("--top", type=int, default=15, help="kernels listed by GPU time")
-    args = apply_smoke(p.parse_args())
-    step = warm_synthetic_steps(args, step_graph=False)  # each kernel by name, not a graph's replay
-    trainer, tcfg, sync, cuda = step.trainer, step.tcfg, step.sync, step.trainer.device.type == "cuda"
+@dataclass
+class Profile:
+    """One variant's profiled steps: wall ms a step, GPU ms a step by class, the longest kernels, idle time."""
+
+    wall: float
+    per_class: dict[str, float]
+    top: list[list]
+    idle: float
+    gaps: list[list]
+    blocking: list[list]
+
+    @property
+    def gpu(self) -> float:
+        return sum(self.per_class.values()) or float("nan")  # nan off CUDA: no kernel times to share out
+
+
+def profiled(step: SyntheticSteps, first: int, steps: int, top: int, trace: str | None = None) -> Profile:
+    cuda = step.trainer.device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        for i in range(args.steps):
-            step(args.warmup + i)
-        sync()
-        wall = (time.perf_counter() - t0) / args.steps
+        for i in range(steps):
+            step(first + i)
+        step.sync()
+        wall = 1e3 * (time.perf_counter() - t0) / steps
+    if trace:
+        prof.export_chrome_trace(trace)
     # user annotations (Optimizer.step#AdamW.step) span kernels that are counted on their own: left out
     kernels = [
         e
         for e in prof.key_averages()
         if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
     ]
-    idle, gaps = gpu_idle(prof.events(), args.steps)
+    idle, gaps = gpu_idle(prof.events(), steps)
     # what makes the host wait for the GPU (a sync ends the host's lead, and the GPU idles while the host
     # launches the next kernels): CUDA runtime calls and the aten ops that sync, by host time per step
     blocking = [
-        [e.key[:70], e.count // args.steps, f"{e.cpu_time_total / 1e3 / args.steps:.3f}"]
+        [e.key[:70], e.count // steps, f"{e.cpu_time_total / 1e3 / steps:.3f}"]
         for e in sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total)
         if e.device_type == torch.autograd.DeviceType.CPU and re.search(BLOCKING, e.key)
     ][:12]
     per_class: dict[str, float] = defaultdict(float)
     for e in kernels:
-        per_class[classify(e.key)] += e.self_device_time_total / 1e3 / args.steps  # ms per step
-    gpu = sum(per_class.values()) or float("nan")  # nan off CUDA: no kernel times to share out
+        per_class[classify(e.key)] += e.self_device_time_total / 1e3 / steps  # ms per step
+    longest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    top_rows = [[e.key[:90], classify(e.key), e.count // steps, f"{e.self_device_time_total / 1e3 / steps:.3f}"]
+                for e in longest]  # fmt: skip
+    return Profile(wall, dict(per_class), top_rows, idle, gaps, blocking)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(p)
+    p.set_defaults(model="gpt2-124m", seq_len=1024, batch_size=32, warmup=15, steps=10)
+    p.add_argument("--top", type=int, default=15, help="kernels listed by GPU time")
+    p.add_argument("--step-graph", action="store_true",
+                   help="also profile the step replayed as CUDA graphs (the trainer's default), side by side "
+                        "with the same compiled step issued eagerly: the same kernels, with or without the "
+                        "host's launches between them")  # fmt: skip
+    p.add_argument("--trace", action="store_true", help="also write each variant's Chrome trace to --out")
+    args = apply_smoke(p.parse_args())
+    step = warm_synthetic_steps(args, step_graph=args.step_graph)  # captured in the warm-up, where it can be
+    trainer, tcfg, runner = step.trainer, step.tcfg, step.trainer.runner
+
+    def trace_path(name: str) -> str | None:
+        return str(Path(args.out or "bench/results") / f"trace-{name}.json") if args.trace else None
+
+    variants: dict[str, Profile] = {}
+    if runner.graphs:
+        variants["as CUDA graphs"] = profiled(step, args.warmup, args.steps, args.top, trace_path("graphs"))
+        runner.graphs = False  # the same runner, its graph kept aside: each kernel launched on its own
+    variants["issued eagerly"] = profiled(
+        step, args.warmup + args.steps, args.steps, args.top, trace_path("eager")
+    )
+    cuda = trainer.device.type == "cuda"
     model, T = trainer.model, args.seq_len
     tokens = args.batch_size * T
     flops = model.flops_per_token(T) * tokens
     cfg = model.config
     attention_flops = 12 * cfg.n_layer * cfg.n_embd * T * tokens
     peak = peak_flops(torch.cuda.get_device_name()) if cuda else 0.0
-    rows = [
-        [c, f"{ms:.2f}", f"{100 * ms / gpu:.1f}"] for c, ms in sorted(per_class.items(), key=lambda x: -x[1])
-    ]
-    rows.append(["GPU total", f"{gpu:.2f}", "100.0"])
-    mm = per_class.get(CLASSES[0][0], 0.0)
-    facts = [
-        ["wall time per step", f"{1e3 * wall:.2f} ms (GPU busy {100 * gpu / (1e3 * wall):.1f}%)"],
-        ["tokens/s", f"{tokens / wall:,.0f}"],
-        ["MFU (6N + attention, PaLM)", f"{100 * flops / wall / peak:.1f}%" if peak else "n/a"],
-        ["matmul FLOPs per step (6N)", f"{(flops - attention_flops) / 1e12:.2f} TFLOP"],
-        [
-            "matmuls' achieved rate",
-            f"{(flops - attention_flops) / (mm / 1e3) / 1e12:.0f} TFLOP/s" if mm else "n/a",
-        ],
-        ["time outside matmuls", f"{gpu - mm:.2f} ms per step ({100 * (gpu - mm) / gpu:.1f}% of GPU time)"],
-        ["GPU idle between the first and the last kernel", f"{idle:.2f} ms per step"],
-    ]
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[: args.top]
-    top_rows = [[e.key[:90], classify(e.key), e.count // args.steps, f"{e.self_device_time_total / 1e3 / args.steps:.3f}"]
-                for e in top]  # fmt: skip
+    names = list(variants)
+    profs = list(variants.values())
+    classes = sorted({c for v in profs for c in v.per_class}, key=lambda c: -profs[0].per_class.get(c, 0.0))
+    rows = [[c] + [f"{v.per_class.get(c, 0.0):.2f}" for v in profs]
+            + [f"{100 * profs[0].per_class.get(c, 0.0) / profs[0].gpu:.1f}"] for c in classes]  # fmt: skip
+    rows.append(["GPU total"] + [f"{v.gpu:.2f}" for v in profs] + ["100.0"])
+    mm = CLASSES[0][0]
+
+    def facts(v: Profile) -> list[str]:
+        return [
+            f"{v.wall:.2f} ms (GPU busy {100 * v.gpu / v.wall:.1f}%)",
+            f"{tokens / v.wall * 1e3:,.0f}",
+            f"{100 * flops / (v.wall / 1e3) / peak:.1f}%" if peak else "n/a",
+            f"{(flops - attention_flops) / 1e12:.2f} TFLOP",
+            f"{(flops - attention_flops) / (v.per_class[mm] / 1e3) / 1e12:.0f} TFLOP/s" if v.per_class.get(mm) else "n/a",
+            f"{v.gpu - v.per_class.get(mm, 0.0):.2f} ms per step",
+            f"{v.idle:.2f} ms per step",
+        ]  # fmt: skip
+
+    labels = ["wall time per step", "tokens/s", "MFU (6N + attention, PaLM)", "matmul FLOPs per step (6N)",
+              "matmuls' achieved rate", "GPU time outside matmuls", "GPU idle between the first and last kernel"]  # fmt: skip
+    fact_rows = [[label, *col] for label, *col in zip(labels, *(facts(v) for v in profs))]
     body = (
-        f"{args.model}, T={T}, batch {args.batch_size} rows, {args.precision}, compile={args.compile}, "
-        f"attention {tcfg.attention}, fused CE={args.fused_ce}; synthetic-fed (WikiText-2 batches on the "
-        f"device), {args.warmup} untimed + {args.steps} profiled steps.\n\n"
-        + table(["", ""], facts)
-        + "\n\n## GPU time per step by kind of kernel\n\n"
-        + table(["kind", "ms per step", "% of GPU time"], rows)
-        + f"\n\n## The {args.top} kernels that take longest\n\n"
-        + table(["kernel", "kind", "calls per step", "ms per step"], top_rows)
-        + "\n\n## The longest GPU idle gaps (the GPU waiting on the host)\n\n"
-        + table(["gap ms", "after kernel", "before kernel"], gaps)
-        + "\n\n## Host calls that can wait for the GPU\n\n"
-        + table(["call", "calls per step", "host ms per step"], blocking)
+        f"{args.model}, T={T}, batch {args.batch_size} rows, {args.precision}, compile={args.compile} "
+        f"({args.compile_mode}), attention {tcfg.attention}, fused CE={args.fused_ce}; synthetic-fed "
+        f"(WikiText-2 batches on the device), {args.warmup} untimed + {args.steps} profiled steps"
+        + (", then the same runner's step issued eagerly for as many" if len(profs) > 1 else "")
+        + ".\n\n"
+        + table(["", *names], fact_rows)
+        + "\n\n## GPU time per step by kind of kernel (ms)\n\n"
+        + table(["kind", *names, f"% of GPU time ({names[0]})"], rows)
     )
+    for name, v in variants.items():
+        body += (
+            f"\n\n## The {args.top} kernels that take longest ({name})\n\n"
+            + table(["kernel", "kind", "calls per step", "ms per step"], v.top)
+            + f"\n\n## The longest GPU idle gaps ({name})\n\n"
+            + table(["gap ms", "after kernel", "before kernel"], v.gaps)
+            + f"\n\n## Host calls that can wait for the GPU ({name})\n\n"
+            + table(["call", "calls per step", "host ms per step"], v.blocking)
+        )
     print(body)
     write_result("kernels", "Where a step's GPU time goes", body, args.out)
 

@@ -143,8 +143,10 @@ class StepRunner:
                         return self._graph.first
                     except CaptureFailed as e:  # the same step fails the same way: eager from here on
                         self.graphs = False
+                        # its text, not the exception: a handler that keeps records (pytest's caplog, a
+                        # buffer) would keep the traceback, and with it the failed capture's tensors
                         log.warning("the training step cannot be captured as CUDA graphs (%s); it runs "
-                                    "eagerly from here (--no-step-graph: no attempt)", e)  # fmt: skip
+                                    "eagerly from here (--no-step-graph: no attempt)", str(e))  # fmt: skip
                         if e.result is not None:
                             return e.result
         if self._graph is not None:  # the graph's gradients stay in p.grad; an eager backward starts anew
