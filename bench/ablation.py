@@ -112,6 +112,13 @@ VARIANTS: list[tuple] = [
     ),
     # Hopper's programmatic dependent launch: a kernel's prologue overlaps the end of the one before it
     ("programmatic dependent launch (inductor, Hopper)", {}, {}, {"triton.enable_pdl": True}),
+    (
+        "each logging interval's loss read at once (a host sync that drains the GPU's queue)",
+        {},
+        {},
+        {},
+        {"lmpipe.consumer.runstats.REPORT_BEHIND": False},
+    ),
     ("no copy stream (H2D on the compute stream)", {}, {"copy_stream": False}),
     ("no torch.compile", {}, {"compile": False}),
     ("no fused AdamW (foreach)", {}, {"fused_adamw": False}),

@@ -1,6 +1,7 @@
 """The trainer's bookkeeping around its loop: what each step adds (tokens, targets, padding, data wait, the
 loss on the device), what each logging interval reports (metrics, the log line or progress call, a history
-row), and the end-of-run summary. The loss is read from the device once per interval, never per step.
+row), and the end-of-run summary. The loss is read from the device once per interval, never per step, and
+then one step late (REPORT_BEHIND).
 
 Apart from consumer/report.py (the summary and status line themselves), which stays importable without torch:
 lmpipe/progress.py uses it on hosts without it.
@@ -12,6 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +31,40 @@ if TYPE_CHECKING:
 log = logging.getLogger("lmpipe.trainer")
 
 Progress = Callable[[int, dict], None]
+
+# An interval's loss and grad norm are copied to pinned host memory behind an event when it closes, and read
+# after the next step is queued: the read waits for the interval's last step alone, while the GPU runs the
+# next. Read at once (False), the sync drains the GPU's queue, and it idles while the host prepares the next
+# step: 2-3 ms per interval under CUDA graphs (bench/results/kernels-*.md; bench.ablation's row).
+REPORT_BEHIND = True
+
+
+def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`t`'s value on its way to the host without a sync: a pinned copy and the event that says it landed
+    (None off CUDA, where the copy is done when this returns)."""
+    if t.device.type != "cuda":
+        return t.detach().clone(), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t.detach(), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+@dataclass
+class _Closed:
+    """A closed logging interval whose device values are on their way to the host."""
+
+    step: int
+    lr: float
+    loss: torch.Tensor  # the interval's summed loss (host)
+    norm: torch.Tensor  # the grad norm of its last step (host)
+    done: torch.cuda.Event | None
+    targets: int
+    tokens: int
+    wait: float
+    tokens_so_far: int  # the run's tokens when it closed: the steady-state clock starts there
+    progress: Progress | None
 
 
 class CompiledGraphs:
@@ -86,6 +122,7 @@ class RunStats:
         self._start: float | None = None
         self._step = step
         self._steady: tuple[float, int] | None = None  # (time, tokens) at the end of the first interval
+        self._closed: _Closed | None = None  # an interval closed and not yet reported (REPORT_BEHIND)
 
     @property
     def first(self) -> bool:
@@ -131,25 +168,46 @@ class RunStats:
         return step % self.cfg.log_every == 0 or step == self.cfg.steps
 
     def close_interval(self, step: int, lr: float, norm: torch.Tensor, progress: Progress | None) -> None:
-        """Report the interval ending at `step` and start the next."""
+        """Close the interval ending at `step` and start the next. It is reported by the next report() (the
+        trainer calls it once the next step is queued), or at once without REPORT_BEHIND."""
+        self.report()  # an interval closes at most once a step: the last one is out by now
+        both = torch.stack([self._loss, norm.detach().float().reshape(())])
+        values, done = host_copy(both)
+        self._closed = _Closed(step, lr, values[0], values[1], done, self._targets, self._tokens, self._wait,
+                               self.summary.tokens, progress)  # fmt: skip
+        self._loss.zero_()  # after the copy: both are queued on this stream
+        self._targets = self._tokens = 0
+        self._wait = 0.0
+        if not REPORT_BEHIND:
+            self.report()
+
+    def report(self, wait: bool = True) -> None:
+        """Report the closed interval, if one waits: metrics, the log line or progress call, a history row.
+        wait=False: only if its values have reached the host (before a wait for data, which may be long)."""
+        c = self._closed
+        if c is None or (not wait and c.done is not None and not c.done.query()):
+            return
+        self._closed = None
+        if c.done is not None:
+            c.done.synchronize()  # the interval's last step: the one queued behind it runs on meanwhile
         summary = self.summary
-        # the one host sync of the interval (and, under torchrun, one exchange of host scalars)
-        loss_all, targets_all, tokens_all = self.dist.sum([self._loss.item(), self._targets, self._tokens])
+        # under torchrun, one exchange of host scalars
+        loss_all, targets_all, tokens_all = self.dist.sum([c.loss.item(), c.targets, c.tokens])
         if not self.trained:
             loss = 0.0  # --consume-only: nothing is trained
         else:  # no trained target in the whole interval: no loss to show (0 would read as perfect)
             loss = loss_all / targets_all if targets_all else math.nan
-        now = time.perf_counter()
+        now = time.perf_counter()  # about when the interval's last step ended on the device
         assert self._start is not None  # set with the first batch
         dt = now - self._start
         stats = {
             "loss": loss,
-            "lr": lr,
-            "grad_norm": float(norm),
-            "tokens_per_second": self._tokens / dt if dt > 0 else 0.0,
-            "data_wait": self._wait / dt if dt > 0 else 0.0,
-            "step_seconds": dt / max(step - self._step, 1),
-            "step": step,
+            "lr": c.lr,
+            "grad_norm": c.norm.item(),
+            "tokens_per_second": c.tokens / dt if dt > 0 else 0.0,
+            "data_wait": c.wait / dt if dt > 0 else 0.0,
+            "step_seconds": dt / max(c.step - self._step, 1),
+            "step": c.step,
             "elapsed": now - self.started,
             "padding_efficiency": summary.padding_efficiency,
             "mfu": 0.0,
@@ -158,26 +216,23 @@ class RunStats:
         self._publish(stats)
         if not math.isnan(loss):
             summary.losses.append(loss)
-        self._history_row(step, now, loss, tokens_all)
+        self._history_row(c.step, now, loss, tokens_all, c.wait)
         if not self.dist.is_main:
             pass  # rank 0 speaks for the job
-        elif progress:
-            progress(step, {**stats, "tokens_per_second": tokens_all / dt if dt > 0 else 0.0})
+        elif c.progress:
+            c.progress(c.step, {**stats, "tokens_per_second": tokens_all / dt if dt > 0 else 0.0})
         else:
             log.info(
                 "step %d | loss %s | lr %.2e | %.0f tok/s | data wait %.1f%%",
-                step,
+                c.step,
                 format_loss(loss),
-                lr,
+                c.lr,
                 stats["tokens_per_second"],
                 100 * stats["data_wait"],
             )
         if self._steady is None:
-            self._steady = (now, summary.tokens)
-        self._loss.zero_()
-        self._targets = self._tokens = 0
-        self._wait = 0.0
-        self._start, self._step = now, step
+            self._steady = (now, c.tokens_so_far)
+        self._start, self._step = now, c.step
 
     def _publish(self, stats: dict) -> None:
         m = self.metrics
@@ -204,20 +259,21 @@ class RunStats:
     def close_tail(self, step: int) -> None:
         """The loss of the steps after the last interval (every rank calls this: a collective), and their
         history row, so that `lmpipe plot` draws the run to its last step."""
+        self.report()
         loss_all, targets_all, tokens_all = self.dist.sum([self._loss.item(), self._targets, self._tokens])
         if targets_all:
             self.summary.losses.append(loss_all / targets_all)
         if step > self._step and self._start is not None and tokens_all:
             loss = loss_all / targets_all if targets_all else math.nan
-            self._history_row(step, time.perf_counter(), loss, tokens_all)
+            self._history_row(step, time.perf_counter(), loss, tokens_all, self._wait)
 
-    def _history_row(self, step: int, now: float, loss: float, tokens_all: float) -> None:
+    def _history_row(self, step: int, now: float, loss: float, tokens_all: float, wait: float) -> None:
         """The summary's row for the interval from self._start to `now` (`lmpipe plot` draws them)."""
         assert self._start is not None
         dt = now - self._start
         self.summary.history.append({"step": step, "elapsed": now - self.started, "loss": loss,
                                      "tokens_per_second": tokens_all / dt if dt > 0 else 0.0,  # every rank's
-                                     "data_wait": self._wait / dt if dt > 0 else 0.0})  # fmt: skip
+                                     "data_wait": wait / dt if dt > 0 else 0.0})  # fmt: skip
 
     def finish(
         self, step: int, stop_reason: str, graphs: CompiledGraphs, receive_thread: int | None

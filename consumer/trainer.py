@@ -3,7 +3,8 @@
 Per step: take `accum` ready host slots from the device feed (the wait is data-wait time; consumer/feed.py),
 run forward/backward over them and one optimizer step (consumer/step.py, on what consumer/build.py built),
 count, report at each logging interval (consumer/runstats.py), and checkpoint when due. The host reads GPU
-values (loss, grad norm, loss scale) only every `log_every` steps; nothing else in the loop synchronises.
+values (loss, grad norm, loss scale) only every `log_every` steps, one step late (runstats.REPORT_BEHIND);
+nothing else in the loop synchronises.
 With --consume-only no model is built: a step is the copy of its batches to the device (how fast the
 pipeline alone can feed).
 """
@@ -334,6 +335,7 @@ class Trainer:
         )  # fmt: skip
         no_loss = torch.zeros((), device=self.device)  # --consume-only: nothing is trained
         while not self._stop_reason and (cfg.steps == 0 or self.step < cfg.steps):
+            stats.report(wait=False)  # the last interval, if its step is done: the wait for data may be long
             slots, waited, problem = self.feed.take(cfg.accum, stopping=lambda: bool(self._stop_reason))
             if problem:
                 log.error("%s; stopping", problem)
@@ -385,6 +387,7 @@ class Trainer:
             if first:
                 stats.first_step_done()
             stats.add_step(metas, loss_sum, waited, lr)
+            stats.report()  # the last interval, now that this step is queued behind it (REPORT_BEHIND)
             self.feed.release_done()
             m.step_seconds.observe(time.perf_counter() - t0 + waited)
             if cfg.compile:

@@ -205,6 +205,44 @@ def test_building_a_batchs_inputs_does_not_wait_for_the_gpu(attention):
     assert inp.idx.shape == (B, L)
 
 
+def test_a_logging_interval_is_read_behind_the_next_step_not_by_draining_the_gpu():
+    """Closing an interval queues its loss's copy to the host and returns; the report waits for the interval's
+    last step alone, while the step queued after it runs on (runstats.REPORT_BEHIND): the GPU never idles
+    while the host prepares a step."""
+    import time
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from lmpipe.consumer.config import TrainConfig
+    from lmpipe.consumer.distributed import Dist
+    from lmpipe.consumer.runstats import RunStats
+    from lmpipe.shared.metrics import TrainerMetrics
+
+    feed = SimpleNamespace(observe_h2d=lambda: None)  # the copy-time bookkeeping, not under test here
+    stats = RunStats(TrainConfig(log_every=1), Dist(), TrainerMetrics(CollectorRegistry()), feed, DEV,  # type: ignore[arg-type]
+                     None, (0.0, 0.0), 0.0, trained=True, started=time.perf_counter(), step=0)  # fmt: skip
+    stats.start_clock(0.0)
+    records: list[tuple[int, dict]] = []
+    torch.cuda._sleep(200_000_000)  # the interval's last step...
+    loss = torch.ones((), device=DEV) * 6.0  # ...and its loss, made after it on the same stream
+    interval_end = torch.cuda.Event()
+    interval_end.record()
+    stats.add_step([SimpleNamespace(real_tokens=4, n_targets=3, pad_tokens=0)], loss, 0.0, 1e-3)  # type: ignore[list-item]
+    stats.close_interval(
+        1, 1e-3, torch.full((), 0.5, device=DEV), lambda step, st: records.append((step, st))
+    )
+    closed_before_it_ran = not interval_end.query() and not records
+    torch.cuda._sleep(2_000_000_000)  # the next step, a second or so
+    next_step = torch.cuda.Event()
+    next_step.record()
+    stats.report()
+    assert closed_before_it_ran, "closing the interval waited for its step"
+    assert [(step, st["loss"], st["grad_norm"]) for step, st in records] == [(1, 2.0, 0.5)]
+    assert not next_step.query(), "reading the interval waited for the step queued after it"
+    torch.cuda.synchronize()
+
+
 def test_copy_stream_slots_are_released_only_after_their_copy(tmp_path):
     from lmpipe.consumer.slots import HostSlot
     from lmpipe.producer.batching import BatchSpec, batches
