@@ -39,18 +39,6 @@ Progress = Callable[[int, dict], None]
 REPORT_BEHIND = True
 
 
-def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """`t`'s value on its way to the host without a sync: a pinned copy and the event that says it landed
-    (None off CUDA, where the copy is done when this returns)."""
-    if t.device.type != "cuda":
-        return t.detach().clone(), None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t.detach(), non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
-
-
 @dataclass
 class _Closed:
     """A closed logging interval whose device values are on their way to the host."""
@@ -123,6 +111,9 @@ class RunStats:
         self._step = step
         self._steady: tuple[float, int] | None = None  # (time, tokens) at the end of the first interval
         self._closed: _Closed | None = None  # an interval closed and not yet reported (REPORT_BEHIND)
+        # where its loss and grad norm land: one buffer, as an interval is reported before the next closes.
+        # Pinned once here: cudaHostAlloc waits for the device, a copy into pinned memory does not
+        self._host = torch.empty(2, pin_memory=True) if device.type == "cuda" else None
 
     @property
     def first(self) -> bool:
@@ -172,7 +163,12 @@ class RunStats:
         trainer calls it once the next step is queued), or at once without REPORT_BEHIND."""
         self.report()  # an interval closes at most once a step: the last one is out by now
         both = torch.stack([self._loss, norm.detach().float().reshape(())])
-        values, done = host_copy(both)
+        values, done = both, None
+        if self._host is not None:
+            values = self._host
+            values.copy_(both, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
         self._closed = _Closed(step, lr, values[0], values[1], done, self._targets, self._tokens, self._wait,
                                self.summary.tokens, progress)  # fmt: skip
         self._loss.zero_()  # after the copy: both are queued on this stream
