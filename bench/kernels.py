@@ -1,6 +1,7 @@
 """Where a training step's GPU time goes, by kind of kernel (issue: MFU on GPT-2 124M).
 
     python -m bench.kernels                      # GPT-2 124M, T=1024, 32 rows, bf16, compile, synthetic-fed
+    python -m bench.kernels --step-graph --trace # the step as CUDA graphs beside the same step eager; traces
 
 torch.profiler over `--steps` synthetic-fed steps after `--warmup`; each CUDA kernel is put in one class by
 its name (matmuls, FlexAttention, the loss, the optimizer, inductor's fused elementwise and reduction
