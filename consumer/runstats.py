@@ -179,9 +179,10 @@ class RunStats:
 
     def report(self, wait: bool = True) -> None:
         """Report the closed interval, if one waits: metrics, the log line or progress call, a history row.
-        wait=False: only if its values have reached the host (before a wait for data, which may be long)."""
+        wait=False: only if its values have reached the host (before a wait for data, which may be long), and
+        never under torchrun, where the report's exchange must happen on every rank at the same step."""
         c = self._closed
-        if c is None or (not wait and c.done is not None and not c.done.query()):
+        if c is None or (not wait and (self.dist.enabled or (c.done is not None and not c.done.query()))):
             return
         self._closed = None
         if c.done is not None:
