@@ -45,9 +45,10 @@ class _Closed:
 
     step: int
     lr: float
-    loss: torch.Tensor  # the interval's summed loss (host)
-    norm: torch.Tensor  # the grad norm of its last step (host)
-    done: torch.cuda.Event | None
+    # on the host: the interval's summed loss, its last step's grad norm, and with a loss scaler its scale,
+    # overflows and skipped steps so far
+    values: torch.Tensor
+    done: torch.cuda.Event | None  # a timing event: the steady-state clock may start at it
     targets: int
     tokens: int
     wait: float
@@ -111,9 +112,10 @@ class RunStats:
         self._step = step
         self._steady: tuple[float, int] | None = None  # (time, tokens) at the end of the first interval
         self._closed: _Closed | None = None  # an interval closed and not yet reported (REPORT_BEHIND)
-        # where its loss and grad norm land: one buffer, as an interval is reported before the next closes.
-        # Pinned once here: cudaHostAlloc waits for the device, a copy into pinned memory does not
-        self._host = torch.empty(2, pin_memory=True) if device.type == "cuda" else None
+        # where its values land: one buffer, as an interval is reported before the next closes. Pinned once
+        # here: cudaHostAlloc can wait for the device, a copy into pinned memory does not
+        self._host = torch.empty(5, pin_memory=True) if device.type == "cuda" else None
+        self._steady_event: torch.cuda.Event | None = None  # the device's end of the first interval
 
     @property
     def first(self) -> bool:
@@ -162,14 +164,19 @@ class RunStats:
         """Close the interval ending at `step` and start the next. It is reported by the next report() (the
         trainer calls it once the next step is queued), or at once without REPORT_BEHIND."""
         self.report()  # an interval closes at most once a step: the last one is out by now
-        both = torch.stack([self._loss, norm.detach().float().reshape(())])
-        values, done = both, None
+        parts = [self._loss, norm.detach().float().reshape(())]
+        if self.scaler is not None:
+            parts += self.scaler.device_values()
+        values, done = torch.stack(parts), None
         if self._host is not None:
-            values = self._host
-            values.copy_(both, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        self._closed = _Closed(step, lr, values[0], values[1], done, self._targets, self._tokens, self._wait,
+            dev = values
+            values = self._host[: len(parts)]
+            values.copy_(
+                dev, non_blocking=True
+            )  # on the device's current stream, behind the interval's steps
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(torch.cuda.current_stream(self.device))
+        self._closed = _Closed(step, lr, values, done, self._targets, self._tokens, self._wait,
                                self.summary.tokens, progress)  # fmt: skip
         self._loss.zero_()  # after the copy: both are queued on this stream
         self._targets = self._tokens = 0
@@ -189,7 +196,7 @@ class RunStats:
             c.done.synchronize()  # the interval's last step: the one queued behind it runs on meanwhile
         summary = self.summary
         # under torchrun, one exchange of host scalars
-        loss_all, targets_all, tokens_all = self.dist.sum([c.loss.item(), c.targets, c.tokens])
+        loss_all, targets_all, tokens_all = self.dist.sum([float(c.values[0]), c.targets, c.tokens])
         if not self.trained:
             loss = 0.0  # --consume-only: nothing is trained
         else:  # no trained target in the whole interval: no loss to show (0 would read as perfect)
@@ -200,7 +207,7 @@ class RunStats:
         stats = {
             "loss": loss,
             "lr": c.lr,
-            "grad_norm": c.norm.item(),
+            "grad_norm": float(c.values[1]),
             "tokens_per_second": c.tokens / dt if dt > 0 else 0.0,
             "data_wait": c.wait / dt if dt > 0 else 0.0,
             "step_seconds": dt / max(c.step - self._step, 1),
@@ -208,9 +215,9 @@ class RunStats:
             "elapsed": now - self.started,
             "padding_efficiency": summary.padding_efficiency,
             "mfu": 0.0,
-            "loss_scale": self.scaler.get_scale() if self.scaler else 1.0,
+            "loss_scale": float(c.values[2]) if self.scaler else 1.0,
         }
-        self._publish(stats)
+        self._publish(stats, c)
         if not math.isnan(loss):
             summary.losses.append(loss)
         self._history_row(c.step, now, loss, tokens_all, c.wait)
@@ -227,11 +234,11 @@ class RunStats:
                 stats["tokens_per_second"],
                 100 * stats["data_wait"],
             )
-        if self._steady is None:
-            self._steady = (now, c.tokens_so_far)
+        if self._steady is None:  # the steps after this interval's: their tokens, from its end on the device
+            self._steady, self._steady_event = (now, c.tokens_so_far), c.done
         self._start, self._step = now, c.step
 
-    def _publish(self, stats: dict) -> None:
+    def _publish(self, stats: dict, c: _Closed) -> None:
         m = self.metrics
         self.feed.observe_h2d()
         if not math.isnan(stats["loss"]):  # an interval without a trained target leaves the last loss
@@ -239,7 +246,7 @@ class RunStats:
         m.grad_norm.set(stats["grad_norm"])
         m.loss_scale.set(stats["loss_scale"])
         if self.scaler is not None:
-            overflows, skipped = self.scaler.counters()
+            overflows, skipped = float(c.values[3]), float(c.values[4])
             m.overflows.inc(overflows - self.published[0])
             m.skipped.inc(skipped - self.published[1])
             self.published = (overflows, skipped)
@@ -278,12 +285,19 @@ class RunStats:
         """The summary, for the whole job (every rank calls this: collectives). `receive_thread`: the receive
         thread's native id, for --consume-only's time per stage."""
         summary, m = self.summary, self.metrics
+        end_event = None
         if self.device.type == "cuda":
+            end_event = torch.cuda.Event(enable_timing=True)
+            end_event.record(torch.cuda.current_stream(self.device))
             torch.cuda.synchronize()
         end = time.perf_counter()
         summary.steps = step
         if self._steady is not None:
-            summary.steady_seconds = end - self._steady[0]
+            # on CUDA between the device's own marks: the host may have reported the first interval late
+            if self._steady_event is not None and end_event is not None:
+                summary.steady_seconds = self._steady_event.elapsed_time(end_event) / 1e3
+            else:
+                summary.steady_seconds = end - self._steady[0]
             summary.steady_tokens = summary.tokens - self._steady[1]
         if self.dist.enabled:  # the summary speaks for the whole job
             summary.tokens, summary.pad_tokens, summary.steady_tokens, summary.targets = (

@@ -100,6 +100,11 @@ class LossScaler:
             )
         self._stage = READY
 
+    def device_values(self) -> list[torch.Tensor]:
+        """The scale, the overflows and the skipped steps so far, on the device (float32 scalars): what a
+        logging interval reports, copied to the host without a sync (consumer/runstats.py)."""
+        return [self._scale, self._overflows, self._skipped]
+
     def get_scale(self) -> float:
         return float(self._scale)  # a host sync: call it at logging intervals only
 

@@ -335,3 +335,27 @@ def compiled_bf16_steps(switch) -> list[tuple]:
         loss.backward()
         results.append((loss.detach().float(), [(n, p.grad.clone()) for n, p in model.named_parameters()]))
     return results
+
+
+def run_stats(device, scaler=None, log_every: int = 1):
+    """A trainer's RunStats with its real metrics, started, on `device`; the feed's copy-time bookkeeping is
+    the one part left out (observe_h2d)."""
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from lmpipe.consumer.config import TrainConfig
+    from lmpipe.consumer.distributed import Dist
+    from lmpipe.consumer.runstats import RunStats
+    from lmpipe.shared.metrics import TrainerMetrics
+
+    feed = SimpleNamespace(observe_h2d=lambda: None)
+    stats = RunStats(TrainConfig(log_every=log_every), Dist(), TrainerMetrics(CollectorRegistry()), feed,  # type: ignore[arg-type]
+                     torch.device(device), scaler, (0.0, 0.0), 0.0, trained=True, started=time.perf_counter(),
+                     step=0)  # fmt: skip
+    stats.start_clock(0.0)
+    return stats
+
+
+def batch_meta(real_tokens: int, n_targets: int) -> SimpleNamespace:
+    """What RunStats.add_step reads of a batch's SlotMeta."""
+    return SimpleNamespace(real_tokens=real_tokens, n_targets=n_targets, pad_tokens=0)

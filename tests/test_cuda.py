@@ -209,20 +209,9 @@ def test_a_logging_interval_is_read_behind_the_next_step_not_by_draining_the_gpu
     """Closing an interval queues its loss's copy to the host and returns; the report waits for the interval's
     last step alone, while the step queued after it runs on (runstats.REPORT_BEHIND): the GPU never idles
     while the host prepares a step."""
-    import time
-    from types import SimpleNamespace
+    from tests.helpers import batch_meta, run_stats
 
-    from prometheus_client import CollectorRegistry
-
-    from lmpipe.consumer.config import TrainConfig
-    from lmpipe.consumer.distributed import Dist
-    from lmpipe.consumer.runstats import RunStats
-    from lmpipe.shared.metrics import TrainerMetrics
-
-    feed = SimpleNamespace(observe_h2d=lambda: None)  # the copy-time bookkeeping, not under test here
-    stats = RunStats(TrainConfig(log_every=1), Dist(), TrainerMetrics(CollectorRegistry()), feed, DEV,  # type: ignore[arg-type]
-                     None, (0.0, 0.0), 0.0, trained=True, started=time.perf_counter(), step=0)  # fmt: skip
-    stats.start_clock(0.0)
+    stats = run_stats(DEV)
     records: list[tuple[int, dict]] = []
 
     def interval(step: int) -> torch.cuda.Event:
@@ -231,7 +220,7 @@ def test_a_logging_interval_is_read_behind_the_next_step_not_by_draining_the_gpu
         loss = torch.ones((), device=DEV) * 6.0
         end = torch.cuda.Event()
         end.record()
-        stats.add_step([SimpleNamespace(real_tokens=4, n_targets=3, pad_tokens=0)], loss, 0.0, 1e-3)  # type: ignore[list-item]
+        stats.add_step([batch_meta(4, 3)], loss, 0.0, 1e-3)  # type: ignore[list-item]
         stats.close_interval(
             step, 1e-3, torch.full((), 0.5, device=DEV), lambda n, st: records.append((n, st))
         )

@@ -1,0 +1,42 @@
+"""The trainer's per-interval report, read one step late (consumer/runstats.py, REPORT_BEHIND): what it
+says is the closed interval's, whatever the step queued behind it has changed since."""
+
+from __future__ import annotations
+
+import torch
+
+from lmpipe.consumer.scaler import LossScaler
+from tests.helpers import batch_meta, run_stats
+
+
+def test_an_interval_read_a_step_late_reports_its_own_values_not_the_next_steps():
+    scaler = LossScaler(init_scale=2.0**16, device="cpu")
+    stats = run_stats("cpu", scaler)
+    records: list[tuple[int, dict]] = []
+    stats.add_step([batch_meta(4, 3)], torch.tensor(6.0), 0.0, 1e-3)  # type: ignore[list-item]
+    stats.close_interval(1, 1e-3, torch.tensor(0.5), lambda step, st: records.append((step, st)))
+    # the next step runs before the report: it overflows, and its loss and norm are another batch's
+    scaler._scale.fill_(2.0**15)
+    scaler._overflows += 1
+    scaler._skipped += 1
+    stats.add_step([batch_meta(4, 3)], torch.tensor(30.0), 0.0, 2e-3)  # type: ignore[list-item]
+    stats.report()
+    stats.close_interval(2, 2e-3, torch.tensor(7.0), lambda step, st: records.append((step, st)))
+    stats.report()
+    said = [(step, st["loss"], st["grad_norm"], st["lr"], st["loss_scale"], st["overflows"], st["skipped"])
+            for step, st in records]  # fmt: skip
+    assert said == [(1, 2.0, 0.5, 1e-3, 2.0**16, 0.0, 0.0), (2, 10.0, 7.0, 2e-3, 2.0**15, 1.0, 1.0)]
+    # the metrics and the summary say the same
+    assert stats.summary.losses == [2.0, 10.0]
+    assert stats.metrics.registry.get_sample_value("lmpipe_trainer_scaler_overflows_total") == 1.0
+
+
+def test_a_closed_interval_is_reported_once():
+    stats = run_stats("cpu")
+    records: list[int] = []
+    stats.add_step([batch_meta(4, 2)], torch.tensor(1.0), 0.0, 1e-3)  # type: ignore[list-item]
+    stats.close_interval(1, 1e-3, torch.tensor(0.0), lambda step, st: records.append(step))
+    stats.report(wait=False)  # off CUDA its values are on the host already
+    stats.report()
+    stats.close_tail(1)
+    assert records == [1] and len(stats.summary.losses) == 1
