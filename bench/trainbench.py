@@ -193,13 +193,23 @@ def measure_synthetic(pcfg: PipelineConfig, tcfg: TrainConfig, warmup: int, n_ba
     step = SyntheticSteps(pcfg, tcfg, n_batches)
     flops = step.trainer.model.flops_per_token(pcfg.seq_len)
     tokens, t0 = 0, 0.0
+    cuda = step.trainer.device.type == "cuda"
+    closed: torch.cuda.Event | None = None
+    host = torch.empty((), pin_memory=True) if cuda else None
     for i in range(tcfg.steps):
         if i == warmup:
             step.sync()
             t0 = time.perf_counter()
         loss, real = step(i)
-        if (i + 1) % tcfg.log_every == 0:
-            float(loss)  # the trainer reads the loss at every logging interval: the same host sync here
+        # as the trainer reads each interval's loss: copied to the host when it closes, waited for once the
+        # next step is queued (consumer/runstats.py)
+        if closed is not None:
+            closed.synchronize()
+            closed = None
+        if (i + 1) % tcfg.log_every == 0 and host is not None:
+            host.copy_(loss.detach(), non_blocking=True)
+            closed = torch.cuda.Event()
+            closed.record()
         if i >= warmup:
             tokens += real
     step.sync()
