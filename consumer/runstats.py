@@ -171,9 +171,7 @@ class RunStats:
         if self._host is not None:
             dev = values
             values = self._host[: len(parts)]
-            values.copy_(
-                dev, non_blocking=True
-            )  # on the device's current stream, behind the interval's steps
+            values.copy_(dev, non_blocking=True)  # on the device's stream, behind the interval's steps
             done = torch.cuda.Event(enable_timing=True)
             done.record(torch.cuda.current_stream(self.device))
         self._closed = _Closed(step, lr, values, done, self._targets, self._tokens, self._wait,

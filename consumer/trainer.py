@@ -333,74 +333,8 @@ class Trainer:
             cfg, self.dist, m, self.feed, self.device, self.scaler, self._published, flops_per_token,
             trained=self.model is not None, started=self._started, step=self.step,
         )  # fmt: skip
-        no_loss = torch.zeros((), device=self.device)  # --consume-only: nothing is trained
         try:
-            while not self._stop_reason and (cfg.steps == 0 or self.step < cfg.steps):
-                stats.report(
-                    wait=False
-                )  # the last interval, if its step is done: the wait for data may be long
-                slots, waited, problem = self.feed.take(cfg.accum, stopping=lambda: bool(self._stop_reason))
-                if problem:
-                    log.error("%s; stopping", problem)
-                    self._stop_reason = problem
-                metas = [s.meta for s in slots if s.meta is not None]  # taken slots are always filled
-                n_targets = sum(m.n_targets for m in metas)
-                # ranks step together: on the targets of all of them, while any has data, until any stops
-                all_targets, any_data, any_stop = self.dist.agree(
-                    n_targets, bool(slots), bool(self._stop_reason)
-                )
-                if any_stop and not self._stop_reason:
-                    self._stop_reason = "another rank stopped"
-                if not any_data:
-                    break
-                waited = stats.start_clock(waited)
-                t0 = time.perf_counter()
-                if self._doc_log:
-                    self._doc_log.write(self.step, metas)
-                lr = lr_at(self.step, cfg)
-                first = stats.first
-                if self.model is None:  # --consume-only: the copy to the device is the whole step
-                    for s in slots:
-                        self.feed.copy(s)
-                    loss_sum = norm = no_loss
-                elif all_targets == 0:  # every rank agrees: nothing to learn here, and no update to make
-                    for s in slots:
-                        self.receiver.release(s)  # never copied: free for the next batch at once
-                    loss_sum = norm = no_loss
-                    stats.summary.untrained_steps += 1
-                    # every rank skips: rank 0 says so, the first time
-                    if stats.summary.untrained_steps == 1 and self.dist.is_main:
-                        log.warning(
-                            "step %d: no trained target in this step's batches (every token loss-masked); the "
-                            "step is counted, the model is not updated (the summary says how often)",
-                            self.step + 1,
-                        )
-                else:
-                    micro = [self.feed.to_device(s) for s in slots]
-                    if not micro:  # this rank's producers are done, others' are not: a step on nothing
-                        micro = [empty_inputs(self.pcfg, self.device, cfg.attention, self.mask_cache)]
-                    # torch.compile traces and compiles in the first step: minutes on a large model, said as it goes
-                    with (
-                        Announce("compiling the model (torch.compile, first step)", log)
-                        if first and cfg.compile
-                        else nullcontext()
-                    ):
-                        loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
-                self.step += 1
-                m.global_step.set(self.step)
-                m.last_step_time.set(time.time())
-                if first:
-                    stats.first_step_done()
-                stats.add_step(metas, loss_sum, waited, lr)
-                self.feed.release_done()
-                m.step_seconds.observe(time.perf_counter() - t0 + waited)
-                stats.report()  # the last interval, now that this step is queued behind it (REPORT_BEHIND)
-                if cfg.compile:
-                    self._graphs.count(m)
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
-                if stats.due(self.step):
-                    stats.close_interval(self.step, lr, norm, progress)
+            self._loop(stats, progress)
         except BaseException:
             # the interval closed before the error is said first, as it was when it closed (not under
             # torchrun: the report exchanges host scalars with ranks that may not be here)
@@ -414,3 +348,70 @@ class Trainer:
         if self.dist.broadcast(unsaved):
             self.save_checkpoint()
         return stats.finish(self.step, self._stop_reason, self._graphs, self.receiver.native_id)
+
+    def _loop(self, stats: RunStats, progress: Progress | None) -> None:
+        """Steps until the step limit, the end of the data or a stop."""
+        cfg, m = self.cfg, self.metrics
+        no_loss = torch.zeros((), device=self.device)  # --consume-only: nothing is trained
+        while not self._stop_reason and (cfg.steps == 0 or self.step < cfg.steps):
+            stats.report(wait=False)  # the last interval, if its step is done: the wait for data may be long
+            slots, waited, problem = self.feed.take(cfg.accum, stopping=lambda: bool(self._stop_reason))
+            if problem:
+                log.error("%s; stopping", problem)
+                self._stop_reason = problem
+            metas = [s.meta for s in slots if s.meta is not None]  # taken slots are always filled
+            n_targets = sum(m.n_targets for m in metas)
+            # ranks step together: on the targets of all of them, while any has data, until any stops
+            all_targets, any_data, any_stop = self.dist.agree(n_targets, bool(slots), bool(self._stop_reason))
+            if any_stop and not self._stop_reason:
+                self._stop_reason = "another rank stopped"
+            if not any_data:
+                break
+            waited = stats.start_clock(waited)
+            t0 = time.perf_counter()
+            if self._doc_log:
+                self._doc_log.write(self.step, metas)
+            lr = lr_at(self.step, cfg)
+            first = stats.first
+            if self.model is None:  # --consume-only: the copy to the device is the whole step
+                for s in slots:
+                    self.feed.copy(s)
+                loss_sum = norm = no_loss
+            elif all_targets == 0:  # every rank agrees: nothing to learn here, and no update to make
+                for s in slots:
+                    self.receiver.release(s)  # never copied: free for the next batch at once
+                loss_sum = norm = no_loss
+                stats.summary.untrained_steps += 1
+                # every rank skips: rank 0 says so, the first time
+                if stats.summary.untrained_steps == 1 and self.dist.is_main:
+                    log.warning(
+                        "step %d: no trained target in this step's batches (every token loss-masked); the "
+                        "step is counted, the model is not updated (the summary says how often)",
+                        self.step + 1,
+                    )
+            else:
+                micro = [self.feed.to_device(s) for s in slots]
+                if not micro:  # this rank's producers are done, others' are not: a step on nothing
+                    micro = [empty_inputs(self.pcfg, self.device, cfg.attention, self.mask_cache)]
+                # torch.compile traces and compiles in the first step: minutes on a large model, said as it goes
+                with (
+                    Announce("compiling the model (torch.compile, first step)", log)
+                    if first and cfg.compile
+                    else nullcontext()
+                ):
+                    loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
+            self.step += 1
+            m.global_step.set(self.step)
+            m.last_step_time.set(time.time())
+            if first:
+                stats.first_step_done()
+            stats.add_step(metas, loss_sum, waited, lr)
+            self.feed.release_done()
+            m.step_seconds.observe(time.perf_counter() - t0 + waited)
+            stats.report()  # the last interval, now that this step is queued behind it (REPORT_BEHIND)
+            if cfg.compile:
+                self._graphs.count(m)
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+            if stats.due(self.step):
+                stats.close_interval(self.step, lr, norm, progress)
