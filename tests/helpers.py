@@ -337,7 +337,7 @@ def compiled_bf16_steps(switch) -> list[tuple]:
     return results
 
 
-def run_stats(device, scaler=None, log_every: int = 1):
+def run_stats(device, scaler=None):
     """A trainer's RunStats with its real metrics, started, on `device`; the feed's copy-time bookkeeping is
     the one part left out (observe_h2d)."""
     import torch
@@ -349,7 +349,7 @@ def run_stats(device, scaler=None, log_every: int = 1):
     from lmpipe.shared.metrics import TrainerMetrics
 
     feed = SimpleNamespace(observe_h2d=lambda: None)
-    stats = RunStats(TrainConfig(log_every=log_every), Dist(), TrainerMetrics(CollectorRegistry()), feed,  # type: ignore[arg-type]
+    stats = RunStats(TrainConfig(log_every=1), Dist(), TrainerMetrics(CollectorRegistry()), feed,  # type: ignore[arg-type]
                      torch.device(device), scaler, (0.0, 0.0), 0.0, trained=True, started=time.perf_counter(),
                      step=0)  # fmt: skip
     stats.start_clock(0.0)
