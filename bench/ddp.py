@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,15 +48,24 @@ def run(
         cmd += ["--residual-dtype", args.residual_dtype, *extra]
         env = {**os.environ, **SAFE_NCCL, "TOKENIZERS_PARALLELISM": "true"}
         t0 = time.perf_counter()
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        # a session of its own: on a timeout the ranks go with torchrun, and what they printed is shown
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            sys.stderr.write(stdout[-4000:] + stderr[-4000:])
+            raise SystemExit(
+                f"N={n} accum={accum}: no result within --timeout {args.timeout:.0f} s"
+            ) from None
         wall = time.perf_counter() - t0
-        if out.returncode != 0:
-            sys.stderr.write(out.stdout[-4000:] + out.stderr[-4000:])
-            raise SystemExit(f"N={n} accum={accum}: exit {out.returncode}")
-        lines = [
-            (int(s), float(r.replace(",", "")), float(w))
-            for s, r, w in STATUS.findall(out.stdout + out.stderr)
-        ]
+        if proc.returncode != 0:
+            sys.stderr.write(stdout[-4000:] + stderr[-4000:])
+            raise SystemExit(f"N={n} accum={accum}: exit {proc.returncode}")
+        lines = [(int(s), float(r.replace(",", "")), float(w)) for s, r, w in STATUS.findall(stdout + stderr)]
         steady = [r for s, r, _ in lines if s > args.warmup]
         waits = [w for s, _, w in lines if s > args.warmup]
         result = json.loads(summary.read_text())
