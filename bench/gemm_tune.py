@@ -6,7 +6,8 @@ that reason). This probe times each plain GEMM of a GPT-2 124M step as torch run
 with the heuristic's pick, and with the best of cuBLASLt's candidates timed (nvmath's autotune), and adds up
 what a step would save. Forward and backward GEMMs are written as torch calls them (x @ W^T, dy @ W,
 dy^T @ x). The MLP's two epilogue GEMMs (GELU_AUX after c_fc, DGELU in c_proj's input gradient) are timed
-as consumer/mlp_kernel.py calls them, and their DGELU also with c_proj's weight copied K-major (a TN GEMM).
+as consumer/mlp_kernel.py calls them, their DGELU also with c_proj's weight copied K-major (a TN GEMM), and
+the MLP's six GEMMs also in the other orientation (tokens-major: h, pre and dpre stored [4C, tokens]).
 `--limits 8,64` times the best of each list of cuBLASLt's heuristic candidates (8 is nvmath's default).
 
     python -m bench.gemm_tune [--tokens 32768] [--dim 768] [--vocab 50304] [--limits 8,64] [--only dgelu ...]
