@@ -80,6 +80,20 @@ class CompiledGraphs:
             self._seen = graphs
 
 
+class TrainingDiverged(ValueError):
+    """The loss is NaN or inf: the weights or activations overflowed, and every later step repeats it. A
+    ValueError, so that the CLI says it in one line and exits 2, like the other refusals."""
+
+
+def _diverged(loss_sum: float, targets: int, first: int, last: int) -> str:
+    steps = f"step {last}" if first >= last else f"steps {first}-{last}"
+    return (
+        f"training diverged: the loss over {steps} is {loss_sum / targets} (not finite); stopping, with no "
+        "checkpoint written of this state: try a lower --lr or a longer --warmup (--resume from an earlier "
+        "checkpoint keeps the steps before it)"
+    )
+
+
 class RunStats:
     """One run's counts: per step (add_step), per logging interval (close_interval) and for the summary
     (finish). `published`: the loss scaler's overflow/skip counts already in the metrics (a resumed run's)."""
@@ -157,6 +171,17 @@ class RunStats:
         m.data_wait.observe(waited)
         m.lr.set(lr)
 
+    def check_finite(self, step: int) -> None:
+        """Before a checkpoint (every rank, the same step): the interval waiting to be reported and the steps
+        since trained to a finite loss, or TrainingDiverged, so that a diverged model is not written over
+        the good checkpoints (the steps since the last report are read here: a checkpoint syncs anyway)."""
+        self.report()
+        if not self.trained:
+            return
+        loss_all, targets_all = self.dist.sum([float(self._loss), self._targets])
+        if targets_all and not math.isfinite(loss_all):
+            raise TrainingDiverged(_diverged(loss_all, targets_all, self._step + 1, step))
+
     def due(self, step: int) -> bool:
         return step % self.cfg.log_every == 0 or step == self.cfg.steps
 
@@ -195,6 +220,8 @@ class RunStats:
         summary = self.summary
         # under torchrun, one exchange of host scalars
         loss_all, targets_all, tokens_all = self.dist.sum([float(c.values[0]), c.targets, c.tokens])
+        if self.trained and targets_all and not math.isfinite(loss_all):  # every rank sees the same sum
+            raise TrainingDiverged(_diverged(loss_all, targets_all, self._step + 1, c.step))
         if not self.trained:
             loss = 0.0  # --consume-only: nothing is trained
         else:  # no trained target in the whole interval: no loss to show (0 would read as perfect)

@@ -38,7 +38,7 @@ from lmpipe.consumer.inputs import MaskCache, empty_inputs
 from lmpipe.consumer.model import GPT
 from lmpipe.consumer.receiver import Receiver, WorkerTable
 from lmpipe.consumer.report import Announce, DocLog, Summary
-from lmpipe.consumer.runstats import CompiledGraphs, Progress, RunStats
+from lmpipe.consumer.runstats import CompiledGraphs, Progress, RunStats, TrainingDiverged
 from lmpipe.consumer.scaler import LossScaler
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.consumer.step import lr_at, resolve_device, resolve_precision
@@ -320,6 +320,14 @@ class Trainer:
                 for reason, n in counts.items():
                     summary.skipped[reason] = summary.skipped.get(reason, 0) + n
             return summary
+        except Exception as exc:  # the producers are told why, not "training finished"
+            why = (
+                "training diverged"
+                if isinstance(exc, TrainingDiverged)
+                else f"the trainer failed ({type(exc).__name__})"
+            )
+            self._stop_reason = self._stop_reason or why
+            raise
         finally:
             self.receiver.stop(reason=self._stop_reason or "training finished")
             if self._doc_log:
@@ -346,6 +354,7 @@ class Trainer:
         # at the end, and after SIGTERM/SIGINT once the current step is done (rank 0 decides for all)
         unsaved = self.checkpoints is not None and self.step and self.checkpoints.latest_step() != self.step
         if self.dist.broadcast(unsaved):
+            stats.check_finite(self.step)
             self.save_checkpoint()
         return stats.finish(self.step, self._stop_reason, self._graphs, self.receiver.native_id)
 
@@ -411,7 +420,12 @@ class Trainer:
             stats.report()  # the last interval, now that this step is queued behind it (REPORT_BEHIND)
             if cfg.compile:
                 self._graphs.count(m)
-            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+            if (
+                cfg.checkpoint_every
+                and self.step % cfg.checkpoint_every == 0
+                and self.checkpoints is not None
+            ):
+                stats.check_finite(self.step)  # a diverged model is not written over the good ones
                 self.save_checkpoint()
             if stats.due(self.step):
                 stats.close_interval(self.step, lr, norm, progress)

@@ -127,6 +127,22 @@ def check_corpus(cfg: PipelineConfig, tok: TokenizerInfo) -> Corpus:
     return corpus
 
 
+def check_not_overwritten(tcfg: TrainConfig) -> None:
+    """A run without --resume writes step 1, 2, ... into its --checkpoint-dir: an earlier run's checkpoints
+    there would be replaced step by step, and rotated away by --keep-checkpoints, without a word."""
+    from lmpipe.consumer.checkpoint import CheckpointManager  # torch-free: it reads folder names
+
+    if not tcfg.checkpoint_dir or tcfg.resume:
+        return
+    step = CheckpointManager(tcfg.checkpoint_dir).latest_step()
+    if step is not None:
+        raise SettingsError(
+            f"--checkpoint-dir {tcfg.checkpoint_dir} holds an earlier run's checkpoints (the latest at step "
+            f"{step}), which this run would overwrite: go on from them with --resume auto, or give another "
+            "--checkpoint-dir"
+        )
+
+
 def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
     """A checkpoint resumes on the corpus it was trained on: said now, in one line, not by the producers'
     refusal after the model is built (consumer/checkpoint.py reads headers without torch)."""
@@ -426,6 +442,7 @@ def train(
             f"--checkpoint-dir {tcfg.checkpoint_dir} is one checkpoint; give the folder that holds it "
             f"(--resume {tcfg.checkpoint_dir} resumes from this one)"
         )
+    check_not_overwritten(tcfg)
     check_writable("--doc-log", tcfg.doc_log)
     check_not_read_back("--doc-log", tcfg.doc_log, cfg.data)
     check_writable("--summary-json", opts.summary_json)

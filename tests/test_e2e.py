@@ -63,6 +63,22 @@ def test_producer_started_first_waits_for_the_trainer(procs, tmp_path, port):
     assert "trainer says stop" in procs.log(prod)
 
 
+def test_a_diverged_run_stops_loudly_and_checkpoints_nothing_of_it(procs, tmp_path, port):
+    """It showed `loss n/a`, summed up the last finite loss, exited 0 and checkpointed NaN weights."""
+    ck, summary = tmp_path / "ck", tmp_path / "summary.json"
+    p = procs.start("run", "--port", str(port), "--producers", "1", "--builtin-docs", "200", "--metrics-port", "-1",
+                    "--steps", "20", "--lr", "1e6", "--warmup", "0", "--log-every", "5", "--checkpoint-dir", str(ck),
+                    "--checkpoint-every", "5", "--summary-json", str(summary), name="diverged")  # fmt: skip
+    assert p.wait(timeout=120) == 2, procs.log(p)
+    text = procs.log(p)
+    said = [line for line in text.splitlines() if "training diverged" in line]
+    assert len(said) == 2, text  # the trainer's line, and the producer told why it stops
+    assert any(re.search(r"\[trainer\] training diverged: the loss over steps 1-5 is -?(nan|inf) \(not finite\); stopping", x)
+               for x in said), text  # fmt: skip
+    assert any("trainer says stop: training diverged" in x for x in said), text
+    assert "Traceback" not in text and not list(ck.glob("step-*")) and not summary.exists()
+
+
 def test_mismatched_tokenizer_is_refused_on_both_sides(procs, tmp_path, port):
     other = tmp_path / "other.json"
     train_tokenizer((builtin_corpus.document(7, i) for i in range(300)), 500).save(str(other))

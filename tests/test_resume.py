@@ -234,6 +234,13 @@ def test_mismatched_checkpoints_are_refused_and_left_alone(procs, tmp_path, port
         assert expect in procs.log(p), procs.log(p)
         assert _tree_digest(ck) == before, "a refused resume must not touch the checkpoints"
 
+    # a run without --resume wrote step 1, 2, ... over them and rotated them away, without a word
+    before = _tree_digest(ck)
+    p = procs.start("run", *base, "--steps", "8", "--checkpoint-dir", str(ck), name="fresh")
+    assert p.wait(timeout=60) == 2, procs.log(p)
+    assert "holds an earlier run's checkpoints (the latest at step 4)" in procs.log(p), procs.log(p)
+    assert "--resume auto" in procs.log(p) and _tree_digest(ck) == before
+
     refused(["--model", "small"], "model.n_layer: checkpoint has 2, this run has 6", "dims")
     refused(["--tokenizer", str(other_tok)], "tokenizer: checkpoint has", "tok")
     refused(["--seq-len", "32"], "stream.seq_len: checkpoint has 64, this run has 32", "seqlen")

@@ -3,8 +3,10 @@ says is the closed interval's, whatever the step queued behind it has changed si
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from lmpipe.consumer.runstats import TrainingDiverged
 from lmpipe.consumer.scaler import LossScaler
 from tests.helpers import batch_meta, run_stats
 
@@ -40,3 +42,36 @@ def test_a_closed_interval_is_reported_once():
     stats.report()
     stats.close_tail(1)
     assert records == [1] and len(stats.summary.losses) == 1
+
+
+def test_a_diverged_interval_stops_the_run_in_one_line():
+    """A NaN loss was shown as 'n/a' (the sign of an interval without a trained target), the summary gave the
+    last finite loss and the run exited 0, writing NaN weights into its checkpoints."""
+    stats = run_stats("cpu")
+    stats.add_step([batch_meta(4, 3)], torch.tensor(6.0), 0.0, 1e-3)  # type: ignore[list-item]
+    stats.close_interval(1, 1e-3, torch.tensor(0.5), None)
+    stats.add_step([batch_meta(4, 3)], torch.tensor(float("nan")), 0.0, 1e-3)  # type: ignore[list-item]
+    stats.add_step([batch_meta(4, 3)], torch.tensor(3.0), 0.0, 1e-3)  # type: ignore[list-item]
+    stats.report()  # interval 1 is finite
+    stats.close_interval(3, 1e-3, torch.tensor(float("nan")), None)
+    with pytest.raises(TrainingDiverged, match=r"the loss over steps 2-3 is nan \(not finite\); stopping"):
+        stats.report()
+    assert stats.summary.losses == [2.0]
+
+
+def test_a_checkpoint_is_not_written_of_a_diverged_model():
+    stats = run_stats("cpu")
+    stats.add_step([batch_meta(4, 3)], torch.tensor(6.0), 0.0, 1e-3)  # type: ignore[list-item]
+    stats.check_finite(1)  # finite so far: the checkpoint may be written
+    stats.add_step([batch_meta(4, 3)], torch.tensor(float("inf")), 0.0, 1e-3)  # type: ignore[list-item]
+    with pytest.raises(TrainingDiverged, match="the loss over steps 1-2 is inf"):
+        stats.check_finite(2)
+
+
+def test_an_interval_without_a_trained_target_is_not_divergence():
+    stats = run_stats("cpu")
+    stats.add_step([batch_meta(4, 0)], torch.tensor(0.0), 0.0, 1e-3)  # type: ignore[list-item]
+    stats.close_interval(1, 1e-3, torch.tensor(0.0), None)
+    stats.report()
+    stats.check_finite(1)
+    assert stats.summary.losses == []
