@@ -85,7 +85,7 @@ class TrainingDiverged(ValueError):
     ValueError, so that the CLI says it in one line and exits 2, like the other refusals."""
 
 
-def _diverged(loss_sum: float, targets: int, first: int, last: int) -> str:
+def _diverged(loss_sum: float, targets: float, first: int, last: int) -> str:
     steps = f"step {last}" if first >= last else f"steps {first}-{last}"
     return (
         f"training diverged: the loss over {steps} is {loss_sum / targets} (not finite); stopping, with no "
