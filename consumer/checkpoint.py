@@ -68,6 +68,30 @@ class CheckpointManager:
         final = self.dir / f"{_PREFIX}{step:08d}"
         tmp = self.dir / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self._write(tmp, step, header, state)
+        except (
+            OSError,
+            RuntimeError,
+        ) as exc:  # torch.save says a full disk as RuntimeError ("unexpected pos")
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial write would hold the space a retry needs
+            free = f"{shutil.disk_usage(self.dir).free / 2**20:,.0f} MiB"
+            raise OSError(
+                f"could not write checkpoint step {step} in {self.dir} ({free} free there): {exc}"
+            ) from exc
+        if final.exists():  # re-saving the same step (e.g. at SIGTERM right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = self.dir / f".latest.tmp-{os.getpid()}"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, self.dir / "latest")
+        _fsync_dir(self.dir)
+        self._prune(final)
+        log.info("checkpoint %s written in %.2f s", final, time.perf_counter() - t0)
+        return final
+
+    def _write(self, tmp: Path, step: int, header: dict[str, Any], state: dict[str, Any]) -> None:
+        """state.pt and header.json into `tmp`, fsynced."""
         tmp.mkdir()
         import torch  # here, not at the top: the launcher reads headers before it forks producers, torch-free
 
@@ -88,16 +112,6 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if final.exists():  # re-saving the same step (e.g. at SIGTERM right after a periodic save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = self.dir / f".latest.tmp-{os.getpid()}"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, self.dir / "latest")
-        _fsync_dir(self.dir)
-        self._prune(final)
-        log.info("checkpoint %s written in %.2f s", final, time.perf_counter() - t0)
-        return final
 
     def _prune(self, written: Path) -> None:
         """Keep the `keep` newest writes, the one just written first. By write time, not step: a run resumed

@@ -159,8 +159,9 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         by_rank = self.dist.gather(self.table.state_dict())
-        if not self.dist.is_main:
-            self.dist.barrier()  # rank 0 is writing
+        if not self.dist.is_main:  # rank 0 writes, then says whether it could: a failure stops every rank
+            if not self.dist.broadcast(None):
+                raise OSError("rank 0 could not write the checkpoint (its log says why)")
             return None
         state: dict[str, Any] = {
             "model": self.model.state_dict() if self.model is not None else {},
@@ -183,11 +184,15 @@ class Trainer:
             # remote objects' versions as pinned, one per location; left out where none (older checkpoints)
             **({"data_versions": versions} if (versions := self._data_versions()) else {}),
         }
-        path = self.checkpoints.save(self.step, header, state)
+        try:
+            path = self.checkpoints.save(self.step, header, state)
+        except OSError:
+            self.dist.broadcast(False)
+            raise
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
         self.metrics.checkpointed(self.step, time.time())
-        self.dist.barrier()
+        self.dist.broadcast(True)
         return path
 
     def _restore(self, ck) -> None:

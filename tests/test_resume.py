@@ -367,6 +367,24 @@ def test_two_epochs_see_every_document_twice_in_new_orders(procs, tmp_path, port
     assert set(counts) == set(range(240)) and set(counts.values()) == {2}
 
 
+def test_a_checkpoint_that_cannot_be_written_is_one_error_and_leaves_no_partial_copy(tmp_path, monkeypatch):
+    """On a full disk torch.save raised RuntimeError ('unexpected pos'): a traceback, and the partial
+    temporary folder kept the space a retry needed."""
+    ck = CheckpointManager(tmp_path / "ck")
+    good = ck.save(1, {}, {"w": torch.zeros(1)})
+
+    def disk_full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3748672 vs 3748560")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(
+        OSError, match=r"could not write checkpoint step 2 in .*ck \([\d,]+ MiB free there\): \[enf"
+    ):
+        ck.save(2, {}, {"w": torch.ones(1)})
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-00000001"]
+    assert ck.latest() == good
+
+
 @pytest.mark.parametrize("keep", [1, 2])
 def test_a_checkpoint_just_written_is_never_pruned(tmp_path, keep):
     """A run resumed from step 15 of a folder that also holds step 20 writes step 17: that is the one to
