@@ -411,6 +411,12 @@ def train(
     # share, port and metrics ports (per_rank, which the trainer applies too)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    if world <= 1 and (cfg.world_size > 1 or cfg.rank > 0):  # it trained rank 0's share of the corpus alone
+        raise SettingsError(
+            f"--rank/--world-size {cfg.rank}/{cfg.world_size} name ranks of a torchrun job, and this trainer runs "
+            f"without torchrun (one rank): start it with `torchrun --nproc-per-node {cfg.world_size} -m lmpipe "
+            "...` and leave them out, or leave them out to train on the whole corpus here"
+        )
     rank_cfg, rank_tcfg = per_rank(cfg, tcfg, rank, world) if world > 1 else (cfg, tcfg)
     check_ports(rank_cfg)
     check_keys(cfg, server=True)

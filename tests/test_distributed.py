@@ -166,3 +166,19 @@ def test_bf16_gradient_reduction_on_cpu_is_one_clear_error(tmp_path, port):
     assert rc != 0
     assert "--grad-reduce bf16 needs CUDA GPUs (NCCL)" in text
     assert "TypeError" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("rank", [None, "1"])
+def test_a_world_size_without_torchrun_is_refused_not_half_the_corpus(tmp_path, port, rank):
+    """`lmpipe run --world-size 2` without torchrun trained rank 0's share of the corpus alone: 44 steps and
+    74,981 tokens of a file whose whole was 91 steps and 168,373 tokens, without a word."""
+    args = ["--world-size", "2", *(["--rank", rank] if rank else [])]
+    rc, text = run_lmpipe(
+        tmp_path, "run", "run", *COMMON, *args, "--steps", "2", "--port", str(port), timeout=120
+    )
+    assert rc == 2, text[-3000:]
+    assert text.strip().splitlines() == [
+        f"lmpipe run: --rank/--world-size {rank or 0}/2 name ranks of a torchrun job, and this trainer runs "
+        "without torchrun (one rank): start it with `torchrun --nproc-per-node 2 -m lmpipe ...` and leave them "
+        "out, or leave them out to train on the whole corpus here"
+    ]
