@@ -50,6 +50,10 @@ CORPUS = (
     "text_column",
     "max_line_bytes",
 )  # the one-shot commands' share of PipelineConfig
+CORPUS_FILES = (
+    "corpus files (text, JSONL, .gz/.zst, Parquet, Arrow), directories or fsspec URLs (s3://...) of them"
+)
+NOT_SHARDS = "--data must be corpus files (text, JSONL, Parquet, Arrow...), not a prepared shard directory"
 ENV_NOTE = (
     "Every option of run, train and produce (and --log-level) can also be set as LMPIPE_<OPTION> in the "
     "environment, e.g. LMPIPE_SEQ_LEN=256; a flag wins over the variable. `lmpipe COMMAND --help` lists them."
@@ -100,7 +104,8 @@ def build_parser() -> Parser:
         description="train: a byte-level BPE on --data (default: the built-in corpus); info: describe --tokenizer.",
     )
     tk.add_argument("action", choices=("train", "info"))
-    add_settings(tk, PipelineConfig, "corpus", only=CORPUS, env=False)
+    corpus = {"data": f"train: {CORPUS_FILES}; none: the built-in corpus (see README, Corpora)"}
+    add_settings(tk, PipelineConfig, "corpus", only=CORPUS, env=False, helps=corpus)
     add_settings(tk, TokenizerOptions, "tokenizer", env=False)
 
     pp = command(
@@ -110,7 +115,8 @@ def build_parser() -> Parser:
         help="tokenize a corpus once into memory-mapped shards",
         description="Tokenize text/JSONL into shards that producers serve with no tokenizing (--data DIR).",
     )
-    add_settings(pp, PipelineConfig, "corpus", only=CORPUS, env=False, required=("data",))
+    corpus = {"data": f"{CORPUS_FILES} (see README, Corpora)"}
+    add_settings(pp, PipelineConfig, "corpus", only=CORPUS, env=False, required=("data",), helps=corpus)
     add_settings(pp, PrepareOptions, "shards", env=False)
 
     ky = command("keys", cmd_keys, (KeysOptions,), help="make ZeroMQ CURVE keys for --curve-dir")
@@ -193,6 +199,9 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
     if not out:
         raise SettingsError("train needs --out FILE (or --builtin)")
     corpus = open_corpus(replace(cfg, builtin_docs=5000))  # the built-in tokenizer's corpus
+    if corpus.shards is not None:  # (the built-in corpus is random-access too)
+        raise SettingsError(NOT_SHARDS)
+    check_tokenizer_out(str(out), corpus)  # every mistake before the training, not at its end
     first_document(corpus, text=True)
     texts = ((r.prompt or "") + r.text for r in corpus.records() if r.text and r.bad is None)  # prompts too
     print(f"training a {opts.vocab_size}-token byte-level BPE on {corpus.describe()}", file=sys.stderr)
@@ -200,11 +209,28 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
     tok = train_tokenizer(
         progress.texts(texts, then="learning the merges"), opts.vocab_size, show_progress=progress.tty
     )
-    tok.save(str(out))
+    try:
+        tok.save(str(out))
+    except Exception as exc:  # the tokenizers library's own: "Is a directory (os error 21)"
+        raise SettingsError(f"--out {out}: cannot write it ({exc})") from None
     info = load_tokenizer(out)
     took = duration(time.monotonic() - progress.start)
     print(f"wrote {out}: vocab size {info.vocab_size}, hash {info.hash} (in {took})")
     return 0
+
+
+def check_tokenizer_out(out: str, corpus) -> None:
+    """tokenizer train's --out can be written, and is no corpus file it reads (replaced with JSON before)."""
+    from lmpipe.launch import check_writable
+
+    check_writable("--out", out)  # a directory, a missing or read-only folder
+    if not Path(out).exists():
+        return
+    for f in corpus.paths:
+        if f.remote is None and os.path.samefile(f.path, out):
+            raise SettingsError(
+                f"--out {out} is the corpus file {f.path}: training would replace it; choose another --out"
+            )
 
 
 def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions) -> int:
@@ -219,9 +245,7 @@ def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions)
     tok = check_tokenizer(cfg)
     corpus = open_corpus(cfg, tok.vocab_size)
     if corpus.random_access:
-        raise SettingsError(
-            "--data must be corpus files (text, JSONL, Parquet, Arrow...), not a prepared shard directory"
-        )
+        raise SettingsError(NOT_SHARDS)
     first_document(corpus)
     assert opts.out is not None  # a required setting
     inputs = [f.path for f in corpus.paths if f.remote is None]

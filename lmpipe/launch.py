@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -247,6 +248,10 @@ def check_writable(flag: str, path: str | None, *, directory: bool = False) -> N
         raise SettingsError(f"{flag} {path}: {base} is not an existing directory")
     if not os.access(base, os.W_OK | os.X_OK):
         raise SettingsError(f"{flag} {path}: {base} is not writable by this user")
+    try:  # what access() cannot tell: /proc, /sys and the like refuse even root a new entry
+        os.rmdir(tempfile.mkdtemp(prefix=".lmpipe-write-check-", dir=base))
+    except OSError as exc:
+        raise SettingsError(f"{flag} {path}: nothing can be made in {base} ({exc.strerror or exc})") from None
 
 
 def check_device(name: str) -> None:

@@ -3,8 +3,9 @@ environment variable.
 
 A settings class is a dataclass whose fields are made with `setting(...)`. From it:
 - `add_settings(parser, Cls)` adds the flags: `--seq-len` for the field `seq_len` (or `flag=`), the type
-  from the annotation (`bool`: `--x` and `--no-x`; `list[str]`: several values; `X | None`: an empty value
-  is None), `choices`, and help naming the default and the variable;
+  from the annotation (`bool`: `--x` and `--no-x`; `list[str]`: several values; `X | None`: an empty
+  variable is None), `choices`, and help naming the default and the variable. An empty flag value
+  (`--out "$UNSET"`) is refused, whatever the type: it meant none (or a crash) silently;
 - a `Parser` fills what the command line left out from `LMPIPE_<FLAG>` (LMPIPE_SEQ_LEN=256), else from the
   field's default: flags win over the environment;
 - `validate(cfg)` runs every field's `check`, then the class's `cross_check()`; a settings class calls it
@@ -36,8 +37,8 @@ from typing import Any
 ENV_PREFIX = "LMPIPE_"
 _META = "lmpipe.setting"
 _SOURCES = "_setting_sources"  # namespace attribute: dest -> the flag or variable its value came from
-# to_argv's value for an empty list (`--data=<none>`): a user's empty value (`--data "$UNSET"`) is an error,
-# not the built-in corpus
+# to_argv's value for an empty list or a None (`--data=<none>`, `--tokenizer=<none>`): a user's empty value
+# (`--data "$UNSET"`, `--checkpoint-dir "$UNSET"`) is an error, not the built-in corpus or no checkpoints
 _NONE = "<none>"
 
 Check = Callable[[Any], "str | None"]  # None when the value is fine, else what is wrong with it
@@ -105,7 +106,7 @@ class Spec:
     dest: str  # argparse namespace attribute
     env: str | None  # LMPIPE_<FLAG>
     type: type  # bool, int, float or str (of each item, for lists)
-    optional: bool  # `X | None`: an empty value means None
+    optional: bool  # `X | None`: an empty variable means None (an empty flag value is refused)
     many: bool  # list[X]
     default: Any
     meta: Meta
@@ -215,14 +216,19 @@ class Parser(argparse.ArgumentParser):
         return ns, extras
 
 
-def _argtype(spec: Spec) -> Callable[[str], Any]:
+def _argtype(spec: Spec, required: bool) -> Callable[[str], Any]:
     def convert(raw: str) -> Any:
         if spec.many and raw == _NONE:
             return raw  # from_args drops it
-        if spec.many and raw == "":
-            raise argparse.ArgumentTypeError(
-                f"an empty value (an unset shell variable?); leave --{spec.flag} out to use its default ({_show(spec.default)})"
+        if spec.optional and raw == _NONE:
+            return None
+        if raw == "":  # any type: an unset $VAR was read as none, silently (a crash where required)
+            advice = (
+                f"--{spec.flag} is required"
+                if required
+                else f"leave --{spec.flag} out to use its default ({_show(spec.default)})"
             )
+            raise argparse.ArgumentTypeError(f"an empty value (an unset shell variable?); {advice}")
         try:
             return parse_value(dataclasses.replace(spec, many=False), raw)
         except ValueError as exc:
@@ -241,10 +247,13 @@ def add_settings(
     fill: bool = True,
     required: tuple[str, ...] = (),
     hidden: tuple[str, ...] = (),
+    helps: dict[str, str] | None = None,
 ) -> None:
     """Add a flag per setting of `cls` (or the `only` ones). env=False: flags only (one-shot commands);
     fill=False: the flag is accepted here but its default is filled by a parent parser (global options);
-    `hidden`: accepted (a whole config's flags round-trip) but left out of --help, where they mean nothing."""
+    `hidden`: accepted (a whole config's flags round-trip) but left out of --help, where they mean nothing;
+    `helps`: a field's help as this command reads it (prepare's --data takes no shard directory)."""
+    helps = helps or {}
     for spec in specs(cls):
         if only is not None and spec.name not in only:
             continue
@@ -254,17 +263,19 @@ def add_settings(
         name = m.group or title
         g = next((g for g in parser._action_groups if g.title == name), None)
         g = g or parser.add_argument_group(name)
+        needed = m.required or spec.name in required
         where = f"; ${spec.env}" if spec.env else ""
-        text = f"{m.help} [default: {_show(spec.default)}{where}]".replace("%", "%%")  # argparse %-formats
-        text = argparse.SUPPRESS if m.hidden or spec.name in hidden else text
+        text = helps.get(spec.name, m.help)
+        text = text if needed else f"{text} [default: {_show(spec.default)}{where}]"  # required: no default
+        text = argparse.SUPPRESS if m.hidden or spec.name in hidden else text.replace("%", "%%")  # %-formats
         kwargs: dict[str, Any] = dict(dest=spec.dest, default=argparse.SUPPRESS, help=text)
-        if m.required or spec.name in required:
+        if needed:
             kwargs["required"] = True
         if spec.type is bool:
             g.add_argument("--" + spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
             metavar = m.metavar or {int: "N", float: "X"}.get(spec.type)
-            kwargs.update(type=_argtype(spec), choices=m.choices, metavar=metavar)
+            kwargs.update(type=_argtype(spec, needed), choices=m.choices, metavar=metavar)
             if (
                 spec.many
             ):  # the flag with no value would mean the default silently (an unset $VAR, an empty glob)
@@ -420,5 +431,5 @@ def to_argv(cfg: Any) -> list[str]:
         elif spec.many:  # an empty list as the one value that means none: the flag wants at least one
             argv += [flag, *map(str, v)] if v else [f"{flag}={_NONE}"]
         else:
-            argv += [flag, "" if v is None else str(v)]
+            argv += [f"{flag}={_NONE}"] if v is None else [flag, str(v)]
     return argv

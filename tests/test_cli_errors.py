@@ -181,6 +181,9 @@ def touch(c: Ctx, name: str) -> list[str]:
     return []
 
 
+# single-value flags an unset $VAR emptied (`--checkpoint-dir "$CK"`)
+EMPTIED = ("checkpoint-dir", "resume", "tokenizer", "summary-json", "doc-log", "runtime-dir", "curve-dir")
+
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 # (id, argv or a function of the context giving it, text the one line must contain)
@@ -331,6 +334,46 @@ CASES = [
     ),
     ("run-vocab-too-small", ["run", "--vocab-size", "10"], "--vocab-size 10 is smaller than the tokenizer's"),
     ("tokenizer-without-out", ["tokenizer", "train"], "--out"),
+    # access() lets root write /proc: the run trained every step, then failed at its final checkpoint
+    (
+        "checkpoint-dir-in-proc",
+        ["run", "--checkpoint-dir", "/proc/lmpipe-x"],
+        "--checkpoint-dir /proc/lmpipe-x: ",
+    ),
+    ("summary-json-in-proc", ["run", "--summary-json", "/proc/lmpipe-x"], "--summary-json /proc/lmpipe-x: "),
+    # an empty value (an unset $VAR) was read as none: no checkpoints, the built-in tokenizer, no summary;
+    # a traceback (AssertionError) where the flag is required
+    *[
+        (f"{f}-empty", ["run", f"--{f}", "", "--steps", "2"], f"--{f}: an empty value (an unset")
+        for f in EMPTIED
+    ],
+    ("metrics-port-empty", ["train", "--metrics-port", ""], "--metrics-port: an empty value"),
+    ("seq-len-empty", ["run", "--seq-len", ""], "--seq-len: an empty value"),
+    ("tokenizer-out-empty", ["tokenizer", "train", "--out", ""], "--out: an empty value"),
+    ("prepare-out-empty", ["prepare", "--data", "README.md", "--out", ""], "--out: an empty value"),
+    ("export-out-empty", lambda c: ["export", str(c.checkpoint), "--out", ""], "--out is required"),
+    (
+        "keys-out-empty",
+        ["keys", "--out", ""],
+        "--out: an empty value (an unset shell variable?); --out is required",
+    ),
+    # tokenizer train's --out: a traceback from tok.save after the training before
+    (
+        "tokenizer-out-a-folder",
+        lambda c: ["tokenizer", "train", "--out", str(c.tmp)],
+        "is a directory; name a file",
+    ),
+    (
+        "tokenizer-out-in-missing-folder",
+        lambda c: ["tokenizer", "train", "--out", str(c.tmp / "no" / "t.json")],
+        f"{os.sep}no is not an existing directory",
+    ),
+    # "no text documents in shards" (every record "empty or malformed") before
+    (
+        "tokenizer-train-on-shards",
+        lambda c: ["tokenizer", "train", "--data", str(c.shards), "--out", str(c.tmp / "t.json")],
+        "--data must be corpus files (text, JSONL, Parquet, Arrow...), not a prepared shard directory",
+    ),
     ("tokenizer-vocab-huge", ["tokenizer", "train", "--vocab-size", "1000000000"], "--vocab-size 1000000000"),
     # paths written only later (the first checkpoint, the summary): refused before any training
     (
@@ -421,6 +464,61 @@ def test_usage_mistake_is_one_line_and_status_2(tmp_path, port, checkpoint, shar
     assert "Traceback" not in out.stderr + out.stdout
     assert len(lines) == 1, out.stderr
     assert expect in lines[0], lines[0]
+
+
+def lmpipe(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmpipe", *args], env=lmpipe_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("given", ["itself", "a-link-to-it", "its-folder-as-data"])
+def test_tokenizer_train_refuses_to_write_over_its_corpus(tmp_path, given):
+    """`tokenizer train --data X.txt --out X.txt` replaced the corpus with the tokenizer's JSON."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("A first document.\n\nA second one.\n")
+    before = corpus.read_bytes()
+    out = corpus
+    data = tmp_path if given == "its-folder-as-data" else corpus
+    if given == "a-link-to-it":
+        out = tmp_path / "t.json"
+        out.symlink_to(corpus)
+    res = lmpipe("tokenizer", "train", "--data", str(data), "--out", str(out), "--vocab-size", "258")
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert res.stderr == (
+        f"lmpipe tokenizer: --out {out} is the corpus file {corpus}: training would replace it; choose another --out\n"
+    )
+    assert corpus.read_bytes() == before
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+def test_tokenizer_train_that_cannot_save_says_so_in_one_line(tmp_path):
+    """Refused before the training (not writable by this user), or, where root may write /proc, by its
+    save after it: one line either way, not a traceback from tok.save."""
+    (tmp_path / "c.txt").write_text("A first document.\n\nA second one.\n")
+    out = "/proc/lmpipe-test-tokenizer.json"
+    res = lmpipe("tokenizer", "train", "--data", str(tmp_path / "c.txt"), "--out", out, "--vocab-size", "258")
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout
+    assert res.stderr.splitlines()[-1].startswith(f"lmpipe tokenizer: --out {out}: "), res.stderr
+
+
+def test_an_existing_tokenizer_file_may_be_replaced(tmp_path):
+    (tmp_path / "c.txt").write_text("A first document.\n\nA second one.\n")
+    out = tmp_path / "t.json"
+    out.write_text("an older tokenizer")
+    res = lmpipe(
+        "tokenizer", "train", "--data", str(tmp_path / "c.txt"), "--out", str(out), "--vocab-size", "258"
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(out.read_text())["model"]["type"] == "BPE"
+
+
+@pytest.mark.parametrize("cmd", ["prepare", "tokenizer"])
+def test_corpus_only_commands_do_not_offer_shards_in_help(cmd):
+    """prepare and tokenizer train said --data took "a prepared shard directory; none: the built-in corpus"."""
+    text = " ".join(lmpipe(cmd, "--help").stdout.split())
+    assert "corpus files (text, JSONL" in text and "prepared shard directory" not in text
+    assert ("none: the built-in corpus" in text) == (cmd == "tokenizer")  # prepare requires --data
 
 
 # -- a value from LMPIPE_<FLAG> is named as that variable, in cross-field errors and later checks too ------
