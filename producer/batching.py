@@ -249,16 +249,21 @@ def _packed(tokens, seg, lengths, segs, spec: BatchSpec, cursor: Cursor, mask=No
     )
 
 
+_said_long_masked = False  # _LongMaskedWarning's line was said in this process (by any of its streams)
+
+
 class _LongMaskedWarning:
-    """Says once per stream that a document with masked tokens (a prompt) is longer than a row: cut into
-    rows, its later tokens (a completion) are trained without the rows before them in view."""
+    """Says once per process (not per stream: a producer holds a stream per shard) that a document with
+    masked tokens (a prompt) is longer than a row: cut into rows, its later tokens (a completion) are trained
+    without the rows before them in view."""
 
     def __init__(self, seq_len: int):
-        self.seq_len, self.said = seq_len, False
+        self.seq_len = seq_len
 
     def check(self, doc: Doc) -> None:
-        if not self.said and len(doc.ids) > self.seq_len and _has_context(doc, 0):
-            self.said = True
+        global _said_long_masked
+        if not _said_long_masked and len(doc.ids) > self.seq_len and _has_context(doc, 0):
+            _said_long_masked = True
             log.warning(
                 "document %d has loss-masked tokens and %d in all, over --seq-len %d: it is cut into rows, and "
                 "a token trained in a later row does not see the rows before it (the start of its prompt); "

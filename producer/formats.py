@@ -21,7 +21,9 @@ binary), or, when there is no "text" column, from pre-tokenized "ids" or "input_
 Row r of a table is one record; a null, empty, non-UTF-8 or out-of-vocabulary row is a bad record named
 `FILE:row R` (R counts from 0 in that file, as `dataset[R]` does), counted and skipped like a bad line.
 A file that cannot be decoded at all (a truncated gzip or zstd stream, a damaged Parquet file) stops the
-reader with one line naming the file: re-download or re-create it (`lmpipe prepare` reads every byte).
+reader with one line naming the file: re-download or re-create it (`lmpipe prepare` reads every byte). A
+stream's line counts the bytes decompressed before the damage; a .gz or .zst that does not start with its
+format's magic number (text named .zst) is said to be not gzip or zstd data instead.
 A local file is checked against its size, modification and status-change times and inode when the run
 found it, before each pass opens it and after each pass reads it (an Arrow file: before each batch too):
 one changed (truncated, appended to, rewritten, replaced) stops the reader with one line (CorpusChanged),
@@ -87,6 +89,7 @@ _said_again: set[str] = set()  # files reached more than once, said once per pro
 SAID_AGAIN = 3  # duplicate files named in that one line, at most
 DIGEST_WHOLE = 256 << 10  # a local file this size or smaller is hashed whole when found (and when rechecked)
 DIGEST_SAMPLE = 64 << 10  # a larger one: its first, middle and last this many bytes
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes
 _recheck = threading.Lock()  # one thread hashes a changed-looking file again; the others then see its answer
 
 
@@ -154,7 +157,7 @@ def magic(head: bytes) -> str | None:
         return "arrow"
     if head[:2] == b"\x1f\x8b":
         return "gzip"
-    if head[:4] == b"\x28\xb5\x2f\xfd":
+    if head[:4] == ZSTD_MAGIC:
         return "zstd"
     return None
 
@@ -384,7 +387,7 @@ def _check_object(f: DataFile) -> None:
 
 def _changed_content(f: DataFile) -> str | None:
     """How local file `f`, of its size but not its times or inode when found, changed; None if its
-    content is as found (then its new state is remembered, and said once)."""
+    content is as found, as far as its digest tells (then its new state is remembered, and said once)."""
     try:
         st, digest = _snapshot(f.path)
     except FileNotFoundError:
@@ -410,8 +413,19 @@ def _changed_content(f: DataFile) -> str | None:
     if not same:
         return f"still {f.size:,} bytes, but {how}"
     f.same_content.add(state)
-    log.info("corpus file %s: %s, but its content is as the run found it; reading on", f, how)
+    log.info("corpus file %s: %s, but %s; reading on", f, how, _as_found(f.size))
     return None
+
+
+def _as_found(size: int) -> str:
+    """What a digest that matches says of a file of `size` (_content_digest): all of it, or its samples."""
+    if size <= DIGEST_WHOLE:
+        return "its content is as the run found it"
+    kib = f"{DIGEST_SAMPLE >> 10} KiB" if DIGEST_SAMPLE % 1024 == 0 else f"{DIGEST_SAMPLE:,} bytes"
+    return (
+        f"its sampled parts (first, middle and last {kib}; the rest is not compared) "
+        "are as the run found them"
+    )
 
 
 def _resolve_local(p: str, url: str | None = None) -> list[DataFile]:
@@ -571,33 +585,55 @@ class _Zstd(io.RawIOBase):
         self.obj = self.dctx.decompressobj()
         self.in_frame = False
         self.buf = b""
+        self.rest = (
+            b""  # compressed bytes read but not yet fed: a frame's, after the frames before it gave out
+        )
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b) -> int:
         while not self.buf:
-            data = self.raw.read(self.CHUNK)
+            data, self.rest = self.rest or self.raw.read(self.CHUNK), b""
             if not data:
                 if self.in_frame:
                     raise EOFError("zstd stream ended inside a frame")
                 return 0
-            out = []
+            out: list[bytes] = []
             while data:
+                if not self.in_frame:  # a frame starts here
+                    if out:  # what the frames before it gave comes first, as an error in it cannot take it
+                        self.rest = data
+                        break
+                    data = self._frame_start(data)  # its magic number first
                 if self.obj.eof:
                     self.obj = self.dctx.decompressobj()
                 out.append(self.obj.decompress(data))
+                self.in_frame = not self.obj.eof
                 data = self.obj.unused_data if self.obj.eof else b""
-            self.in_frame = not self.obj.eof
             self.buf = b"".join(out)
         n = min(len(b), len(self.buf))
         b[:n] = self.buf[:n]
         self.buf = self.buf[n:]
         return n
 
+    def _frame_start(self, data: bytes) -> bytes:
+        """`data`, which starts a frame, with at least its 4 bytes of magic number (read on if cut there):
+        NotCompressed if they are not a zstd frame's or a skippable frame's (0x184D2A5?), as gzip says
+        "Not a gzipped file" (zstandard would say "Unknown frame descriptor")."""
+        while len(data) < 4 and (more := self.raw.read(4 - len(data))):
+            data += more
+        if data[:4] != ZSTD_MAGIC and not (data[1:4] == b"\x2a\x4d\x18" and data[0] & 0xF0 == 0x50):
+            raise NotCompressed(f"Not a zstd file ({data[:4]!r})")
+        return data
+
     def close(self) -> None:
         self.raw.close()
         super().close()
+
+
+class NotCompressed(OSError):
+    """A zstd stream's frame does not start with zstd's magic number (gzip.BadGzipFile for gzip)."""
 
 
 class _Checked(io.RawIOBase):
@@ -612,24 +648,49 @@ class _Checked(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int:
+        # `b` is filled a decompressed chunk at a time (read1), each counted as it comes: GzipFile.readinto
+        # fills all of `b` and drops what it decompressed when a later chunk fails, and `b` is a 1 MiB
+        # buffer (open_binary), so the count said in the error was short by up to that (0 for a file whose
+        # damage is in its first MiB)
+        view, n = memoryview(b).cast("B"), 0
         try:
-            n = self.inner.readinto(b)
+            while n < len(view):
+                k = self._read1(view[n:])
+                if not k:
+                    break
+                n += k
+                self.done += k
         except RemoteError:
             raise
-        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        except (EOFError, zlib.error, gzip.BadGzipFile, NotCompressed) as exc:
             raise self._error(exc) from None
         except Exception as exc:
             if type(exc).__name__ != "ZstdError":
                 raise
             raise self._error(exc) from None
-        self.done += n
         return n
+
+    def _read1(self, b) -> int:
+        """One decompressed chunk into `b` (GzipFile's readinto1; _Zstd's readinto gives one)."""
+        return (self.inner.readinto1 if hasattr(self.inner, "readinto1") else self.inner.readinto)(b)
 
     def _error(self, exc: Exception) -> FormatError:
         check_unchanged(self.f)  # a file cut short since the start is not a corrupt one
+        what = self.f.compression
+        if (
+            self.done == 0
+            and isinstance(exc, (gzip.BadGzipFile, NotCompressed))
+            and str(exc).startswith("Not a")
+        ):
+            # no magic number at its start: not damaged, not compressed as its name says (text named .zst)
+            return FormatError(
+                f"{self.f}: not {what} data, though named {PurePosixPath(str(self.f)).suffix} ({exc}); a "
+                "file's format comes from its name: rename it to what it is, or re-download or re-compress it"
+            )
         return FormatError(
-            # GzipFile drops what it decompressed in the read that fails: the error lies past this count
-            f"{self.f}: {self.f.compression} data is truncated or corrupt past its first {self.done:,} "
+            # the bytes decompressed before the error, all of them (a decompressor's call that fails keeps
+            # none of its output: for corrupt data, the damage is in the next compressed block)
+            f"{self.f}: {what} data is truncated or corrupt past its first {self.done:,} "
             f"decompressed bytes ({exc}); re-download or re-compress the file"
         )
 

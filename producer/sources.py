@@ -602,11 +602,17 @@ class Corpus:
 def refuse_binary(path: DataFile) -> None:
     """Raise ValueError when `path` starts like a binary file (a NUL byte in its first bytes, decompressed:
     a .tar.gz too): no text or JSONL corpus has one, and reading it as text makes thousands of junk
-    documents."""
+    documents. FormatError for a .gz/.zst that fails to decompress within what is read here."""
     try:
         with formats.open_binary(path) as f:
             head = f.read(BINARY_PROBE_BYTES)
-    except (OSError, EOFError, ValueError):  # a damaged .gz/.zst: reading it says so, by name
+    except formats.FormatError:
+        # a .gz/.zst damaged in what this read decompressed (its first MiB: open_binary's buffer), or not
+        # compressed as named: refused now, by name (a folder's file too, not only the first one read).
+        # Damage further on is found where the producers read it: checking each stream whole here would
+        # decompress the corpus once more at every start, in every producer
+        raise
+    except (OSError, EOFError, ValueError):  # unreadable now: reading it says so, by name
         return
     if _utf16(head):  # Windows editors save "Unicode" text so: every other byte of ASCII text is NUL
         raise ValueError(

@@ -34,7 +34,8 @@ def _texts(records) -> list[str | None]:
 
 
 def _said(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if READ_ON in r.getMessage()]
+    """The read-on lines: its content as found (a file hashed whole), or its sampled parts as found."""
+    return [r.getMessage() for r in caplog.records if r.getMessage().endswith("; reading on")]
 
 
 def _count_hashes(monkeypatch) -> list[int]:
@@ -116,6 +117,33 @@ def test_a_large_file_is_told_by_its_first_middle_and_last_bytes(tmp_path, monke
         with pytest.raises(CorpusChanged, match=rf"\(still {size:,} bytes, but modified at "):
             list(c.records())
     assert len(_said(caplog)) == 3
+
+
+def test_a_large_file_edited_outside_its_samples_is_not_said_unchanged(tmp_path, caplog):
+    """4 bytes written at offset 500,000 of a 1.1 MB text file (the same size, a new time) are outside the
+    first, middle and last 64 KiB that its digest samples: it is read on, and the line said "its content is
+    as the run found it", which was false. It names what was compared instead."""
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"".join(f"document {i} words words\n\n".encode() for i in range(42_000)))
+    size = path.stat().st_size
+    assert size > formats.DIGEST_WHOLE and size > 1_000_000
+    assert not (size - formats.DIGEST_SAMPLE) // 2 <= 500_000 < (size + formats.DIGEST_SAMPLE) // 2
+    c = Corpus([str(path)])
+    list(c.records())
+    with open(path, "r+b") as f:
+        f.seek(500_000)
+        f.write(b"XXXX")
+    _touch(path)
+    assert path.stat().st_size == size
+    with caplog.at_level(logging.INFO, logger="lmpipe.producer"):
+        list(c.records())  # read on: the digest cannot tell
+    said = _said(caplog)
+    assert len(said) == 1 and re.fullmatch(
+        rf"corpus file {re.escape(str(path))}: modified at [^,]+, but its sampled parts \(first, middle and "
+        r"last 64 KiB; the rest is not compared\) are as the run found them; reading on",
+        said[0],
+    ), said
+    assert "content is as" not in said[0]
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow-file"])

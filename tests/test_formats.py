@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
+import struct
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -16,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from lmpipe.producer import formats
 from lmpipe.producer.formats import FormatError
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
@@ -183,6 +187,82 @@ def test_broken_files_stop_with_one_line_naming_them(tmp_path):
     (hf / "train" / "data-00001-of-00002.arrow").unlink()
     with pytest.raises(FormatError, match=r"state\.json lists data-00001-of-00002\.arrow, which is missing"):
         Corpus([str(hf / "train")])
+
+
+def _said_count(exc: pytest.ExceptionInfo) -> int:
+    found = re.search(r"truncated or corrupt past its first ([\d,]+) decompressed bytes", str(exc.value))
+    assert found, str(exc.value)
+    return int(found.group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("compression", ["gzip", "zstd"])
+@pytest.mark.parametrize("size", [5_000, 1_200_000])
+def test_a_truncated_stream_says_the_bytes_decompressed_before_the_error(tmp_path, compression, size):
+    """A .gz cut at 90% of a 1.1 MB text file said "past its first 0 decompressed bytes" though 1 MB
+    decodes: GzipFile fills the reader's whole 1 MiB buffer and drops what it decoded when it fails. The
+    count is now every byte decompressed before the error: what a decompressor given the cut file yields."""
+    text = b"".join(
+        f"= Heading {i} =\n\n paragraph {i} of words {i * 7} and more\n\n".encode() for i in range(20_000)
+    )
+    text = text[:size]
+    blob = gzip.compress(text) if compression == "gzip" else zstandard.ZstdCompressor().compress(text)
+    cut = blob[: len(blob) * 9 // 10]
+    d = zlib.decompressobj(31) if compression == "gzip" else zstandard.ZstdDecompressor().decompressobj()
+    decodes = len(d.decompress(cut))  # all a decompressor yields of the cut stream
+    assert (
+        decodes < len(text) and not d.eof and (decodes > 0 or compression == "zstd")
+    )  # (zstd: whole blocks)
+    path = tmp_path / f"cut.txt.{'gz' if compression == 'gzip' else 'zst'}"
+    path.write_bytes(cut)
+    with pytest.raises(
+        FormatError, match=rf"^{re.escape(str(path))}: {compression} data is truncated or corrupt"
+    ) as e:
+        list(formats.open_binary(formats.resolve([str(path)])[0]))
+    assert _said_count(e) == decodes
+
+
+def test_a_text_file_named_as_compressed_says_it_is_not_that_data(tmp_path):
+    """A text file named .zst was "zstd data is truncated or corrupt" (.gz: the same, "Not a gzipped file" in
+    brackets): no magic number at its start is not damage, it is not zstd (gzip) data. Junk after a valid
+    frame (member) is still corrupt data past what decoded; a skippable zstd frame is read past."""
+    text = b"hello world\nthis is text\n"
+    for name, what in (("a.txt.zst", r"zstd data, though named \.zst \(Not a zstd file \(b'hell'\)\)"),
+                       ("a.txt.gz", r"gzip data, though named \.gz \(Not a gzipped file \(b'he'\)\)")):  # fmt: skip
+        (tmp_path / name).write_bytes(text)
+        with pytest.raises(
+            FormatError,
+            match=rf"^{re.escape(str(tmp_path / name))}: not {what}; a file's format comes from its name",
+        ):
+            read(tmp_path / name)
+    frame = zstandard.ZstdCompressor().compress(text)
+    (tmp_path / "junk.txt.zst").write_bytes(frame + b"trailing junk")
+    with pytest.raises(
+        FormatError,
+        match=rf"junk\.txt\.zst: zstd data is truncated or corrupt past its first {len(text)} decompressed "
+        r"bytes \(Not a zstd file \(b'trai'\)\)",
+    ):
+        list(formats.open_binary(formats.resolve([str(tmp_path / "junk.txt.zst")])[0]))
+    skippable = struct.pack("<II", 0x184D2A5E, 3) + b"abc"
+    (tmp_path / "skip.txt.zst").write_bytes(skippable + frame + skippable + frame)
+    assert [r[1] for r in read(tmp_path / "skip.txt.zst", doc_split="line")] == [
+        "hello world", "this is text", "hello world", "this is text"
+    ]  # fmt: skip
+
+
+def test_a_truncated_gz_in_a_data_folder_is_refused_when_the_corpus_opens(tmp_path):
+    """The start-up check (a Corpus opened by `lmpipe run` before the producers start) read only the first
+    file's first record, and refuse_binary let a decoding error pass, so a folder whose second file is a
+    truncated .gz started the run and its producers failed (exit 1, not 2). Damage within what refuse_binary
+    decompresses (open_binary's first 1 MiB) is now refused there, by name."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a good document\n\nand another\n")
+    blob = gzip.compress(b"".join(f"document {i}\n\n".encode() for i in range(50_000)))
+    (folder / "b.txt.gz").write_bytes(blob[: len(blob) * 9 // 10])
+    with pytest.raises(
+        FormatError, match=rf"^{re.escape(str(folder / 'b.txt.gz'))}: gzip data is truncated or corrupt past"
+    ):
+        Corpus([str(folder)])
 
 
 def test_a_missing_extra_is_one_line_naming_it(tmp_path):

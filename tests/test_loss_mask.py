@@ -28,6 +28,7 @@ from lmpipe.consumer.model import IGNORE
 from lmpipe.consumer.receiver import Receiver, WorkerTable
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.consumer.step import StepRunner
+from lmpipe.producer import batching
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.producer.shards import ShardSet
 from lmpipe.producer.sources import Corpus
@@ -252,9 +253,12 @@ def test_a_mask_on_an_unmasked_batch_changes_nothing():
 
 
 @pytest.mark.parametrize("strategy", ["pack", "pad", "bucket"])
-def test_a_masked_document_longer_than_a_row_is_said_once(strategy, caplog):
+def test_a_masked_document_longer_than_a_row_is_said_once(strategy, caplog, monkeypatch):
     """A prompt longer than --seq-len is cut into rows, and its completion is trained without the start of
-    the prompt in view: worth one warning per stream. An unmasked long document is ordinary text."""
+    the prompt in view: worth one warning per process. An unmasked long document is ordinary text."""
+    monkeypatch.setattr(
+        batching, "_said_long_masked", False, raising=False
+    )  # as in a producer that has said nothing yet
     long_plain, long_masked, short_masked = list(range(1, 21)), list(range(1, 21)), [1, 2, 3]
     stream = MaskedStream(
         [long_plain, short_masked, long_masked, long_masked],
@@ -270,6 +274,23 @@ def test_a_masked_document_longer_than_a_row_is_said_once(strategy, caplog):
     assert (
         len(said) == 1 and "document 1002 has loss-masked tokens and 20 in all, over --seq-len 8" in said[0]
     )
+
+
+@pytest.mark.parametrize("strategy", ["pack", "pad", "bucket"])
+def test_the_long_prompt_warning_is_said_once_per_process_not_per_shard(strategy, caplog, monkeypatch):
+    """A producer batches a stream per shard it holds: the warning marked "(said once)" was said by each
+    (16 times in a 10-step run of 500-token prompts at --seq-len 128, 41 with --shards 256), though the
+    README says each producer warns once."""
+    monkeypatch.setattr(batching, "_said_long_masked", False, raising=False)
+    spec = BatchSpec(strategy=strategy, seq_len=8, batch_size=2, bucket_window=8)
+    with caplog.at_level("WARNING", logger="lmpipe.producer"):
+        for shard in range(4):  # a shard's stream each, as a producer holding 4 shards
+            docs = [list(range(1, 21)), [1, 2, 3]]
+            stream = MaskedStream(docs, [[0] * 15 + [1] * 5, [0, 1, 1]])
+            stream.worker = shard
+            list(batches(stream, spec, epochs=1))
+    said = [r.getMessage() for r in caplog.records if "has loss-masked tokens" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("(said once)"), said
 
 
 # -- the wire ------------------------------------------------------------------------------------------
