@@ -424,6 +424,11 @@ def train(
         )
     rank_cfg, rank_tcfg = per_rank(cfg, tcfg, rank, world) if world > 1 else (cfg, tcfg)
     check_ports(rank_cfg)
+    if local_producers and (mp := rank_tcfg.metrics_port) and mp > 0 and mp + rank_cfg.producers > 65535:
+        raise SettingsError(  # producer i serves its metrics on port + 1 + i: bind() failed in each of them
+            f"--metrics-port {tcfg.metrics_port}: its {rank_cfg.producers} producers would serve on ports up to "
+            f"{mp + rank_cfg.producers}, past 65535; give a lower --metrics-port (0: any free port, -1: off)"
+        )
     check_keys(cfg, server=True)
     tok = check_tokenizer(cfg)
     if tcfg.vocab_size and tcfg.vocab_size < tok.vocab_size:  # the trainer checks too (after torch loads)

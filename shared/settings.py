@@ -164,9 +164,12 @@ def parse_value(spec: Spec, raw: str) -> Any:
         return raw.lower() in _TRUE
     if spec.type is int:
         try:
-            return int(raw)
+            v = int(raw)
         except ValueError:
             raise ValueError(f"{raw!r} is not an integer") from None
+        if not -(2**63) <= v < 2**63:  # past int64, msgpack's hello and numpy failed with a traceback
+            raise ValueError(f"{raw!r} is out of range (a 64-bit integer)")
+        return v
     if spec.type is float:
         try:
             return float(raw)

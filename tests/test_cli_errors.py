@@ -334,6 +334,8 @@ CASES = [
     ),
     ("run-vocab-too-small", ["run", "--vocab-size", "10"], "--vocab-size 10 is smaller than the tokenizer's"),
     ("tokenizer-without-out", ["tokenizer", "train"], "--out"),
+    # past int64: msgpack's OverflowError in every producer's hello; past 65535: bind() in every producer
+    ("seed-past-int64", ["run", "--seed", str(2**64)], "--seed: '18446744073709551616' is out of range"),
     # access() lets root write /proc: the run trained every step, then failed at its final checkpoint
     (
         "checkpoint-dir-in-proc",
@@ -727,3 +729,14 @@ def test_a_corpus_file_changed_during_the_run_stops_it_in_one_line(procs, tmp_pa
         "reading it as it was: restore it or start a new run"
     ), said[0]
     assert "producer 0 exited with code 2" in text and "Traceback" not in text
+
+
+def test_producer_metrics_ports_past_65535_are_refused_up_front(port):
+    """Producer i serves metrics on --metrics-port + 1 + i: each failed in bind() with a traceback, and the
+    run stopped with 'producer 0 exited with code 1'."""
+    out = subprocess.run([sys.executable, "-m", "lmpipe", "run", "--metrics-port", "65535", "--port", str(port)],
+                         env=lmpipe_env(), cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "lmpipe run: --metrics-port 65535: its 2 producers would serve on ports up to 65537, past 65535; give a "
+        "lower --metrics-port (0: any free port, -1: off)"
+    ], out.stderr
