@@ -216,6 +216,12 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
     info = load_tokenizer(out)
     took = duration(time.monotonic() - progress.start)
     print(f"wrote {out}: vocab size {info.vocab_size}, hash {info.hash} (in {took})")
+    if info.vocab_size < opts.vocab_size:  # BPE stops when no pair is left to merge
+        print(
+            f"note: {info.vocab_size:,} tokens, not the {opts.vocab_size:,} asked for: the corpus has too little "
+            "text for more merges (give more --data for a larger vocabulary)",
+            file=sys.stderr,
+        )
     return 0
 
 

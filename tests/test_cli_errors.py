@@ -740,3 +740,18 @@ def test_producer_metrics_ports_past_65535_are_refused_up_front(port):
         "lmpipe run: --metrics-port 65535: its 2 producers would serve on ports up to 65537, past 65535; give a "
         "lower --metrics-port (0: any free port, -1: off)"
     ], out.stderr
+
+
+def test_a_vocabulary_smaller_than_asked_is_said(tmp_path):
+    """Without --data the built-in corpus gave 1,101 tokens of the 4,096 asked for, and nothing said so."""
+    (tmp_path / "c.txt").write_text("A first document.\n\nA second one.\n")
+    out = tmp_path / "t.json"
+    res = lmpipe(
+        "tokenizer", "train", "--data", str(tmp_path / "c.txt"), "--out", str(out), "--vocab-size", "400"
+    )
+    assert res.returncode == 0, res.stderr
+    have = json.loads(out.read_text())["model"]["vocab"]
+    assert res.stderr.splitlines()[-1] == (
+        f"note: {len(have)} tokens, not the 400 asked for: the corpus has too little text for more merges (give "
+        "more --data for a larger vocabulary)"
+    )
