@@ -17,9 +17,12 @@ mistake is one line on stderr and exit status 2. Nothing here imports torch unti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -240,6 +243,25 @@ def check_tokenizer_out(out: str, corpus) -> None:
 
 
 def cmd_prepare(ns, g: GlobalOptions, cfg: PipelineConfig, opts: PrepareOptions) -> int:
+    with _sigterm_exits():
+        return _prepare(cfg, opts)
+
+
+@contextlib.contextmanager
+def _sigterm_exits():
+    """SIGTERM (a scheduler's kill, `timeout`) ends the command as Ctrl-C does, through its cleanup (prepare's
+    half-written temporary folder, which the default action left beside --out); the old handler after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _prepare(cfg: PipelineConfig, opts: PrepareOptions) -> int:
     from typing import cast
 
     from lmpipe.launch import check_tokenizer, first_document, open_corpus, say_left_out

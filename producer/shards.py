@@ -148,10 +148,10 @@ def prepare(stream, out: str | Path, *, shard_tokens: int = 1 << 26, source: str
     check_out(out, force, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # unique: never a user's folder
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would keep a team's shard set from everyone else
-    try:
+    try:  # from here on: a stop (Ctrl-C, SIGTERM as the CLI takes it) removes it
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would keep a team's shard set from everyone else
         meta = _write_shards(stream, tmp, shard_tokens, source, progress)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
