@@ -70,10 +70,8 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             self._write(tmp, step, header, state)
-        except (
-            OSError,
-            RuntimeError,
-        ) as exc:  # torch.save says a full disk as RuntimeError ("unexpected pos")
+        # torch.save says a full disk as a RuntimeError ("unexpected pos ...")
+        except (OSError, RuntimeError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)  # a partial write would hold the space a retry needs
             free = f"{shutil.disk_usage(self.dir).free / 2**20:,.0f} MiB"
             raise OSError(
