@@ -83,7 +83,11 @@ class PipelineConfig:
         metavar="NAME",
         help="Parquet, Arrow and Hugging Face datasets: the column holding each document; JSON Lines: the key",
     )
-    builtin_docs: int = setting(20_000, check=at_least(1), help="size of the built-in corpus")
+    builtin_docs: int = setting(
+        20_000,
+        check=between(1, 100_000_000),
+        help="size of the built-in corpus (a demo: your --data for more)",
+    )
     epochs: int = setting(0, check=at_least(0), help="passes over the corpus; 0: until the trainer stops")
     producers: int = setting(
         2,

@@ -336,6 +336,12 @@ CASES = [
     ("tokenizer-without-out", ["tokenizer", "train"], "--out"),
     # past int64: msgpack's OverflowError in every producer's hello; past 65535: bind() in every producer
     ("seed-past-int64", ["run", "--seed", str(2**64)], "--seed: '18446744073709551616' is out of range"),
+    # numpy's MemoryError (7.28 TiB) in every producer
+    (
+        "builtin-docs-huge",
+        ["run", "--builtin-docs", str(10**12)],
+        "--builtin-docs 1000000000000: must be in 1..100000000",
+    ),
     # access() lets root write /proc: the run trained every step, then failed at its final checkpoint
     (
         "checkpoint-dir-in-proc",
