@@ -85,9 +85,12 @@ class TrainingDiverged(ValueError):
     ValueError, so that the CLI says it in one line and exits 2, like the other refusals."""
 
 
-def _diverged(loss_sum: float, targets: float, first: int, last: int) -> str:
+def _check_finite(loss_sum: float, targets: float, first: int, last: int) -> None:
+    """TrainingDiverged if steps first..last trained targets to a loss that is not finite."""
+    if not targets or math.isfinite(loss_sum):
+        return
     steps = f"step {last}" if first >= last else f"steps {first}-{last}"
-    return (
+    raise TrainingDiverged(
         f"training diverged: the loss over {steps} is {loss_sum / targets} (not finite); stopping, with no "
         "checkpoint written of this state: try a lower --lr or a longer --warmup (--resume from an earlier "
         "checkpoint keeps the steps before it)"
@@ -179,8 +182,7 @@ class RunStats:
         if not self.trained:
             return
         loss_all, targets_all = self.dist.sum([float(self._loss), self._targets])
-        if targets_all and not math.isfinite(loss_all):
-            raise TrainingDiverged(_diverged(loss_all, targets_all, self._step + 1, step))
+        _check_finite(loss_all, targets_all, self._step + 1, step)
 
     def due(self, step: int) -> bool:
         return step % self.cfg.log_every == 0 or step == self.cfg.steps
@@ -220,8 +222,8 @@ class RunStats:
         summary = self.summary
         # under torchrun, one exchange of host scalars
         loss_all, targets_all, tokens_all = self.dist.sum([float(c.values[0]), c.targets, c.tokens])
-        if self.trained and targets_all and not math.isfinite(loss_all):  # every rank sees the same sum
-            raise TrainingDiverged(_diverged(loss_all, targets_all, self._step + 1, c.step))
+        if self.trained:  # every rank sees the same sums
+            _check_finite(loss_all, targets_all, self._step + 1, c.step)
         if not self.trained:
             loss = 0.0  # --consume-only: nothing is trained
         else:  # no trained target in the whole interval: no loss to show (0 would read as perfect)
