@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|ddp|scaling|peers|elastic|all]
+#   scripts/gpu_check.sh [tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|elastic|all]
 #                        [extra benchmark args...]
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
 # On the team's lent GPU machine pyzmq, torchao and nvmath-python come as wheels in .whl/ (see README, Development),
@@ -68,12 +68,13 @@ case $stage in
     qkv|all) run qkv python3 -m bench.qkv --out "$OUT" "$@" ;;&
     host|all) run host python3 -m bench.host --out "$OUT" "$@" ;;&
     gemm-tune) run gemm-tune python3 -m bench.gemm_tune --out "$OUT" "$@" ;;&
+    memsets) run memsets python3 -m bench.memset_probe "$@" ;;&
     ddp) run ddp python3 -m bench.ddp --out "$OUT" "$@" ;;&
     scaling) run scaling python3 -m bench.scaling --out "$OUT" "$@" ;;&
     peers) run peers python3 -m bench.peers --out "$OUT" "$@" ;;&
     elastic) run elastic python3 -m bench.elastic --data "$LMPIPE_WIKITEXT"/*.txt --doc-split heading \
         --seq-len 1024 --batch-size 16 --before 1 --after 4 --out "$OUT" "$@" ;;&
-    tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|ddp|scaling|peers|elastic|all) ;;
+    tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|elastic|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"
