@@ -43,6 +43,42 @@ class Built:
     runner: StepRunner
 
 
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a step can allocate on `device`: the GPU's free memory, or the host's MemAvailable (Linux); None
+    where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_step_memory(pcfg: PipelineConfig, tcfg: TrainConfig, vocab_size: int, device: torch.device,
+                      autocast_dtype) -> None:  # fmt: skip
+    """Refuse a micro-batch whose logits alone cannot fit where it trains: a lower bound on a step's memory
+    (the activations and their gradients come on top), so a --batch-size out of reach is one line at the
+    start, not the kernel's out-of-memory kill minutes later. liger's fused loss (--fused-ce) never holds
+    the whole logits, so it is not checked."""
+    if tcfg.fused_ce and device.type == "cuda":
+        return
+    itemsize = torch.finfo(autocast_dtype).bits // 8 if autocast_dtype is not None else 4
+    vocab = max(tcfg.vocab_size, vocab_size)
+    logits = pcfg.batch_size * pcfg.seq_len * vocab * itemsize
+    free = available_memory(device)
+    if free is not None and logits > free:
+        gib = 1024**3
+        raise ValueError(
+            f"--batch-size {pcfg.batch_size} x --seq-len {pcfg.seq_len}: a micro-batch's logits alone take "
+            f"{logits / gib:,.1f} GiB (vocabulary {vocab:,}, {itemsize} bytes each), and {device.type} has "
+            f"{free / gib:.1f} GiB free; lower --batch-size (--accum keeps the step's batch)"
+        )
+
+
 def build(
     pcfg: PipelineConfig,
     tcfg: TrainConfig,

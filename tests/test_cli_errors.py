@@ -199,6 +199,12 @@ CASES = [
     pytest.param("device-cuda-no-gpu", ["run", "--device", "cuda"], "--device cuda", marks=no_gpu),
     ("device-nonsense", ["run", "--device", "nonsense"], "--device nonsense"),
     ("log-every-0", ["run", "--log-every", "0"], "--log-every 0"),
+    # killed for want of memory minutes later, before
+    (
+        "batch-beyond-memory",
+        ["train", "--batch-size", "100000", "--vocab-size", "1000000"],
+        "logits alone take 47,683.7 GiB",
+    ),
     ("export-garbage-state", export_garbage(False), "state.pt"),
     # tracebacks, or (inside the checkpoint) an overwritten state.pt, before
     ("export-out-a-folder", lambda c: ["export", str(c.checkpoint), "--out", str(c.tmp)], "not a directory"),
