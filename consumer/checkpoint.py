@@ -289,5 +289,11 @@ def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
         "tokenizer": str(header.get("tokenizer", "")),
         "step": str(header.get("step", state["step"])),
     }
-    save_file(weights, str(out), metadata=meta)
+    # written beside `out`, then renamed over it: a failed export (a full disk) leaves the file that was there
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        save_file(weights, str(tmp), metadata=meta)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return meta

@@ -331,8 +331,11 @@ def cmd_export(ns, g: GlobalOptions, opts: ExportOptions) -> int:
         raise SettingsError(f"--out {opts.out}: no folder {out.parent} to write it in")
     if out.resolve().parent == path.resolve():
         raise SettingsError(f"--out {opts.out} is inside the checkpoint {path}; write it elsewhere")
+    replaced = out.exists()
     meta = export_safetensors(path, out)
-    print(f"wrote {opts.out} from {path} (step {meta['step']})")
+    print(
+        f"wrote {opts.out} from {path} (step {meta['step']}){', replacing the file there' if replaced else ''}"
+    )
     return 0
 
 

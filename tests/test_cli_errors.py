@@ -485,6 +485,30 @@ def lmpipe(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
+def test_export_over_an_earlier_export_says_so_and_a_failed_one_keeps_it(tmp_path, checkpoint, monkeypatch):
+    """export --out replaced a file without a word, and a failed write (a full disk) left a truncated one."""
+    out = tmp_path / "m.safetensors"
+    first = lmpipe("export", str(checkpoint), "--out", str(out))
+    assert first.returncode == 0 and "replacing" not in first.stdout, first.stderr
+    again = lmpipe("export", str(checkpoint), "--out", str(out))
+    assert again.returncode == 0 and "replacing the file there" in again.stdout, again.stderr
+    import safetensors.torch
+
+    from lmpipe.consumer.checkpoint import export_safetensors
+
+    kept = out.read_bytes()
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        export_safetensors(checkpoint, out)
+    assert out.read_bytes() == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
 @pytest.mark.parametrize("given", ["itself", "a-link-to-it", "its-folder-as-data"])
 def test_tokenizer_train_refuses_to_write_over_its_corpus(tmp_path, given):
     """`tokenizer train --data X.txt --out X.txt` replaced the corpus with the tokenizer's JSON."""
