@@ -264,7 +264,7 @@ def _sigterm_exits():
 def _prepare(cfg: PipelineConfig, opts: PrepareOptions) -> int:
     from typing import cast
 
-    from lmpipe.launch import check_tokenizer, first_document, open_corpus, say_left_out
+    from lmpipe.launch import check_tokenizer, check_writable, first_document, open_corpus, say_left_out
     from lmpipe.producer.shards import check_out, prepare
     from lmpipe.producer.sources import BadRecords, Corpus
     from lmpipe.producer.stream import DocStream
@@ -278,6 +278,7 @@ def _prepare(cfg: PipelineConfig, opts: PrepareOptions) -> int:
     assert opts.out is not None  # a required setting
     inputs = [f.path for f in corpus.paths if f.remote is None]
     check_out(Path(opts.out), opts.force, inputs)  # every mistake before the first info line
+    check_writable("--out", opts.out, directory=True)  # /proc, /sys: refused before the work, not after
     say_left_out(cfg.data)
     bad = BadRecords(log)
 

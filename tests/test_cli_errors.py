@@ -365,6 +365,12 @@ CASES = [
     ("seq-len-empty", ["run", "--seq-len", ""], "--seq-len: an empty value"),
     ("tokenizer-out-empty", ["tokenizer", "train", "--out", ""], "--out: an empty value"),
     ("prepare-out-empty", ["prepare", "--data", "README.md", "--out", ""], "--out: an empty value"),
+    # an OSError naming prepare's temporary folder, before
+    (
+        "prepare-out-in-proc",
+        ["prepare", "--data", "README.md", "--out", "/proc/lmpipe-shards"],
+        "--out /proc/lmpipe-shards: nothing can be made in /proc",
+    ),  # fmt: skip
     ("export-out-empty", lambda c: ["export", str(c.checkpoint), "--out", ""], "--out is required"),
     (
         "keys-out-empty",
