@@ -370,7 +370,7 @@ CASES = [
         "prepare-out-in-proc",
         ["prepare", "--data", "README.md", "--out", "/proc/lmpipe-shards"],
         "--out /proc/lmpipe-shards: nothing can be made in /proc",
-    ),  # fmt: skip
+    ),
     ("export-out-empty", lambda c: ["export", str(c.checkpoint), "--out", ""], "--out is required"),
     (
         "keys-out-empty",
