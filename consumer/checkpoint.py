@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ log = logging.getLogger("lmpipe.trainer")
 # header "shards"), where 2 had one per producer (--producers, header stream.producers): the same split
 FORMAT_VERSION = 3
 _PREFIX = "step-"
+_NAME = re.compile(r"step-(\d+)")
 NO_MODEL = "none (--consume-only)"  # a checkpoint's model field when it holds producer cursors only
 
 
@@ -124,20 +126,26 @@ class CheckpointManager:
     # -- reading -------------------------------------------------------------------------------------
 
     def list(self) -> list[Path]:
+        """The checkpoints this manager wrote, by step: folders named step-<number> only (a user's renamed
+        copy, step-20-good, or a step-best of their own is theirs, never resumed from or pruned)."""
         if not self.dir.is_dir():
             return []
-        return sorted(p for p in self.dir.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
+        found = [(int(m[1]), p) for p in self.dir.iterdir() if (m := _NAME.fullmatch(p.name)) and p.is_dir()]
+        return [p for _, p in sorted(found)]
 
     def latest_step(self) -> int | None:
         p = self.latest()
         return int(p.name[len(_PREFIX) :]) if p else None
 
     def latest(self) -> Path | None:
-        pointer = self.dir / "latest"
-        if pointer.is_file():
-            p = self.dir / pointer.read_text().strip()
-            if (p / "header.json").is_file():
-                return p
+        """The checkpoint `latest` names, or, where it names none (missing, damaged, written over), the one
+        of the highest step."""
+        try:
+            name = (self.dir / "latest").read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        if _NAME.fullmatch(name) and (self.dir / name / "header.json").is_file():
+            return self.dir / name
         done = self.list()
         return done[-1] if done else None
 

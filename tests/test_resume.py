@@ -401,6 +401,24 @@ def test_a_checkpoint_just_written_is_never_pruned(tmp_path, keep):
         assert left == ["step-00000017", "step-00000020"]  # the newer of the others stays
 
 
+@pytest.mark.parametrize("pointer", [b"step-00000020\n", b"\x00\xe3\x81binary", b"step-00000002\n{...}\n"])
+def test_a_users_folders_and_a_damaged_latest_pointer_are_not_checkpoints(tmp_path, pointer):
+    """A renamed copy (step-00000020-good) was resumed from and then crashed the run at its end (int() of
+    the folder's name), losing every step since; a step-best folder stopped a fresh run; a latest pointer
+    written over with binary or several lines gave a decode error or a multi-KB 'File name too long'."""
+    ck = CheckpointManager(tmp_path, keep=5)
+    for step in (2, 20):
+        ck.save(step, {}, {"w": torch.zeros(1)})
+    (tmp_path / "step-00000020").rename(tmp_path / "step-00000020-good")
+    (tmp_path / "step-best").mkdir()
+    (tmp_path / "latest").write_bytes(pointer)
+    assert [p.name for p in ck.list()] == ["step-00000002"]
+    assert ck.latest() == tmp_path / "step-00000002" and ck.latest_step() == 2
+    ck.save(3, {}, {"w": torch.ones(1)})  # prunes its own only
+    assert {"step-00000020-good", "step-best"} <= {p.name for p in tmp_path.iterdir()}
+    assert ck.latest_step() == 3
+
+
 def test_a_resume_on_another_corpus_is_refused_before_anything_starts(procs, tmp_path, port):
     """It failed after the model was built and the producers started, exit 1, with the checkpoint's corpus
     shown as the trainer's own."""
