@@ -205,6 +205,20 @@ def check_not_read_back(flag: str, path: str | None, data: list[str]) -> None:
                                     "as corpus; write it elsewhere")  # fmt: skip
 
 
+def check_not_an_input(outputs: list[tuple[str, str | None]], inputs: list[tuple[str, str]]) -> None:
+    """No file the run writes (the doc-log, the summary) is one it reads (a corpus file, the tokenizer), nor
+    are two of them one file: the summary was written over the corpus, the doc-log appended to it."""
+    written: list[tuple[str, str]] = []
+    for flag, path in outputs:
+        if not path or not os.path.exists(path):
+            continue
+        for what, given in inputs + written:
+            if os.path.exists(given) and os.path.samefile(path, given):
+                raise SettingsError(f"{flag} {path} is {what} {given}: the run would write over it; "
+                                    "write it elsewhere")  # fmt: skip
+        written.append((f"the {flag}", path))
+
+
 def say_left_out(data: list[str]) -> None:
     """One line for the files of --data's directories that are not read (by their names)."""
     from lmpipe.producer.formats import left_out
@@ -437,6 +451,7 @@ def train(
         )
     # the corpus producers must serve; "": the first producer's (`train` alone)
     data = data_content = data_versions = ""
+    inputs = [("the --tokenizer", cfg.tokenizer)] if cfg.tokenizer and os.path.isfile(cfg.tokenizer) else []
     if local_producers or cfg.data:  # `lmpipe train --data X` trains on X, not on what a producer serves
         try:
             corpus = check_corpus(cfg, tok)
@@ -451,6 +466,7 @@ def train(
             check_resume_corpus(corpus, tcfg)
         data, data_content = corpus.fingerprint(), corpus.content_digest()
         data_versions = corpus.version_digest()
+        inputs += [("the --data file", f.path) for f in corpus.paths if f.remote is None]
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     if tcfg.checkpoint_dir and (Path(tcfg.checkpoint_dir) / "header.json").is_file():
@@ -462,6 +478,7 @@ def train(
     check_writable("--doc-log", tcfg.doc_log)
     check_not_read_back("--doc-log", tcfg.doc_log, cfg.data)
     check_writable("--summary-json", opts.summary_json)
+    check_not_an_input([("--doc-log", tcfg.doc_log), ("--summary-json", opts.summary_json)], inputs)
     if local_producers:
         say_left_out(cfg.data)
     if local_producers and not cfg.data:  # so that a run on the wrong corpus shows it at its start

@@ -176,6 +176,12 @@ def env(var: str, value: str, *argv: str) -> Callable[[Ctx], list[str]]:
     return make
 
 
+def _over_the_tokenizer(c: Ctx) -> list[str]:
+    tok = c.tmp / "tok.json"
+    shutil.copy(REPO / "shared" / "assets" / "builtin-tokenizer.json", tok)
+    return ["run", "--tokenizer", str(tok), "--summary-json", str(tok)]
+
+
 def touch(c: Ctx, name: str) -> list[str]:
     (c.tmp / name).write_text("not a directory")
     return []
@@ -365,6 +371,32 @@ CASES = [
     ("seq-len-empty", ["run", "--seq-len", ""], "--seq-len: an empty value"),
     ("tokenizer-out-empty", ["tokenizer", "train", "--out", ""], "--out: an empty value"),
     ("prepare-out-empty", ["prepare", "--data", "README.md", "--out", ""], "--out: an empty value"),
+    # the corpus, the tokenizer written over, before
+    (
+        "summary-json-over-the-corpus",
+        lambda c: [
+            "run",
+            "--data",
+            str(c.tmp / "a.txt"),
+            "--summary-json",
+            str(c.tmp / "a.txt"),
+            *touch(c, "a.txt"),
+        ],
+        "is the --data file",
+    ),
+    (
+        "doc-log-into-the-corpus",
+        lambda c: [
+            "run",
+            "--data",
+            str(c.tmp / "a.txt"),
+            "--doc-log",
+            str(c.tmp / "a.txt"),
+            *touch(c, "a.txt"),
+        ],
+        "is the --data file",
+    ),
+    ("summary-json-over-the-tokenizer", lambda c: _over_the_tokenizer(c), "is the --tokenizer"),
     # an OSError naming prepare's temporary folder, before
     (
         "prepare-out-in-proc",
