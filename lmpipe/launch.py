@@ -438,6 +438,16 @@ def train(
         )
     rank_cfg, rank_tcfg = per_rank(cfg, tcfg, rank, world) if world > 1 else (cfg, tcfg)
     check_ports(rank_cfg)
+    if local_producers and rank_cfg.producers > rank_tcfg.shards:  # forked, each idle: thousands hung the run
+        raise SettingsError(
+            f"--producers {cfg.producers}: more than the {rank_tcfg.shards} shards the corpus is split into "
+            "(--shards), and a producer without a shard only stands by; "
+            + (
+                f"give --shards {rank_cfg.producers} too, or fewer producers"
+                if rank_cfg.producers <= 4096
+                else "at most 4096 (as many as --shards can be)"
+            )
+        )
     if local_producers and (mp := rank_tcfg.metrics_port) and mp > 0 and mp + rank_cfg.producers > 65535:
         raise SettingsError(  # producer i serves its metrics on port + 1 + i: bind() failed in each of them
             f"--metrics-port {tcfg.metrics_port}: its {rank_cfg.producers} producers would serve on ports up to "

@@ -92,8 +92,8 @@ class PipelineConfig:
     producers: int = setting(
         2,
         check=at_least(1),
-        help="producer processes `lmpipe run` starts (the trainer splits the corpus into --shards, whatever "
-        "number of producers connect)",
+        help="producer processes `lmpipe run` starts, at most --shards (the trainer splits the corpus into "
+        "--shards, whatever number of producers connect)",
     )
     rank: int = setting(0, check=at_least(0), help="data-parallel rank this pipeline feeds, of --world-size")
     world_size: int = setting(

@@ -371,6 +371,12 @@ CASES = [
     ("seq-len-empty", ["run", "--seq-len", ""], "--seq-len: an empty value"),
     ("tokenizer-out-empty", ["tokenizer", "train", "--out", ""], "--out: an empty value"),
     ("prepare-out-empty", ["prepare", "--data", "README.md", "--out", ""], "--out: an empty value"),
+    # thousands of idle producers forked, before
+    (
+        "producers-beyond-shards",
+        ["run", "--producers", "100000"],
+        "--producers 100000: more than the 16 shards",
+    ),
     # the corpus, the tokenizer written over, before
     (
         "summary-json-over-the-corpus",
