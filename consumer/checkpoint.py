@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lmpipe.shared import __version__
+from lmpipe.shared.config import MAX_LINE_BYTES
 from lmpipe.shared.files import sha256_file
 
 log = logging.getLogger("lmpipe.trainer")
@@ -170,16 +171,18 @@ def read_header(path: Path) -> dict[str, Any]:
     if version < 3 and isinstance(stream, dict) and "producers" in stream:
         # worker w of N producers read exactly what shard w of N shards reads: resumable with --shards N
         hdr["shards"] = stream.pop("producers")
+    if isinstance(stream, dict):  # written before the header kept it: the run had the default, most likely
+        stream.setdefault("max_line_bytes", MAX_LINE_BYTES)
     return hdr
 
 
 def order_fields(stream: Any, data: str) -> Any:
     """The stream settings that decide which batches a corpus makes. The built-in corpus and shards are read
     by index and shuffled whole or not at all (producer/stream.py): there only whether --shuffle-window is
-    above 1 counts, and --doc-split, which splits text files, not at all."""
+    above 1 counts, and --doc-split and --max-line-bytes, which shape text files' documents, not at all."""
     if not isinstance(stream, dict) or not data.startswith(("builtin:", "shards:")):
         return stream
-    out = {k: v for k, v in stream.items() if k != "doc_split"}
+    out = {k: v for k, v in stream.items() if k not in ("doc_split", "max_line_bytes")}
     if isinstance(out.get("shuffle_window"), int):
         out["shuffle_window"] = "whole epoch" if out["shuffle_window"] > 1 else "none"
     return out

@@ -155,6 +155,13 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
     except CheckpointError:
         return  # the trainer names what is wrong with the checkpoint itself
     had, now = header.get("data"), corpus.fingerprint()
+    stream = header.get("stream")
+    had_lines = stream.get("max_line_bytes") if isinstance(stream, dict) else None
+    if had and had == now and not corpus.random_access and had_lines not in (None, corpus.max_line_bytes):
+        raise SettingsError(  # it decides which lines a document keeps: the cursors would point elsewhere
+            f"{path} was trained with --max-line-bytes {had_lines}, this run has --max-line-bytes "
+            f"{corpus.max_line_bytes}: resume with the same --max-line-bytes"
+        )
     if not had or had == now:
         # the same names and sizes: the same contents, where the checkpoint says them ("": not checked)
         had_content, content = str(header.get("data_content") or ""), corpus.content_digest()

@@ -161,11 +161,11 @@ class PipelineConfig:
     def stream_fields(self) -> dict[str, Any]:
         """Everything that decides which batches a shard makes, in what order: cursors are only
         meaningful while these stay the same. (The number of shards is the trainer's --shards; the
-        number of producers decides nothing.)"""
+        number of producers decides nothing. --max-line-bytes decides which lines a text document keeps.)"""
         d = asdict(self)
         for k in (
             "data", "tokenizer", "host", "port", "trusted_network", "curve_dir", "runtime_dir", "metrics_host",
-            "max_line_bytes", "producers",
+            "producers",
         ):  # fmt: skip
             d.pop(k)
         return d

@@ -446,6 +446,15 @@ def test_a_resume_on_another_corpus_is_refused_before_anything_starts(procs, tmp
         "was trained with --doc-split blank, this run has --doc-split line: resume with the same --doc-split"
     )
     assert _tree_digest(ck) == before
+    # another --max-line-bytes: other lines kept, other documents under the same cursors
+    lines_cut = procs.start("run", *base, "--data", str(a), "--max-line-bytes", "300", "--steps", "8", "--resume",
+                            "auto", name="lines")  # fmt: skip
+    assert lines_cut.wait(timeout=60) == 2, procs.log(lines_cut)
+    lines = procs.log(lines_cut).strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        "this run has --max-line-bytes 300: resume with the same --max-line-bytes"
+    ), lines
+    assert _tree_digest(ck) == before
     same = procs.start("run", *base, "--data", str(a), "--steps", "8", "--resume", "auto", name="same")
     assert same.wait(timeout=120) == 0, procs.log(same)
 
@@ -466,6 +475,30 @@ def test_only_order_deciding_settings_must_match_on_the_built_in_corpus_and_shar
     for other in ({"shuffle_window": 50}, {"doc_split": "heading"}):
         with pytest.raises(CheckpointError, match=f"stream.{next(iter(other))}: checkpoint has"):
             compare(header, {"stream": {**stream, **other}}, tmp_path)
+
+
+def test_another_max_line_bytes_is_refused_on_resume_of_a_text_corpus(tmp_path):
+    """--max-line-bytes decides which lines a text document keeps, so the cursors of a checkpoint written
+    with another value point into other documents: resumed, 56 pieces were trained twice and one not at all.
+    A header written before it was kept resumes with the default; the built-in corpus and shards ignore it."""
+    from lmpipe.consumer.checkpoint import read_header
+    from lmpipe.shared.config import MAX_LINE_BYTES, PipelineConfig
+
+    stream = PipelineConfig().stream_fields()
+    assert stream["max_line_bytes"] == MAX_LINE_BYTES
+    header = {"data": "blank|a.txt:10", "stream": stream}
+    with pytest.raises(
+        CheckpointError, match=f"stream.max_line_bytes: checkpoint has {MAX_LINE_BYTES}, this run has 300"
+    ):
+        compare(header, {"stream": {**stream, "max_line_bytes": 300}}, tmp_path)
+    compare(
+        {**header, "data": "shards:abc:10:100:1"}, {"stream": {**stream, "max_line_bytes": 300}}, tmp_path
+    )
+    old = {k: v for k, v in stream.items() if k != "max_line_bytes"}
+    (tmp_path / "header.json").write_text(
+        json.dumps({"format_version": 3, "data": header["data"], "stream": old})
+    )
+    compare(read_header(tmp_path), {"stream": stream}, tmp_path)
 
 
 @pytest.mark.parametrize(
