@@ -492,6 +492,10 @@ def train(
             f"(--resume {tcfg.checkpoint_dir} resumes from this one)"
         )
     check_not_overwritten(tcfg)
+    if not tcfg.checkpoint_dir and (tcfg.resume or tcfg.checkpoint_every):  # worked on, then lost at the end
+        given = f"--resume {tcfg.resume}" if tcfg.resume else f"--checkpoint-every {tcfg.checkpoint_every}"
+        log.warning("%s without --checkpoint-dir: this run writes no checkpoint, and its steps are lost "
+                    "when it ends; give --checkpoint-dir to keep them", given)  # fmt: skip
     check_writable("--doc-log", tcfg.doc_log)
     check_not_read_back("--doc-log", tcfg.doc_log, cfg.data)
     check_writable("--summary-json", opts.summary_json)

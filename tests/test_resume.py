@@ -419,6 +419,23 @@ def test_a_users_folders_and_a_damaged_latest_pointer_are_not_checkpoints(tmp_pa
     assert ck.latest_step() == 3
 
 
+def test_a_run_that_will_save_nothing_says_so_at_its_start(procs, tmp_path, port):
+    """--resume PATH or --checkpoint-every without --checkpoint-dir trained and saved nothing, without a word."""
+    base = ["--port", str(port), "--producers", "1", *SMALL, "--steps", "2"]
+    r = procs.start("run", *base, "--checkpoint-dir", str(tmp_path / "ck"), name="make")
+    assert r.wait(timeout=120) == 0, procs.log(r)
+    for given in (
+        ["--resume", str(tmp_path / "ck" / "step-00000002"), "--steps", "3"],
+        ["--checkpoint-every", "1"],
+    ):
+        p = procs.start("run", *base, *given, name="unsaved")
+        assert p.wait(timeout=120) == 0, procs.log(p)
+        assert f"{given[0]} {given[1]} without --checkpoint-dir: this run writes no checkpoint" in procs.log(
+            p
+        )
+    assert sorted(x.name for x in (tmp_path / "ck").iterdir()) == ["latest", "step-00000002"]
+
+
 def test_a_resume_on_another_corpus_is_refused_before_anything_starts(procs, tmp_path, port):
     """It failed after the model was built and the producers started, exit 1, with the checkpoint's corpus
     shown as the trainer's own."""
