@@ -306,7 +306,10 @@ def cmd_keys(ns, g: GlobalOptions, opts: KeysOptions) -> int:
     from lmpipe.shared.security import generate_keys
 
     assert opts.out is not None  # a required setting
-    out = generate_keys(opts.out)
+    try:
+        out = generate_keys(opts.out)
+    except ValueError as exc:  # keys already there, a file: the usage mistake's one line
+        raise SettingsError(str(exc)) from None
     print(f"wrote CURVE keys to {out}: give the trainer the directory, each producer client.key_secret and "
           "server.key (--curve-dir); add public keys of other producers to authorized/")  # fmt: skip
     return 0

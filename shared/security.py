@@ -59,11 +59,18 @@ def start_zap(ctx: zmq.Context, curve_dir: str | Path) -> ThreadAuthenticator:
     return auth
 
 
+KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
+
+
 def generate_keys(out: str | Path) -> Path:
     out = Path(out)
-    if (out / "server.key_secret").exists():
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; name a directory for the keys")
+    # any one of them: a lone client.key copied here was replaced before
+    if held := [n for n in KEY_FILES if (out / n).exists()]:
         raise ValueError(
-            f"{out} already holds keys; remove them first (this would lock out running producers)"
+            f"--out {out} already holds {', '.join(held)}; remove them first (new keys would lock out the "
+            "producers that use these)"
         )
     out.mkdir(parents=True, exist_ok=True)
     zmq.auth.create_certificates(out, "server")

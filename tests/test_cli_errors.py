@@ -182,6 +182,11 @@ def _over_the_tokenizer(c: Ctx) -> list[str]:
     return ["run", "--tokenizer", str(tok), "--summary-json", str(tok)]
 
 
+def _a_client_key(c: Ctx) -> list[str]:
+    (c.tmp / "client.key").write_text("a producer's public key, copied here\n")
+    return []
+
+
 def touch(c: Ctx, name: str) -> list[str]:
     (c.tmp / name).write_text("not a directory")
     return []
@@ -371,6 +376,13 @@ CASES = [
     ("seq-len-empty", ["run", "--seq-len", ""], "--seq-len: an empty value"),
     ("tokenizer-out-empty", ["tokenizer", "train", "--out", ""], "--out: an empty value"),
     ("prepare-out-empty", ["prepare", "--data", "README.md", "--out", ""], "--out: an empty value"),
+    # a lone client.key replaced, and an OSError for a file, before
+    (
+        "keys-over-a-client-key",
+        lambda c: ["keys", "--out", str(c.tmp), *_a_client_key(c)],
+        "already holds client.key",
+    ),
+    ("keys-out-a-file", lambda c: ["keys", "--out", str(c.tmp / "a.txt"), *touch(c, "a.txt")], "is a file"),
     # thousands of idle producers forked, before
     (
         "producers-beyond-shards",
