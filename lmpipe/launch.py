@@ -128,6 +128,31 @@ def check_corpus(cfg: PipelineConfig, tok: TokenizerInfo) -> Corpus:
     return corpus
 
 
+_LOCKS: list[int] = []  # the checkpoint folders' lock files this process holds, until it exits
+
+
+def lock_checkpoint_dir(tcfg: TrainConfig) -> None:
+    """One run writes a --checkpoint-dir at a time: two wrote step-N over each other's, and one's clean-up
+    removed the other's half-written checkpoint. A POSIX lock on DIR/.lock, held until this process exits
+    (the producers it forks do not inherit it); under torchrun rank 0 takes it, the rank that writes."""
+    if not tcfg.checkpoint_dir or int(os.environ.get("RANK", "0")) != 0:
+        return
+    import fcntl
+
+    folder = Path(tcfg.checkpoint_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    # an empty file, never written: a run refused later leaves the folder as it found it
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise SettingsError(
+            f"--checkpoint-dir {tcfg.checkpoint_dir} is in use by another run; give each run a folder of its own"
+        ) from None
+    _LOCKS.append(fd)
+
+
 def check_not_overwritten(tcfg: TrainConfig) -> None:
     """A run without --resume writes step 1, 2, ... into its --checkpoint-dir: an earlier run's checkpoints
     there would be replaced step by step, and rotated away by --keep-checkpoints, without a word."""
@@ -491,6 +516,7 @@ def train(
             f"--checkpoint-dir {tcfg.checkpoint_dir} is one checkpoint; give the folder that holds it "
             f"(--resume {tcfg.checkpoint_dir} resumes from this one)"
         )
+    lock_checkpoint_dir(tcfg)
     check_not_overwritten(tcfg)
     if not tcfg.checkpoint_dir and (tcfg.resume or tcfg.checkpoint_every):  # worked on, then lost at the end
         given = f"--resume {tcfg.resume}" if tcfg.resume else f"--checkpoint-every {tcfg.checkpoint_every}"

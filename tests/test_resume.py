@@ -419,6 +419,26 @@ def test_a_users_folders_and_a_damaged_latest_pointer_are_not_checkpoints(tmp_pa
     assert ck.latest_step() == 3
 
 
+def test_one_run_at_a_time_writes_a_checkpoint_folder(procs, tmp_path, port):
+    """Two runs on one --checkpoint-dir wrote step-N over each other's, and one's clean-up removed the
+    other's half-written checkpoint ("could not write checkpoint ... No such file or directory")."""
+    ck = tmp_path / "ck"
+    first = procs.start("run", "--port", str(port), "--producers", "1", *SMALL, "--steps", "0", "--checkpoint-dir",
+                        str(ck), "--checkpoint-every", "1", name="first")  # fmt: skip
+    wait_until(lambda: CheckpointManager(ck).latest() is not None, 90, "the first run's checkpoint")
+    second = procs.start("run", "--port", str(port + 10), "--producers", "1", *SMALL, "--steps", "4",
+                         "--checkpoint-dir", str(ck), "--resume", "auto", name="second")  # fmt: skip
+    assert second.wait(timeout=60) == 2, procs.log(second)
+    lines = procs.log(second).strip().splitlines()
+    assert len(lines) == 1 and f"--checkpoint-dir {ck} is in use by another run" in lines[0], lines
+    first.send_signal(signal.SIGINT)
+    assert first.wait(timeout=60) == 0, procs.log(first)
+    steps = str(CheckpointManager(ck).latest_step() + 2)
+    after = procs.start("run", "--port", str(port + 10), "--producers", "1", *SMALL, "--steps", steps,
+                        "--checkpoint-dir", str(ck), "--resume", "auto", name="after")  # fmt: skip
+    assert after.wait(timeout=120) == 0, procs.log(after)  # the lock went with the first run
+
+
 def test_a_run_that_will_save_nothing_says_so_at_its_start(procs, tmp_path, port):
     """--resume PATH or --checkpoint-every without --checkpoint-dir trained and saved nothing, without a word."""
     base = ["--port", str(port), "--producers", "1", *SMALL, "--steps", "2"]
