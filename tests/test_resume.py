@@ -453,7 +453,7 @@ def test_a_run_that_will_save_nothing_says_so_at_its_start(procs, tmp_path, port
         assert f"{given[0]} {given[1]} without --checkpoint-dir: this run writes no checkpoint" in procs.log(
             p
         )
-    assert sorted(x.name for x in (tmp_path / "ck").iterdir()) == ["latest", "step-00000002"]
+    assert sorted(x.name for x in (tmp_path / "ck").iterdir()) == [".lock", "latest", "step-00000002"]
 
 
 def test_a_resume_on_another_corpus_is_refused_before_anything_starts(procs, tmp_path, port):
