@@ -223,6 +223,7 @@ class Trainer:
         if self.model is not None:
             self.model.load_state_dict(st["model"])
             self.optimizer.load_state_dict(st["optimizer"])
+            self._say_schedule_change(at)
         if self.scaler is not None:
             self.scaler.load_state_dict(st["scaler"])
             self._published = self.scaler.counters()
@@ -252,6 +253,19 @@ class Trainer:
         log.info("resumed from %s: step %d, shard cursors %s", ck.path, self.step, cursors)
         self.metrics.global_step.set(self.step)
         self.metrics.checkpointed(self.step, Path(ck.path).stat().st_mtime)
+
+    def _say_schedule_change(self, at: int) -> None:
+        """A resume follows this run's learning-rate schedule; where it differs from the one the checkpoint
+        trained with (a larger --steps stretches the cosine), the rate jumps: said, not done silently."""
+        last = float(self.optimizer.param_groups[0]["lr"])  # what the checkpoint's last step trained at
+        here = lr_at(at - 1, self.cfg)
+        if at > 0 and abs(here - last) > 0.01 * abs(last):
+            log.warning(
+                "the learning rate jumps: the checkpoint's step %d trained at %.3g, where this run's schedule "
+                "(--lr, --warmup, --min-lr-ratio, and the cosine over --lr-decay-steps, else --steps) has %.3g, "
+                "and its step %d trains at %.3g; to go on along the checkpoint's curve, give its run's settings "
+                "(its --steps as --lr-decay-steps)", at, last, here, at + 1, lr_at(at, self.cfg),
+            )  # fmt: skip
 
     def _data_content(self) -> str:
         receiver = getattr(self, "receiver", None)  # pins it from the first producer that says it

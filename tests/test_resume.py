@@ -439,6 +439,29 @@ def test_one_run_at_a_time_writes_a_checkpoint_folder(procs, tmp_path, port):
     assert after.wait(timeout=120) == 0, procs.log(after)  # the lock went with the first run
 
 
+def test_a_resume_whose_schedule_differs_says_the_learning_rate_jumps(procs, tmp_path, port):
+    """Resumed with a larger --steps, the cosine restarted over the new horizon (the rate from 3.0e-4 back up
+    to 2.1e-3) without a word; the README's own 300 -> 600 example does it."""
+    base = [
+        "--port",
+        str(port),
+        "--producers",
+        "1",
+        *SMALL,
+        "--warmup",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path),
+    ]
+    for steps, more, jumps in (("4", [], None), ("8", [], True), ("12", ["--lr-decay-steps", "8"], False)):
+        p = procs.start("run", *base, "--steps", steps, *more, *(["--resume", "auto"] if jumps is not None else []),
+                        name=f"to-{steps}")  # fmt: skip
+        assert p.wait(timeout=120) == 0, procs.log(p)
+        assert ("the learning rate jumps" in procs.log(p)) == bool(jumps), procs.log(p)
+        if jumps:
+            assert "the checkpoint's step 4 trained at" in procs.log(p), procs.log(p)
+
+
 def test_a_run_that_will_save_nothing_says_so_at_its_start(procs, tmp_path, port):
     """--resume PATH or --checkpoint-every without --checkpoint-dir trained and saved nothing, without a word."""
     base = ["--port", str(port), "--producers", "1", *SMALL, "--steps", "2"]
