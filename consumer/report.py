@@ -105,15 +105,19 @@ class Summary:
                 + self._render_skipped()
             )
         return (
-            f"summary: {self.steps - self.first_step} steps"
+            f"summary: {self.steps - self.first_step} step{'s' if self.steps - self.first_step != 1 else ''}"
             + (
                 f" (steps {self.first_step + 1}-{self.steps}: resumed at {self.first_step})"
                 if self.first_step
                 else ""
             )
             + f" in {self.seconds:.1f} s ({self.stopped_by}) | "
-            f"loss {self.first_loss:.3f} -> {self.last_loss:.3f} | "
-            f"{self.tokens:,} tokens trained ({self.targets:,} in the loss), "
+            + (  # one logged interval: one loss, not a change of it
+                f"loss {self.first_loss:.3f} -> {self.last_loss:.3f} | "
+                if len(self.losses) > 1
+                else f"loss {self.last_loss:.3f} (one --log-every interval) | "
+            )
+            + f"{self.tokens:,} tokens trained ({self.targets:,} in the loss), "
             + (
                 f"{self.steady_tokens_per_second:,.0f} tok/s steady"
                 if self.steady_tokens_per_second is not None

@@ -75,3 +75,13 @@ def test_an_interval_without_a_trained_target_is_not_divergence():
     stats.report()
     stats.check_finite(1)
     assert stats.summary.losses == []
+
+
+def test_the_summary_of_one_interval_shows_one_loss_and_one_step():
+    """It said `1 steps ... loss 6.856 -> 6.856`, as if nothing had been learned."""
+    from lmpipe.consumer.report import Summary
+
+    one = Summary(steps=1, first_loss=6.856, last_loss=6.856, losses=[6.856], seconds=1.0).render()
+    assert one.startswith("summary: 1 step in") and "loss 6.856 (one --log-every interval) |" in one, one
+    two = Summary(steps=20, first_loss=7.0, last_loss=6.5, losses=[7.0, 6.5], seconds=1.0).render()
+    assert two.startswith("summary: 20 steps in") and "loss 7.000 -> 6.500 |" in two, two
