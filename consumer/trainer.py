@@ -257,9 +257,11 @@ class Trainer:
     def _say_schedule_change(self, at: int) -> None:
         """A resume follows this run's learning-rate schedule; where it differs from the one the checkpoint
         trained with (a larger --steps stretches the cosine), the rate jumps: said, not done silently."""
+        if at == 0:
+            return
         last = float(self.optimizer.param_groups[0]["lr"])  # what the checkpoint's last step trained at
         here = lr_at(at - 1, self.cfg)
-        if at > 0 and abs(here - last) > 0.01 * abs(last):
+        if abs(here - last) > 0.01 * abs(last):
             log.warning(
                 "the learning rate jumps: the checkpoint's step %d trained at %.3g, where this run's schedule "
                 "(--lr, --warmup, --min-lr-ratio, and the cosine over --lr-decay-steps, else --steps) has %.3g, "

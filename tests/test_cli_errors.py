@@ -176,6 +176,11 @@ def env(var: str, value: str, *argv: str) -> Callable[[Ctx], list[str]]:
     return make
 
 
+def _over_the_corpus(c: Ctx, flag: str) -> list[str]:
+    (c.tmp / "a.txt").write_text("a document\n")
+    return ["run", "--data", str(c.tmp / "a.txt"), flag, str(c.tmp / "a.txt")]
+
+
 def _over_the_tokenizer(c: Ctx) -> list[str]:
     tok = c.tmp / "tok.json"
     shutil.copy(REPO / "shared" / "assets" / "builtin-tokenizer.json", tok)
@@ -390,30 +395,8 @@ CASES = [
         "--producers 100000: more than the 16 shards",
     ),
     # the corpus, the tokenizer written over, before
-    (
-        "summary-json-over-the-corpus",
-        lambda c: [
-            "run",
-            "--data",
-            str(c.tmp / "a.txt"),
-            "--summary-json",
-            str(c.tmp / "a.txt"),
-            *touch(c, "a.txt"),
-        ],
-        "is the --data file",
-    ),
-    (
-        "doc-log-into-the-corpus",
-        lambda c: [
-            "run",
-            "--data",
-            str(c.tmp / "a.txt"),
-            "--doc-log",
-            str(c.tmp / "a.txt"),
-            *touch(c, "a.txt"),
-        ],
-        "is the --data file",
-    ),
+    ("summary-json-over-the-corpus", lambda c: _over_the_corpus(c, "--summary-json"), "is the --data file"),
+    ("doc-log-into-the-corpus", lambda c: _over_the_corpus(c, "--doc-log"), "is the --data file"),
     ("summary-json-over-the-tokenizer", lambda c: _over_the_tokenizer(c), "is the --tokenizer"),
     # an OSError naming prepare's temporary folder, before
     (
