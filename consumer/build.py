@@ -90,6 +90,7 @@ def build(
 ) -> Built:
     """The GPT, its optimizer and loss scaler, DDP and compile wrappers, and the step runner."""
     why: str | None
+    check_step_memory(pcfg, tcfg, vocab_size, device, autocast_dtype)  # before anything is allocated
     if tcfg.attention == "flash" and (why := flash_unavailable(device)):
         raise ValueError(why)
     mcfg = preset(tcfg.model, vocab_size=max(tcfg.vocab_size, vocab_size), block_size=pcfg.seq_len)

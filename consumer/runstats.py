@@ -222,11 +222,10 @@ class RunStats:
         summary = self.summary
         # under torchrun, one exchange of host scalars
         loss_all, targets_all, tokens_all = self.dist.sum([float(c.values[0]), c.targets, c.tokens])
-        if self.trained:  # every rank sees the same sums
-            _check_finite(loss_all, targets_all, self._step + 1, c.step)
         if not self.trained:
             loss = 0.0  # --consume-only: nothing is trained
         else:  # no trained target in the whole interval: no loss to show (0 would read as perfect)
+            _check_finite(loss_all, targets_all, self._step + 1, c.step)  # every rank sees the same sums
             loss = loss_all / targets_all if targets_all else math.nan
         now = time.perf_counter()  # about when the interval's last step ended on the device
         assert self._start is not None  # set with the first batch

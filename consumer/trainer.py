@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lmpipe.consumer.build import build, check_step_memory
+from lmpipe.consumer.build import build
 from lmpipe.consumer.checkpoint import (
     NO_MODEL,
     CheckpointError,
@@ -85,7 +85,6 @@ class Trainer:
         self._published = (0.0, 0.0)  # scaler overflow/skip counts already added to the metrics
         self._graphs = CompiledGraphs()  # before the model is built
         if not tcfg.consume_only:
-            check_step_memory(pcfg, tcfg, self.tok.vocab_size, self.device, self.autocast_dtype)
             built = build(
                 pcfg, tcfg, self.tok.vocab_size, self.device, self.precision, self.autocast_dtype, self.dist
             )
