@@ -180,9 +180,9 @@ class StepGraph:
 
 def _capture(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, pool, fn: Callable[[], T]) -> T:
     """fn() captured into `graph` on stream `side`, its memory from `pool`. A failed capture leaves neither
-    the current stream nor the allocator in capture mode: torch.cuda.graph's exit restores the stream only
-    after capture_end succeeds, and the allocator, while it thinks a capture is under way, frees no block
-    that another stream used (record_stream: the feed's every batch) until the process ends."""
+    the current stream, the allocator nor the RNG in capture mode: torch.cuda.graph's exit restores the
+    stream only after capture_end succeeds, and the allocator, while it thinks a capture is under way, frees
+    no block that another stream used (record_stream: the feed's every batch) until the process ends."""
     prev = torch.cuda.current_stream(side.device)
     try:
         with torch.cuda.graph(graph, pool=pool, stream=side):
@@ -195,6 +195,10 @@ def _capture(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, pool, fn: Cal
             pass  # capture_end got that far: the graph ended the capture and gives its pool back itself
         else:  # it did not: nothing else gives back the pool's use that the capture took
             torch._C._cuda_releasePool(side.device.index, pool)
+        # nor did it end the CUDA RNG's capture mode, in which every later random op (dropout) raises: the
+        # generator goes on from a copy of its state, out of that mode
+        gen = torch.cuda.default_generators[side.device.index or 0]
+        gen.graphsafe_set_state(gen.clone_state())
         raise
 
 

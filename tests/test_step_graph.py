@@ -105,6 +105,7 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_and_says_why(phase, monke
     # nothing left in capture mode: the current stream is the default one again, and the allocator frees
     # blocks another stream used (the feed's record_stream) instead of parking them while "a capture is on"
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.randn(8, device="cuda")  # the CUDA RNG too (dropout): it raised here, out of capture mode
     other = torch.cuda.Stream()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
