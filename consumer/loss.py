@@ -130,8 +130,11 @@ class _HeadLoss(torch.autograd.Function):
         # bf16 once, as torch's (grad * (softmax - one-hot)) @ w is; scaling the products after rounding
         # them doubles their rounding error.
         ws, hs = _times(w, grad), _times(h, grad)
-        # dW's tuned algorithm is 2.5% faster than torch's pick; dh's is slower (bench.gemm_tune)
-        dw = cublaslt.gemm(dlogits.t(), hs) if ctx.tuned else dlogits.t() @ hs
+        # dW's tuned algorithm is 2.5% faster than torch's pick; dh's is slower (bench.gemm_tune). nvmath's
+        # result takes its first operand's layout: dW^T = hs^T dlogits comes out column-major, so dW is
+        # row-major as w is; dlogits^T first made dW column-major, and autograd copied it into w's layout
+        # (a strided copy of [vocab, C], 0.27 ms a step at 32 rows on an H200: bench/results/kernels-*.md)
+        dw = cublaslt.gemm(hs.t(), dlogits).t() if ctx.tuned else dlogits.t() @ hs
         return dlogits @ ws, dw, None, None
 
 

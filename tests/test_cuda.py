@@ -172,6 +172,31 @@ def test_loss_kernel_in_bf16_is_as_close_to_fp32_as_torchs(compiled, tuned, monk
     assert bool(cublaslt._plans) == tuned  # the head's GEMM went where it was sent
 
 
+@pytest.mark.parametrize("tuned", [False, True], ids=["torch-gemm", "tuned-gemm"])
+def test_the_heads_weight_gradient_comes_in_the_weights_layout(tuned, monkeypatch):
+    """A gradient in another layout than its weight's is copied into it by autograd: a strided copy of the
+    whole [vocab, C] matrix every step. Both GEMM paths hand dW over row-major, as the weight is."""
+    from lmpipe.consumer import cublaslt
+    from lmpipe.consumer import loss as L
+
+    if tuned and cublaslt.unavailable():
+        pytest.skip(cublaslt.unavailable())
+    monkeypatch.setattr(L, "TUNED_HEAD_GEMM", tuned)
+    monkeypatch.setattr(cublaslt, "_plans", {})
+    g = torch.Generator(device=DEV).manual_seed(0)
+    h = torch.randn(512, 64, device=DEV, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1000, 64, device=DEV, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 1000, (512,), device=DEV, generator=g)
+    seen = []
+    w.register_hook(lambda grad: seen.append(grad))
+    L.head_loss(h, w, targets, -1).backward()
+    assert seen[0].stride() == w.stride()
+    want = torch.nn.functional.cross_entropy(h.float() @ w.float().t(), targets, reduction="sum")
+    (dw,) = torch.autograd.grad(want, w)
+    assert _rel(seen[0].float(), dw) < 2e-2
+    assert bool(cublaslt._plans) == tuned
+
+
 def test_head_backward_scale_is_the_fp32_product_rounded_once():
     from lmpipe.consumer.loss import _times
 
