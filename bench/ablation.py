@@ -33,6 +33,13 @@ VARIANTS: list[tuple] = [
     # the default on one CUDA GPU (consumer/step_graph.py): the row below is the step as the host issues it
     ("the step issued eagerly, not as CUDA graphs (--no-step-graph)", {}, {"step_graph": False}),
     (
+        "the step graph's cuBLASLt memsets kept as memset nodes, not kernel nodes",
+        {},
+        {},
+        {},
+        {"lmpipe.consumer.memset_nodes.ENABLED": False},
+    ),
+    (
         "max-autotune (Triton matmul templates, no CUDA graphs)",
         {},
         {"compile_mode": "max-autotune-no-cudagraphs"},

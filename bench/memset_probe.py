@@ -41,21 +41,36 @@ def probe(setting: str) -> dict:
     reps = 4
 
     def body():
-        for _ in range(reps):
-            for a, b in ops:
-                torch.mm(a, b)
+        return [torch.mm(a, b) for _ in range(reps) for a, b in ops]
 
     for _ in range(3):
         body()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         body()
     torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g, stream=s):
-        body()
+    rewritten = None
+    if setting == "kernel-nodes":  # the step graph's rewrite (consumer/memset_nodes.py), checked bit for bit
+        from lmpipe.consumer import memset_nodes
+
+        plain = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(plain, stream=s):
+            want = body()
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(g, stream=s):
+            got = body()
+        rewritten = memset_nodes.rewrite(g, dev)
+        g.instantiate()
+        plain.replay()
+        g.replay()
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, b) for a, b in zip(want, got))
+    else:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            body()
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
@@ -85,6 +100,7 @@ def probe(setting: str) -> dict:
         "busy_ms": round(busy, 3),
         "idle_us_per_gemm": round(1e3 * (span - busy) / gemms, 2),
         "kernels": names[:8],
+        **({} if rewritten is None else {"memset_nodes_rewritten": rewritten, "outputs_equal": same}),
     }
 
 
@@ -105,6 +121,7 @@ def main() -> None:
         ("default", {"CUBLASLT_WORKSPACE_SIZE": "0"}),
         ("default", {"CUBLASLT_WORKSPACE_SIZE": "1024"}),
         ("default", {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}),
+        ("kernel-nodes", {}),  # the memset nodes as kernel nodes (consumer/memset_nodes.py)
     ]
     for setting, env in runs:
         out = subprocess.run([sys.executable, "-m", "bench.memset_probe", "--one", setting],

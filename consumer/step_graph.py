@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from lmpipe.consumer import cublaslt  # torch alone: nvmath is imported where a GEMM is planned
+from lmpipe.consumer import cublaslt, memset_nodes  # torch alone: nvmath, cuda.bindings where used
 from lmpipe.consumer.inputs import ModelInputs, document_causal_mask_mod
 from lmpipe.consumer.model import AttnSpec
 
@@ -127,7 +127,7 @@ class StepGraph:
             opt.zero_grad(set_to_none=True)
         torch.cuda.current_stream(device).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
-        self.fwd_bwd = torch.cuda.CUDAGraph()
+        self.fwd_bwd = _graph()
         try:
             self.loss = _capture(
                 self.fwd_bwd,
@@ -138,6 +138,7 @@ class StepGraph:
         except Exception as e:  # nothing ran: the gradients made in the capture are not this batch's
             opt.zero_grad(set_to_none=True)
             raise CaptureFailed(e, None) from e
+        _finish(self.fwd_bwd, device)
         self.fwd_bwd.replay()  # this batch's gradients, now in the graph's memory
         for g in opt.param_groups:
             g["lr"] = self.lr  # the Triton AdamW reads it from memory (consumer/adamw.py)
@@ -146,7 +147,7 @@ class StepGraph:
             norm = runner.clip_and_update()
             self.first = (self.loss.detach().clone(), norm)
             side.wait_stream(torch.cuda.current_stream(device))
-            self.update = torch.cuda.CUDAGraph()
+            self.update = _graph()
             try:
                 self.norm = _capture(self.update, side, pool, runner.clip_and_update)
             except Exception as e:  # this batch has trained (above): its result stands
@@ -154,6 +155,7 @@ class StepGraph:
                 opt.zero_grad(set_to_none=True)
                 raise CaptureFailed(e, self.first) from e
             torch.cuda.current_stream(device).wait_stream(side)
+            _finish(self.update, device)
         finally:
             for g in opt.param_groups:
                 g["lr"] = lr  # the graph holds self.lr's address; param_groups (checkpoints) keep a float
@@ -176,6 +178,27 @@ class StepGraph:
         self.fwd_bwd.replay()
         self.update.replay()
         return self.loss.detach(), self.norm
+
+
+def _graph() -> torch.cuda.CUDAGraph:
+    """A graph to capture into; kept un-instantiated after capture where its memset nodes are to be
+    rewritten (consumer/memset_nodes.py)."""
+    if memset_nodes.unavailable():
+        return torch.cuda.CUDAGraph()
+    return torch.cuda.CUDAGraph(keep_graph=True)
+
+
+def _finish(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+    """The captured graph's memset nodes as kernel nodes, then instantiated (where _graph kept it so)."""
+    if memset_nodes.unavailable():
+        return
+    try:
+        n = memset_nodes.rewrite(graph, device)
+    except Exception as e:  # the graph is still correct, part-edited: it runs as it stands
+        log.warning("the step graph keeps its memset nodes (%s: %s)", type(e).__name__, e)
+    else:
+        log.debug("the step graph's %d memset nodes run as kernel nodes", n)
+    graph.instantiate()
 
 
 def _capture(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, pool, fn: Callable[[], T]) -> T:

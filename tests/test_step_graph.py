@@ -197,3 +197,65 @@ def test_a_graphs_static_batch_is_its_own_copy_and_its_mask_reads_it():
     sseg[0, q - 1] = sseg[0, q] + 1  # as a replay's copy of another batch would
     assert not bool(mod(b, h, qi, kv))
     assert bool(inp.attn.block_mask.mask_mod(b, h, qi, kv))  # type: ignore[union-attr]  # the batch's own: unchanged
+
+
+def test_a_memset_node_becomes_whole_aligned_words():
+    """consumer/memset_nodes.py stores a memset's bytes as 32-bit words, or leaves a node it cannot (2-D,
+    unaligned, not whole words) as it is."""
+    from lmpipe.consumer.memset_nodes import Fill, as_words
+
+    assert as_words(0x1000, 0, 1, 4, 1) == Fill(0x1000, 0, 1)  # cuBLASLt's: 4 bytes of zeros
+    assert as_words(0x1000, 0x1AB, 1, 8, 1) == Fill(0x1000, 0xABABABAB, 2)  # a byte value is its low 8 bits
+    assert as_words(0x1000, 0x1234, 2, 6, 1) == Fill(0x1000, 0x12341234, 3)
+    assert as_words(0x1000, 0xDEADBEEF, 4, 5, 1) == Fill(0x1000, 0xDEADBEEF, 5)
+    assert as_words(0x1002, 0, 1, 4, 1) is None  # unaligned
+    assert as_words(0x1000, 0, 1, 6, 1) is None  # not whole words
+    assert as_words(0x1000, 0, 4, 4, 2) is None  # 2-D
+    assert as_words(0x1000, 0, 8, 4, 1) is None  # no such element size
+
+
+@pytest.mark.cuda
+def test_memset_nodes_become_kernel_nodes_that_write_the_same_bytes():
+    """cuBLASLt's workspace memsets in a captured graph (split-K weight gradients need them) become kernel
+    nodes: none left, and the GEMMs' results equal, bit for bit, those of the same work captured unedited."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    from lmpipe.consumer import memset_nodes
+
+    def memsets(graph: torch.cuda.CUDAGraph) -> int:
+        g = driver.CUgraph(graph.raw_cuda_graph())
+        _, _, n = driver.cuGraphGetNodes(g, 0)
+        _, nodes, _ = driver.cuGraphGetNodes(g, n)
+        kinds = [driver.cuGraphNodeGetType(x)[1] for x in nodes]
+        return sum(k == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET for k in kinds)
+
+    torch.manual_seed(0)
+    pairs = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(k, n, device="cuda",
+              dtype=torch.bfloat16)) for m, k, n in [(768, 16384, 768), (4096, 768, 3072), (2304, 16384, 768)]]  # fmt: skip
+
+    def work():
+        return [a @ b for a, b in pairs for _ in range(2)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        work()
+    torch.cuda.current_stream().wait_stream(side)
+    plain, edited = torch.cuda.CUDAGraph(keep_graph=True), torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(plain, stream=side):
+        want = work()
+    with torch.cuda.graph(edited, stream=side):
+        got = work()
+    before = memsets(edited)
+    assert before > 0, "no memset captured: this cuBLAS gives the test nothing to rewrite"
+    assert memset_nodes.rewrite(edited, torch.device("cuda")) == before
+    assert memsets(edited) == 0
+    plain.instantiate()
+    edited.instantiate()
+    for x in got:
+        x.fill_(float("nan"))
+    for _ in range(3):
+        plain.replay()
+        edited.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
