@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +69,17 @@ def gpu_idle(events, steps: int, top: int = 8) -> tuple[float, list[list]]:
     return idle / steps, sorted(gaps, key=lambda g: -g[0])[:top]
 
 
+def launchers(events) -> dict[str, str]:
+    """kernel name -> the ops that launched it in an eager step ("innermost op < its caller"), the two most
+    frequent: says which part of the model a kernel named only by its template belongs to."""
+    by: dict[str, Counter] = defaultdict(Counter)
+    for e in events:
+        for k in getattr(e, "kernels", None) or []:
+            parent = e.cpu_parent.name if e.cpu_parent is not None else ""
+            by[k.name][f"{e.name} < {parent}" if parent else e.name] += 1
+    return {k: "; ".join(n[:60] for n, _ in c.most_common(2)) for k, c in by.items()}
+
+
 @dataclass
 class Profile:
     """One variant's profiled steps: wall ms a step, GPU ms a step by class, the longest kernels, idle time."""
@@ -79,6 +90,7 @@ class Profile:
     idle: float
     gaps: list[list]
     blocking: list[list]
+    launchers: dict[str, str]
 
     @property
     def gpu(self) -> float:
@@ -114,9 +126,9 @@ def profiled(step: SyntheticSteps, first: int, steps: int, top: int, trace: str 
     for e in kernels:
         per_class[classify(e.key)] += e.self_device_time_total / 1e3 / steps  # ms per step
     longest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
-    top_rows = [[e.key[:90], classify(e.key), e.count // steps, f"{e.self_device_time_total / 1e3 / steps:.3f}"]
+    top_rows = [[e.key, classify(e.key), e.count // steps, f"{e.self_device_time_total / 1e3 / steps:.3f}"]
                 for e in longest]  # fmt: skip
-    return Profile(wall, dict(per_class), top_rows, idle, gaps, blocking)
+    return Profile(wall, dict(per_class), top_rows, idle, gaps, blocking, launchers(prof.events()))
 
 
 def main() -> None:
@@ -182,10 +194,12 @@ def main() -> None:
         + "\n\n## GPU time per step by kind of kernel (ms)\n\n"
         + table(["kind", *names, f"% of GPU time ({names[0]})"], rows)
     )
+    launched = {k: n for v in profs for k, n in v.launchers.items()}  # a graph's replay names no op: eager's
     for name, v in variants.items():
+        top = [[key[:90], *rest, launched.get(key, "")] for key, *rest in v.top]
         body += (
             f"\n\n## The {args.top} kernels that take longest ({name})\n\n"
-            + table(["kernel", "kind", "calls per step", "ms per step"], v.top)
+            + table(["kernel", "kind", "calls per step", "ms per step", "launched by (eager)"], top)
             + f"\n\n## The longest GPU idle gaps ({name})\n\n"
             + table(["gap ms", "after kernel", "before kernel"], v.gaps)
             + f"\n\n## Host calls that can wait for the GPU ({name})\n\n"
