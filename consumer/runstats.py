@@ -336,7 +336,8 @@ class RunStats:
         steady = summary.steady_tokens_per_second
         if peak and steady is not None:  # per GPU
             summary.steady_mfu = steady / self.dist.world_size * self.flops_per_token / peak
-        summary.seconds = end - self.run_start if self.run_start else 0.0
+        # with no batch, the run's length is the wait for one ("no steps trained in 0.0 s" after minutes)
+        summary.seconds = end - (self.run_start if self.run_start is not None else self.started)
         summary.first_loss = summary.losses[0] if summary.losses else float("nan")
         summary.last_loss = summary.losses[-1] if summary.losses else float("nan")
         summary.rejected, summary.stale, summary.refused = m.rejected_count, m.stale_count, m.refused_count

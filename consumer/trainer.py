@@ -117,6 +117,7 @@ class Trainer:
         elif tcfg.resume:
             log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
         self._stop_reason = ""
+        self.failure: str | None = None  # why the run stopped on a problem (the command then exits 1)
         self.health_check: Callable[[], str | None] | None = (
             None  # optional callable: returns a reason to stop (e.g. a dead producer)
         )
@@ -388,7 +389,7 @@ class Trainer:
             slots, waited, problem = self.feed.take(cfg.accum, stopping=lambda: bool(self._stop_reason))
             if problem:
                 log.error("%s; stopping", problem)
-                self._stop_reason = problem
+                self._stop_reason = self.failure = problem
             metas = [s.meta for s in slots if s.meta is not None]  # taken slots are always filled
             n_targets = sum(m.n_targets for m in metas)
             # ranks step together: on the targets of all of them, while any has data, until any stops

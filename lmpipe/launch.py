@@ -262,6 +262,19 @@ def say_left_out(data: list[str]) -> None:
                  len(skipped), ", ".join(skipped[:3]), more)  # fmt: skip
 
 
+def say_no_effect(cfg: PipelineConfig, tcfg: TrainConfig | None = None) -> None:
+    """One warning for each setting given that changes nothing, or less than it reads as changing."""
+    if cfg.pad_multiple > 1 and cfg.strategy in ("pack", "pad"):
+        log.warning("--pad-multiple %d has no effect with --strategy %s: every row is --seq-len wide; it rounds "
+                    "the widths of pad-batch and bucket", cfg.pad_multiple, cfg.strategy)  # fmt: skip
+    elif cfg.pad_multiple >= cfg.seq_len > 1 and cfg.strategy in ("pad-batch", "bucket"):
+        log.warning("--pad-multiple %d is not below --seq-len %d: every batch is %d wide, as --strategy pad "
+                    "makes them", cfg.pad_multiple, cfg.seq_len, cfg.seq_len)  # fmt: skip
+    if tcfg is not None and not tcfg.consume_only and tcfg.steps and tcfg.warmup >= tcfg.steps:
+        log.warning("--warmup %d is not below --steps %d: the learning rate never reaches --lr %g",
+                    tcfg.warmup, tcfg.steps, tcfg.lr)  # fmt: skip
+
+
 def first_document(corpus: Corpus, *, text: bool = False) -> Record:
     """The corpus's first good record (with text, if `text`): an empty corpus is a usage mistake."""
     first_bad = ""
@@ -526,6 +539,7 @@ def train(
     check_not_read_back("--doc-log", tcfg.doc_log, cfg.data)
     check_writable("--summary-json", opts.summary_json)
     check_not_an_input([("--doc-log", tcfg.doc_log), ("--summary-json", opts.summary_json)], inputs)
+    say_no_effect(cfg, tcfg)
     if local_producers:
         say_left_out(cfg.data)
     if local_producers and not cfg.data:  # so that a run on the wrong corpus shows it at its start
@@ -569,7 +583,8 @@ def train(
     if any(p.returncode not in (0, -signal.SIGTERM) for p in procs):
         log.error("producer exit codes: %s", [p.returncode for p in procs])
         return 1
-    return 0
+    # a scheduler or script must not take a run that stopped on a problem (--wait-timeout) for one that ended
+    return 1 if trainer.failure else 0
 
 
 def produce(cfg: PipelineConfig, opts: ProduceOptions) -> int:
@@ -577,6 +592,7 @@ def produce(cfg: PipelineConfig, opts: ProduceOptions) -> int:
 
     if opts.worker >= cfg.producers:
         raise SettingsError(f"--worker {opts.worker} must be below --producers {cfg.producers}")
+    say_no_effect(cfg)
     check_keys(cfg, server=False)
     check_corpus(cfg, check_tokenizer(cfg))
     p = Producer(

@@ -830,3 +830,29 @@ def test_a_vocabulary_smaller_than_asked_is_said(tmp_path):
         f"note: {len(have)} tokens, not the 400 asked for: the corpus has too little text for more merges (give "
         "more --data for a larger vocabulary)"
     )
+
+
+@pytest.mark.parametrize(
+    "pipeline, train, expect",
+    [
+        ({"pad_multiple": 64}, {}, "--pad-multiple 64 has no effect with --strategy pack"),
+        ({"pad_multiple": 64, "strategy": "pad"}, {}, "--pad-multiple 64 has no effect with --strategy pad"),
+        ({"pad_multiple": 128, "strategy": "bucket"}, {}, "--pad-multiple 128 is not below --seq-len 128"),
+        ({}, {"warmup": 50, "steps": 20}, "--warmup 50 is not below --steps 20: the learning rate never"),
+        ({"pad_multiple": 64, "strategy": "pad-batch"}, {"warmup": 5, "steps": 20}, None),
+        ({}, {"warmup": 50, "steps": 0}, None),  # no end: the warmup ends
+        ({}, {"warmup": 50, "steps": 20, "consume_only": True}, None),  # nothing trained
+    ],
+)
+def test_a_setting_that_changes_nothing_is_said(pipeline, train, expect, caplog):
+    """Accepted without a word, these read as changing the run and do not (or not as they read)."""
+    from lmpipe.consumer.config import TrainConfig
+    from lmpipe.launch import say_no_effect
+
+    with caplog.at_level("WARNING", logger="lmpipe"):
+        say_no_effect(PipelineConfig(**pipeline), TrainConfig(**train))
+    lines = [r.getMessage() for r in caplog.records]
+    if expect is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and expect in lines[0], lines

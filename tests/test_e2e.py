@@ -277,6 +277,7 @@ def test_a_trainer_stopped_before_its_first_step_says_so(procs, tmp_path, port):
 
     out = json.loads(summary.read_text(), parse_constant=no_nan)  # NaN was written bare before
     assert out["steps"] == 0 and out["first_loss"] is None and out["time_to_first_step"] is None
+    assert out["seconds"] > 0  # the wait it was stopped in (0.0 before)
 
 
 def test_a_run_without_an_end_says_so_and_stops_cleanly(procs, port):
@@ -289,9 +290,10 @@ def test_a_run_without_an_end_says_so_and_stops_cleanly(procs, port):
 
 
 def test_wait_timeout_is_kept_to_the_second(procs, tmp_path, port):
-    """--wait-timeout 1 stopped after 10 s: the check ran only with the every-10-s 'waiting' line."""
+    """--wait-timeout 1 stopped after 10 s: the check ran only with the every-10-s 'waiting' line. A stop on
+    a problem exits 1 (it exited 0, as a run that reached its end does)."""
     train = procs.start("train", "--port", str(port), "--metrics-port", "-1", "--steps", "5",
                         "--wait-timeout", "1", name="trainer")  # fmt: skip
-    assert train.wait(timeout=60) == 0, procs.log(train)
+    assert train.wait(timeout=60) == 1, procs.log(train)
     found = re.search(r"no data for (\d+) s \(--wait-timeout 1\)", procs.log(train))
     assert found and int(found.group(1)) < 5, procs.log(train)
