@@ -81,7 +81,7 @@ def inherit(cls: type, name: str) -> Any:
 
 
 def at_least(low: float) -> Check:
-    return lambda v: None if v >= low else f"must be >= {low}"
+    return lambda v: None if v >= low else f"must be {'a number ' if v != v else ''}>= {low}"  # nan != nan
 
 
 def between(low: float, high: float) -> Check:
@@ -89,11 +89,15 @@ def between(low: float, high: float) -> Check:
 
 
 def positive(v: float) -> str | None:
-    return None if v > 0 and math.isfinite(v) else "must be > 0"
+    if v > 0 and math.isfinite(v):
+        return None
+    return "must be > 0" if v <= 0 else "must be a finite number > 0"
 
 
 def existing_dir(v: str) -> str | None:
-    return None if Path(v).is_dir() else "no such directory"
+    if Path(v).is_dir():
+        return None
+    return "is not a directory" if Path(v).exists() else "no such directory"
 
 
 # -- what a field says --------------------------------------------------------------------------------

@@ -177,6 +177,25 @@ def test_validation_names_the_flag_or_the_variable(env):
         from_args(parse("run"), TrainConfig)
 
 
+@pytest.mark.parametrize(
+    "argv, cls, message",
+    [
+        (["--lr", "inf"], "train", "--lr inf: must be a finite number > 0"),  # it said "must be > 0"
+        (["--lr", "0"], "train", "--lr 0.0: must be > 0"),
+        (["--wait-timeout", "nan"], "train", "--wait-timeout nan: must be a number >= 0"),
+        (["--curve-dir", "{file}"], "pipeline", "--curve-dir {file}: is not a directory"),
+        (["--curve-dir", "{file}/nope"], "pipeline", "--curve-dir {file}/nope: no such directory"),
+    ],
+)
+def test_a_number_or_folder_refused_says_what_it_is(argv, cls, message, tmp_path):
+    file = tmp_path / "keys"
+    file.write_text("")
+    argv = [a.replace("{file}", str(file)) for a in argv]
+    with pytest.raises(SettingsError) as e:
+        from_args(parse("run", *argv), TrainConfig if cls == "train" else PipelineConfig)
+    assert str(e.value) == message.replace("{file}", str(file))
+
+
 def test_cross_checks_name_the_variable_that_gave_a_value(env):
     env("LMPIPE_PRECISION", "fp8")
     env("LMPIPE_DEVICE", "cpu")
