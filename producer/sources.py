@@ -192,7 +192,8 @@ def _text_records(
                     (
                         "invalid_utf8",
                         where,
-                        f"invalid UTF-8 at byte {exc.start} (is the file UTF-8?)",
+                        f"invalid UTF-8 at byte {exc.start} (is the file UTF-8? Latin-1 or Windows-1252 text "
+                        "converts with iconv -f cp1252 -t utf-8)",
                     ),
                 )
         if line is not None:

@@ -132,12 +132,16 @@ class DocStream:
         if self.corpus.cr_endings:
             cr = sorted(self.corpus.cr_endings)
             hints.append(f"{', '.join(cr[:3])}{' and more' if len(cr) > 3 else ''}: {CR_HINT}")
-        elif self.corpus.one_document and self.corpus.doc_split == "blank":
+        elif self.corpus.one_document and self.corpus.doc_split in ("blank", "heading"):
             one = sorted(self.corpus.one_document)
-            hints.append(
-                f"{', '.join(one[:3])}{' and more' if len(one) > 3 else ''} {'has' if len(one) == 1 else 'have'} no blank lines: each is one "
-                "document: for one per line, use --doc-split line"
-            )
+            names = f"{', '.join(one[:3])}{' and more' if len(one) > 3 else ''} {'has' if len(one) == 1 else 'have'}"
+            if self.corpus.doc_split == "blank":
+                hints.append(
+                    f"{names} no blank lines: each is one document: for one per line, use --doc-split line"
+                )
+            else:
+                hints.append(f"{names} no ' = Heading = ' lines: each is one document: --doc-split blank ends "
+                             "documents at blank lines, line makes one of every line")  # fmt: skip
         if self.total_workers > 1:
             hints.append("said once: other shards like it are not named")
         log.warning(

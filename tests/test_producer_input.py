@@ -205,7 +205,10 @@ def test_a_bad_line_says_skipped_once_and_counts_agree_in_number(tmp_path, caplo
             for reason, where, detail in rec.warnings or []:
                 bad(reason, where, detail)
     (line,) = [r.getMessage() for r in caplog.records]
-    assert line == f"{path}:2: invalid UTF-8 at byte 4 (is the file UTF-8?) (invalid_utf8), skipped"
+    assert line == (
+        f"{path}:2: invalid UTF-8 at byte 4 (is the file UTF-8? Latin-1 or Windows-1252 text converts with "
+        "iconv -f cp1252 -t utf-8) (invalid_utf8), skipped"
+    )
     assert bad.summary() == "this producer skipped 1 bad record (1 invalid_utf8)"
     two = BadRecords(logging.getLogger("x"))
     two("empty", "f:1", "empty"), two("empty", "f:2", "empty")
@@ -230,6 +233,11 @@ def test_the_blank_line_hint_is_given_only_for_a_file_without_blank_lines(tmp_pa
     one.write_text("first sentence\nsecond sentence\nthird sentence\n")
     (line,) = lone_share_lines(tmp_path, tok, caplog, one, 2)
     assert f"{one} has no blank lines: each is one document: for one per line, use --doc-split line" in line
+    caplog.clear()  # --doc-split heading on a file without WikiText's ' = Heading = ' lines: no hint before
+    plain = tmp_path / "plain.txt"
+    plain.write_text("first sentence\n\nsecond sentence\n")
+    (line,) = lone_share_lines(tmp_path, tok, caplog, plain, 2, doc_split="heading")
+    assert f"{plain} has no ' = Heading = ' lines: each is one document: --doc-split blank" in line
 
 
 # -- 6. CR line endings ---------------------------------------------------------------------------------------
