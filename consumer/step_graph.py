@@ -135,10 +135,10 @@ class StepGraph:
                 pool,
                 lambda: runner.forward_backward(self.static, self.denom, cache=False),
             )
+            _finish(self.fwd_bwd, device)
         except Exception as e:  # nothing ran: the gradients made in the capture are not this batch's
             opt.zero_grad(set_to_none=True)
             raise CaptureFailed(e, None) from e
-        _finish(self.fwd_bwd, device)
         self.fwd_bwd.replay()  # this batch's gradients, now in the graph's memory
         for g in opt.param_groups:
             g["lr"] = self.lr  # the Triton AdamW reads it from memory (consumer/adamw.py)
@@ -150,12 +150,12 @@ class StepGraph:
             self.update = _graph()
             try:
                 self.norm = _capture(self.update, side, pool, runner.clip_and_update)
+                _finish(self.update, device)
             except Exception as e:  # this batch has trained (above): its result stands
                 torch.cuda.current_stream(device).wait_stream(side)
                 opt.zero_grad(set_to_none=True)
                 raise CaptureFailed(e, self.first) from e
             torch.cuda.current_stream(device).wait_stream(side)
-            _finish(self.update, device)
         finally:
             for g in opt.param_groups:
                 g["lr"] = lr  # the graph holds self.lr's address; param_groups (checkpoints) keep a float
@@ -189,7 +189,8 @@ def _graph() -> torch.cuda.CUDAGraph:
 
 
 def _finish(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
-    """The captured graph's memset nodes as kernel nodes, then instantiated (where _graph kept it so)."""
+    """The captured graph's memset nodes as kernel nodes, then instantiated (where _graph kept it so; a
+    failed instantiation fails the capture, as it does inside capture_end)."""
     if memset_nodes.unavailable():
         return
     try:
