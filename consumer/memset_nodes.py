@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger("lmpipe.trainer")
 
 ENABLED = True  # bench.ablation switches it off
 
