@@ -56,7 +56,8 @@ def unavailable() -> str | None:
 def gemm(a: torch.Tensor, b: torch.Tensor, epilog=None, aux: torch.Tensor | None = None):
     """a @ b (CUDA tensors, any strides cuBLASLt takes) with `epilog` (an nvmath MatmulEpilog or None) and
     its auxiliary input; the result, or (result, auxiliary outputs) for an epilogue that makes them. Unlike
-    torch's, the result takes a's layout (nvmath's rule): a column-major `a` gives a column-major result."""
+    torch's, the result takes a's layout where the epilogue asks for none (nvmath's rule): a column-major `a`
+    gives a column-major result."""
     from nvmath.linalg.advanced import Matmul
 
     stream = torch.cuda.current_stream(a.device)
