@@ -18,7 +18,7 @@ def test_wheel_has_lmpipe_as_its_only_top_level_name(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     for pkg in ("lmpipe", "producer", "consumer", "shared"):
-        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO / pkg, src / pkg, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
         [
             sys.executable,
@@ -71,19 +71,12 @@ def test_a_decoy_shared_package_in_the_working_directory_changes_nothing(tmp_pat
     assert out.returncode == 0 and "--worker" in out.stdout, out.stderr
 
 
-def test_the_type_check_tree_is_the_installed_layout():
-    """mypy checks typecheck/lmpipe/ (pyproject.toml, [tool.mypy]): every package of package-dir must be
-    there as the installed layout has it, so no module escapes the type check."""
+def test_one_tree_the_import_tree_is_the_source_tree():
+    """lmpipe/producer, lmpipe/consumer and lmpipe/shared are links to the folders at the top, so every tool
+    (mypy, an editor, the editable install) sees one tree; mypy checks it whole."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert project["tool"]["mypy"]["files"] == ["typecheck/lmpipe"]
-    for pkg, folder in project["tool"]["setuptools"]["package-dir"].items():
-        there, src = REPO / "typecheck" / pkg.replace(".", "/"), REPO / folder
-        if pkg == "lmpipe":  # its sub-packages live elsewhere: one link per module
-            modules = sorted(p.name for p in src.glob("*.py"))
-            assert sorted(p.name for p in there.glob("*.py")) == modules, (
-                f"typecheck/lmpipe/ must link every module of lmpipe/: ln -s ../../lmpipe/NAME.py {there}/"
-            )
-            for name in modules:
-                assert (there / name).resolve() == (src / name).resolve(), name
-        else:
-            assert there.resolve() == src.resolve(), f"{there} must be a link to {folder}/"
+    assert project["tool"]["mypy"]["files"] == ["lmpipe"]
+    assert "package-dir" not in project["tool"]["setuptools"]
+    for pkg in ("producer", "consumer", "shared"):
+        link = REPO / "lmpipe" / pkg
+        assert link.is_symlink() and link.resolve() == (REPO / pkg).resolve(), f"lmpipe/{pkg} must link ../{pkg}"

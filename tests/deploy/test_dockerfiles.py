@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -78,9 +77,9 @@ def test_dockerfile_structure(role):
                 assert src.rstrip("/") in allowed, f"{src} is excluded by .dockerignore"
                 assert (REPO / src).exists(), src
                 copied.add(src.rstrip("/"))
-    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    for pkg, folder in folders.items():
-        assert folder in copied, f"package {pkg} ({folder}/) is not copied into the image"
+    # lmpipe/producer, lmpipe/consumer and lmpipe/shared are links: the folders they point at travel too
+    for folder in ("lmpipe", "producer", "consumer", "shared"):
+        assert folder in copied, f"{folder}/ is not copied into the image"
     assert {"pyproject.toml", "README.md"} <= copied
 
 

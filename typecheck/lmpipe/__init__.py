@@ -1,1 +1,0 @@
-../../lmpipe/__init__.py

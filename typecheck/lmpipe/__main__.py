@@ -1,1 +1,0 @@
-../../lmpipe/__main__.py

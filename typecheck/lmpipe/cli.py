@@ -1,1 +1,0 @@
-../../lmpipe/cli.py

@@ -1,1 +1,0 @@
-../../lmpipe/options.py

@@ -1,1 +1,0 @@
-../../lmpipe/plot.py
