@@ -41,14 +41,14 @@ def _said(caplog) -> list[str]:
 def _count_hashes(monkeypatch) -> list[int]:
     """How often a file is hashed from now on (formats._content_digest)."""
     calls = [0]
-    digest = getattr(formats, "_content_digest", None)  # (absent before files were hashed)
+    digest = getattr(formats.changes, "_content_digest", None)  # (absent before files were hashed)
 
     def counted(fd: int, size: int) -> bytes:
         calls[0] += 1
         assert digest is not None
         return digest(fd, size)
 
-    monkeypatch.setattr(formats, "_content_digest", counted, raising=False)
+    monkeypatch.setattr(formats.changes, "_content_digest", counted, raising=False)
     return calls
 
 
@@ -99,8 +99,8 @@ def test_a_file_touched_during_a_pass_is_read_on(tmp_path, kind, caplog):
 def test_a_large_file_is_told_by_its_first_middle_and_last_bytes(tmp_path, monkeypatch, caplog):
     """A file past DIGEST_WHOLE is hashed by samples: touched, it is read on; a byte of a sample changed
     (the same size, a new time) stops the run as before."""
-    monkeypatch.setattr(formats, "DIGEST_WHOLE", 4096, raising=False)
-    monkeypatch.setattr(formats, "DIGEST_SAMPLE", 512, raising=False)
+    monkeypatch.setattr(formats.changes, "DIGEST_WHOLE", 4096, raising=False)
+    monkeypatch.setattr(formats.changes, "DIGEST_SAMPLE", 512, raising=False)
     path = tmp_path / "big.txt"
     path.write_bytes(b"".join(f"document {i} words words\n\n".encode() for i in range(2000)))
     size = path.stat().st_size
@@ -126,8 +126,8 @@ def test_a_large_file_edited_outside_its_samples_is_not_said_unchanged(tmp_path,
     path = tmp_path / "big.txt"
     path.write_bytes(b"".join(f"document {i} words words\n\n".encode() for i in range(42_000)))
     size = path.stat().st_size
-    assert size > formats.DIGEST_WHOLE and size > 1_000_000
-    assert not (size - formats.DIGEST_SAMPLE) // 2 <= 500_000 < (size + formats.DIGEST_SAMPLE) // 2
+    assert size > formats.changes.DIGEST_WHOLE and size > 1_000_000
+    assert not (size - formats.changes.DIGEST_SAMPLE) // 2 <= 500_000 < (size + formats.changes.DIGEST_SAMPLE) // 2
     c = Corpus([str(path)])
     list(c.records())
     with open(path, "r+b") as f:

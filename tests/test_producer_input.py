@@ -109,7 +109,7 @@ def test_an_unreadable_file_fails_when_the_corpus_is_resolved(tmp_path, monkeypa
             raise PermissionError(13, "Permission denied", os.fspath(path))
         return real_open(path, flags, *args, **kw)
 
-    monkeypatch.setattr(formats.os, "open", deny)
+    monkeypatch.setattr(formats.changes.os, "open", deny)
     for given in (str(d), str(d / "b.txt"), f"file://{d}/b.txt"):
         with pytest.raises(PermissionError) as e:
             formats.resolve([given])
