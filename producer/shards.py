@@ -9,22 +9,15 @@ A shard directory holds `meta.json` and, per shard k,
                 records): uint8 0/1 per token, laid out as tokens-k.bin; a shard without it trains every
                 token. Such a set is format version 2, so an older reader refuses it instead of training on
                 the prompts.
-meta.json records the format version, dtype, vocabulary size, tokenizer hash, counts, and a sha256 per file;
-also the tokenizer's facts (ids of end-of-text and pad, its file's sha256), so that a run given the same file
-need not parse it (shared/tokenizer.py; older shard sets without them work, the file is parsed).
+meta.json says what the set holds (shard_meta.py).
 Opening a shard set checks all of it (sizes, offsets, checksums, ids inside the vocabulary) before a
 document is served; a mismatch names the file and what is wrong.
 
-A shard directory can also be a URL (s3://bucket/shards, any fsspec URL; see remote.py). Nothing is
-downloaded whole: meta.json, index and rids files are read at open (16 bytes a document) and checked as
-above, token files by their sizes only (a checksum would read every byte); each document is then one
-ranged read, fetched together with the rest of its chunk of the stream (concurrent requests), and its ids
-are checked against the vocabulary as they arrive.
+A shard directory can also be a URL (s3://bucket/shards, any fsspec URL): see remote_shards.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -39,18 +32,15 @@ from typing import Any
 import numpy as np
 
 from lmpipe.producer.remote import Remote
+from lmpipe.producer.remote_shards import Pending, RemoteShards
+from lmpipe.producer.shard_meta import FORMAT_VERSION, ShardError, file_names, file_sizes, load_meta
 from lmpipe.shared.batch import token_dtype
 from lmpipe.shared.files import SHARD_META as META
 from lmpipe.shared.files import is_url, sha256_file
-from lmpipe.shared.tokenizer import FACTS, TokenizerInfo, facts_well_formed
+from lmpipe.shared.tokenizer import TokenizerInfo
 
-FORMAT_VERSION = 2  # 2: shards may hold mask-k.bin; a set without masks is still written as version 1
-REMAKE = "restore it or run `lmpipe prepare` again"  # what a damaged meta.json's message ends with
-_FILE_KEYS = ("tokens", "index", "rids")  # every shard's files; "mask" too in a shard with a masked document
-
-
-class ShardError(ValueError):
-    pass
+__all__ = ["FORMAT_VERSION", "RemoteShards", "ShardError", "ShardSet", "check_out", "is_shard_dir", "prepare"]
+_RemoteShards = RemoteShards  # its name in bench/sources.py
 
 
 def is_shard_dir(path: str | Path) -> bool:
@@ -222,10 +212,10 @@ class ShardSet:
     """Read-only, memory-mapped view of a prepared shard directory, checked on open."""
 
     def __init__(self, path: str | Path, *, verify_checksums: bool = True):
-        self.remote: _RemoteShards | None = None
+        self.remote: RemoteShards | None = None
         if is_url(str(path)):
             self.path: Path | str = str(path).rstrip("/")
-            self.remote = _RemoteShards(self, Remote(self.path), verify_checksums)
+            self.remote = RemoteShards(self, Remote(self.path), verify_checksums)
             return
         self.path = Path(path)
         meta_file = self.path / META
@@ -233,14 +223,14 @@ class ShardSet:
             text = meta_file.read_bytes()
         except OSError as exc:
             raise ShardError(f"{meta_file}: unreadable ({exc})") from None
-        self.meta, dtype = _load_meta(text, meta_file)
+        self.meta, dtype = load_meta(text, meta_file)
         m = self.meta
         self.tokens: list[np.ndarray] = []  # memmaps, or an empty array for an empty shard
         self.masks: list[np.ndarray | None] = []  # per shard: uint8 memmap, or None (every token trained)
         offsets, rids = [], []
         for k, sh in enumerate(m["shards"]):
-            files = {n: self.path / sh["files"][n]["name"] for n in _names(sh)}
-            sizes = _sizes(sh, dtype)
+            files = {n: self.path / sh["files"][n]["name"] for n in file_names(sh)}
+            sizes = file_sizes(sh, dtype)
             for n, f in files.items():
                 if not f.is_file():
                     raise ShardError(f"{f}: missing")
@@ -294,7 +284,7 @@ class ShardSet:
         mask = self.masks[k]
         return None if mask is None else mask[a:b]
 
-    def fetch_later(self, i: int) -> _Pending:
+    def fetch_later(self, i: int) -> Pending:
         """Document i's ids, fetched (remote shards) with every other pending one when first asked for."""
         assert self.remote is not None
         return self.remote.add(i)
@@ -302,224 +292,3 @@ class ShardSet:
     def fingerprint(self) -> str:
         m = self.meta
         return f"shards:{m['tokenizer_hash']}:{m['documents']}:{m['tokens']}:{m['created']}"
-
-
-def _names(sh: dict[str, Any]) -> tuple[str, ...]:
-    return ("tokens", "index", "rids", "mask") if "mask" in sh["files"] else ("tokens", "index", "rids")
-
-
-def _sizes(sh: dict[str, Any], dtype: np.dtype) -> dict[str, int]:
-    return {
-        "tokens": sh["tokens"] * dtype.itemsize,
-        "index": (sh["documents"] + 1) * 8,
-        "rids": sh["documents"] * 8,
-        "mask": sh["tokens"],
-    }
-
-
-def _load_meta(text: str | bytes, meta_file: Path | str) -> tuple[dict[str, Any], np.dtype]:
-    """meta.json parsed and checked, and its token dtype; anything else is one ShardError naming the file."""
-    try:
-        m = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # not JSON (truncated, hand-edited), not UTF-8, too deep
-        raise ShardError(f"{meta_file}: unreadable ({exc}); {REMAKE}") from None
-    return m, _check_meta(m, meta_file)
-
-
-def _json_kind(v: Any) -> str:
-    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-    return kinds.get(type(v), "a number")
-
-
-def _shown(m: dict[str, Any], key: str) -> str:
-    """A field's value for a message: "missing", or its JSON kind and a short repr."""
-    if key not in m:
-        return "missing"
-    text = repr(m[key])
-    return text if len(text) <= 40 else f"{_json_kind(m[key])} ({text[:30]}...)"
-
-
-def _count(v: Any) -> bool:
-    return type(v) is int and v >= 0  # type(): no bools
-
-
-def _check_meta(m: Any, meta_file: Path | str) -> np.dtype:
-    """Every field the readers use has its type and a possible value, before any is used: a hand-edited
-    meta.json is a ShardError naming the file and the field, never a KeyError or TypeError later."""
-
-    def bad(what: str) -> ShardError:
-        return ShardError(f"{meta_file}: {what}; {REMAKE}")
-
-    if not isinstance(m, dict):
-        raise bad(f"{_json_kind(m)}, not a JSON object")
-    version = m.get("format_version")
-    if type(version) is not int or version < 1:
-        raise bad(f"format_version is {_shown(m, 'format_version')}, not a version number")
-    if version > FORMAT_VERSION:
-        raise ShardError(f"{meta_file}: format_version {version!r}; this lmpipe reads up to {FORMAT_VERSION}")
-    if m.get("dtype") not in ("uint16", "int32"):
-        raise bad(f"dtype is {_shown(m, 'dtype')}, not uint16 or int32")
-    for key in ("vocab_size", "documents", "tokens"):
-        if not _count(m.get(key)):
-            raise bad(f"{key} is {_shown(m, key)}, not a count")
-    if m["vocab_size"] == 0:
-        raise bad("vocab_size is 0")
-    for key in ("tokenizer_hash", "created"):
-        if not isinstance(m.get(key), str):
-            raise bad(f"{key} is {_shown(m, key)}, not a string")
-    rec = m.get("tokenizer")  # optional: shard sets before these facts were recorded lack it
-    if rec is not None:
-        if not facts_well_formed(rec):
-            raise bad(f"tokenizer is {_shown(m, 'tokenizer')}, not the tokenizer's {'/'.join(FACTS)}")
-        if (rec["hash"], rec["vocab_size"]) != (m["tokenizer_hash"], m["vocab_size"]):
-            raise bad("tokenizer disagrees with tokenizer_hash or vocab_size")
-    shards = m.get("shards")
-    if not isinstance(shards, list):
-        raise bad(f"shards is {_shown(m, 'shards')}, not a list of shards")
-    if not shards:
-        raise bad("shards is empty")
-    for k, sh in enumerate(shards):
-        if not isinstance(sh, dict):
-            raise bad(f"shards[{k}] is {_json_kind(sh)}, not an object")
-        for key in ("documents", "tokens"):
-            if not _count(sh.get(key)):
-                raise bad(f"shards[{k}].{key} is {_shown(sh, key)}, not a count")
-        files = sh.get("files")
-        if not isinstance(files, dict) or not set(_FILE_KEYS) <= files.keys():
-            raise bad(f"shards[{k}].files does not name its {'/'.join(_FILE_KEYS)} files")
-        for n, f in files.items():
-            name = f.get("name") if isinstance(f, dict) else None
-            # a plain name in this directory: a hand-edited path must not reach files elsewhere
-            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-                raise bad(f"shards[{k}].files.{n}.name is {name!r}, not a file name in this directory")
-            if not isinstance(f.get("sha256"), str):
-                raise bad(f"shards[{k}].files.{n}.sha256 is {f.get('sha256')!r}, not a checksum")
-    for key in ("documents", "tokens"):
-        total = sum(sh[key] for sh in shards)
-        if total != m[key]:
-            raise bad(f"{key} is {m[key]}, but its shards hold {total}")
-    return np.dtype(m["dtype"]).newbyteorder("<")
-
-
-class _Pending:
-    def __init__(self, owner: _RemoteShards):
-        self.owner = owner
-        self.ids: np.ndarray | None = None
-        self.mask: np.ndarray | None = None  # set with ids when the document's shard has a loss mask
-
-    def result(self) -> np.ndarray:
-        if self.ids is None:
-            self.owner.flush()
-        assert self.ids is not None
-        return self.ids
-
-
-class _RemoteShards:
-    """The remote half of a ShardSet: opens and checks it, then fetches documents in batches."""
-
-    MAX_PENDING = 4096  # documents requested but not fetched yet: fetched early beyond this
-    # Reading the bytes between two documents beats another request while gap < bandwidth x latency /
-    # concurrency (S3: ~100 MB/s x 30 ms / 128 requests in flight ~ 23 KB); the waste is at most
-    # MERGE_GAP per document, 8 MiB for a chunk of 512.
-    MERGE_GAP = 16 << 10
-    MAX_READ = 16 << 20
-
-    def __init__(self, shards: ShardSet, remote: Remote, verify_checksums: bool):
-        self.shards, self.r = shards, remote
-        base = str(shards.path)
-        meta_url = f"{base}/{META}"
-        shards.meta, self.dtype = _load_meta(remote.read_all(meta_url), meta_url)
-        m = shards.meta
-        self.vocab_size = int(m["vocab_size"])
-        sizes = {u.rsplit("/", 1)[-1]: size for u, size, _, _ in remote.ls(base)}
-        self.token_urls: list[str] = []
-        self.mask_urls: list[str | None] = []
-        offsets, rids = [], []
-        for k, sh in enumerate(m["shards"]):
-            expected = _sizes(sh, self.dtype)
-            arrays = {}
-            self.mask_urls.append(None)
-            for n in _names(sh):
-                name = sh["files"][n]["name"]
-                url = f"{base}/{name}"
-                if name not in sizes:
-                    raise ShardError(f"{url}: missing")
-                if sizes[name] != expected[n]:
-                    raise ShardError(
-                        f"{url}: {sizes[name]} bytes, meta.json says {expected[n]} (truncated or corrupt)"
-                    )
-                if n == "tokens":
-                    self.token_urls.append(url)
-                    continue
-                if n == "mask":  # read with the tokens, and checked as they arrive
-                    self.mask_urls[k] = url
-                    continue
-                data = remote.read_all(url) if expected[n] else b""
-                if verify_checksums and hashlib.sha256(data).hexdigest() != sh["files"][n]["sha256"]:
-                    raise ShardError(f"{url}: checksum mismatch (corrupt file)")
-                arrays[n] = np.frombuffer(data, dtype="<i8")
-            index = arrays["index"]
-            if index[0] != 0 or index[-1] != sh["tokens"] or (np.diff(index) < 0).any():
-                raise ShardError(f"{base}/{sh['files']['index']['name']}: offsets are not a valid index")
-            offsets.append(np.stack([np.full(sh["documents"], k), index[:-1], index[1:]], axis=1))
-            rids.append(arrays["rids"])
-        shards.tokens = []
-        shards.docs = np.concatenate(offsets) if offsets else np.zeros((0, 3), np.int64)
-        shards.rids = np.concatenate(rids) if rids else np.zeros(0, np.int64)
-        self.pending: list[tuple[int, _Pending]] = []
-
-    def add(self, i: int) -> _Pending:
-        p = _Pending(self)
-        self.pending.append((i, p))
-        if len(self.pending) >= self.MAX_PENDING:
-            self.flush()
-        return p
-
-    def flush(self) -> None:
-        """Fetch every pending document: per shard file, one batch of concurrent ranged reads, documents
-        closer than MERGE_GAP bytes sharing a read (a small shard set comes in a few requests)."""
-        pending, self.pending = self.pending, []
-        by_shard: dict[int, list[tuple[int, _Pending]]] = {}
-        for i, p in pending:
-            by_shard.setdefault(int(self.shards.docs[i][0]), []).append((i, p))
-        isz = self.dtype.itemsize
-        for k, items in by_shard.items():
-            url = self.token_urls[k]
-            spans = [(int(self.shards.docs[i][1]) * isz, int(self.shards.docs[i][2]) * isz) for i, _ in items]
-            blocks: list[list] = []  # [start, end, indices into items]
-            for j in sorted((j for j, (a, b) in enumerate(spans) if b > a), key=lambda j: spans[j][0]):
-                a, b = spans[j]
-                if blocks and a - blocks[-1][1] <= self.MERGE_GAP and b - blocks[-1][0] <= self.MAX_READ:
-                    blocks[-1][1] = max(blocks[-1][1], b)
-                    blocks[-1][2].append(j)
-                else:
-                    blocks.append([a, b, [j]])
-            got: dict[int, bytes] = {}
-            for (start, _, js), data in zip(blocks, self.r.read_many(url, [(s, e) for s, e, _ in blocks])):
-                for j in js:
-                    got[j] = data[spans[j][0] - start : spans[j][1] - start]
-            for j, (i, p) in enumerate(items):
-                ids = np.frombuffer(got.get(j, b""), dtype=self.dtype)  # an empty document needs no read
-                if len(ids) * isz != spans[j][1] - spans[j][0]:
-                    raise ShardError(
-                        f"{url}: document {i} came back {len(ids) * isz} bytes, not {spans[j][1] - spans[j][0]}"
-                    )
-                if ids.size and int(ids.max()) >= self.vocab_size:
-                    raise ShardError(
-                        f"{url}: document {i} has a token id outside the vocabulary of {self.vocab_size}"
-                    )
-                p.ids = ids
-            mask_url = self.mask_urls[k]
-            if mask_url is not None:  # the same reads over the uint8 mask file
-                mblocks = [(s // isz, e // isz) for s, e, _ in blocks]
-                mgot: dict[int, bytes] = {}
-                for (start, _end), (_, _, js), data in zip(
-                    mblocks, blocks, self.r.read_many(mask_url, mblocks)
-                ):
-                    for j in js:
-                        mgot[j] = data[spans[j][0] // isz - start : spans[j][1] // isz - start]
-                for j, (i, p) in enumerate(items):
-                    mask = np.frombuffer(mgot.get(j, b""), dtype=np.uint8)
-                    if len(mask) != (spans[j][1] - spans[j][0]) // isz or (mask.size and int(mask.max()) > 1):
-                        raise ShardError(f"{mask_url}: document {i}'s loss mask is short or not 0/1")
-                    p.mask = mask
