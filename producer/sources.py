@@ -91,6 +91,8 @@ class Corpus:
             for f in self.paths:  # binary formats (Parquet, Arrow) are told apart in formats/
                 if f.fmt in ("text", "jsonl") and f.remote is None:
                     refuse_binary(f)
+                elif f.fmt in formats.TABLES and f.remote is None:
+                    formats.check_table(f, text_column)
         self.doc_split = doc_split
         self.builtin_docs = builtin_docs
         self.builtin_seed = builtin_seed

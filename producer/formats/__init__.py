@@ -32,7 +32,7 @@ from lmpipe.producer.formats.kinds import (
 )
 from lmpipe.producer.formats.lines import CR_HINT
 from lmpipe.producer.formats.resolve import left_out, local_folder, resolve
-from lmpipe.producer.formats.tables import table_records
+from lmpipe.producer.formats.tables import check_table, table_records
 from lmpipe.producer.formats.text import DOC_SPLITS, text_records
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "NotCompressed",
     "_check_object",  # bench/object_checks.py times it
     "check_objects",
+    "check_table",
     "check_unchanged",
     "jsonl_records",
     "left_out",

@@ -42,6 +42,16 @@ class CorpusChanged(ValueError):
     """A corpus file or object no longer as the run found it: a run's record ids and cursors describe it."""
 
 
+@dataclass(frozen=True)
+class Damaged:
+    """Rows of a table that cannot be decoded (a damaged Parquet row group, an Arrow batch that fails its
+    checks), read past: one bad record, the rows' ids kept so that the rows after them keep theirs."""
+
+    rows: int
+    part: str  # "row group 3", "record batch 2"
+    why: str
+
+
 @dataclass(frozen=True, eq=False)
 class DataFile:
     path: str  # a local path or a URL, as messages show it

@@ -16,8 +16,9 @@ import numpy as np
 
 from lmpipe.producer.formats.arrow import arrow_batches
 from lmpipe.producer.formats.changes import check_unchanged
-from lmpipe.producer.formats.kinds import DataFile, FormatError
-from lmpipe.producer.formats.parquet import parquet_batches
+from lmpipe.producer.formats.columns import text_column_of
+from lmpipe.producer.formats.kinds import Damaged, DataFile, FormatError
+from lmpipe.producer.formats.parquet import open_parquet, parquet_batches, said
 from lmpipe.producer.remote import RemoteError
 
 log = logging.getLogger("lmpipe.producer")
@@ -87,16 +88,57 @@ def table_records(f: DataFile, first_rid: int, worker: int, num_workers: int, *,
     batches = parquet_batches(f, text_column) if f.fmt == "parquet" else arrow_batches(f, text_column)
     row = 0
     try:
-        for col, kind in batches:
+        for part in batches:
+            if isinstance(part, Damaged):
+                check_unchanged(f)  # a file rewritten since the start is not a damaged one
+                if (first_rid + row) % num_workers == worker:  # said by the worker owning its first row
+                    yield _damaged(part, first_rid + row, row, f, make)
+                row += part.rows
+                continue
+            col, kind = part
             yield from _rows(col, kind, first_rid + row, worker, num_workers, row, f, vocab_size, make)
             row += len(col)
-    except pa.ArrowException as exc:
+    except (OSError, pa.ArrowException) as exc:  # a damaged page is a plain OSError
         if isinstance(exc, RemoteError):
             raise
         check_unchanged(f)  # a file rewritten since the start is not a damaged one
         raise FormatError(
-            f"{f}: unreadable {f.fmt.capitalize()} data after row {row} ({' '.join(str(exc).split())}); "
+            f"{f}: unreadable {f.fmt.capitalize()} data after row {row} ({said(exc)}); "
             "re-download or re-create the file"
         ) from None
     check_unchanged(f, routine=True)  # the whole pass read the file as it was
     return first_rid + row
+
+
+def _damaged(part: Damaged, rid: int, row: int, f: DataFile, make) -> Any:
+    """One bad record for the rows of `part`, from `row` on: its first row's id, named by the part."""
+    last = f"-{row + part.rows - 1}" if part.rows > 1 else ""
+    rec = make(rid=rid, where=f"{f}:{part.part} (row {row}{last})")
+    rec.bad = (
+        "damaged",
+        f"{part.rows:,} row(s) cannot be decoded ({part.why}); the rest of the file is read",
+    )
+    return rec
+
+
+def check_table(f: DataFile, text_column: str) -> None:
+    """A local table's footer (Parquet) or schema (Arrow) can be read and names a column to read: a file
+    that cannot be read at all is refused at the start in one line naming it, as an unreadable or binary
+    file is, before any process waits on its batches. Damage inside is found, and read past, later."""
+    import pyarrow as pa
+
+    if f.fmt == "parquet":
+        text_column_of(f, open_parquet(f).schema_arrow, text_column)
+        return
+    try:
+        with pa.memory_map(f.path) as source:
+            head = source.read(6)
+            source.seek(0)
+            ipc = pa.ipc.open_file if head == b"ARROW1" else pa.ipc.open_stream
+            schema = ipc(source).schema
+    except (OSError, pa.ArrowException) as exc:
+        raise FormatError(
+            f"{f}: unreadable Arrow file: its schema cannot be read ({said(exc)}); "
+            "re-download or re-create the file"
+        ) from None
+    text_column_of(f, schema, text_column)
