@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from lmpipe.producer.formats.kinds import DataFile
 from lmpipe.producer.formats.lines import CR_HINT, read_lines
@@ -56,51 +58,9 @@ def jsonl_records(
             rec.bad = ("bad_json", "a JSON array, not JSON Lines: write one object per line (jq -c '.[]')")
             yield rec
             continue
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            rec.bad = ("invalid_utf8", f"invalid UTF-8 at byte {exc.start}")
-        except json.JSONDecodeError as exc:
-            cr = f"; {CR_HINT}" if notes.get("cr") and lineno == 1 else ""
-            rec.bad = ("bad_json", f"not valid JSON ({exc.msg} at column {exc.colno}){cr}")
-        except RecursionError:  # [[[[... or {"a":{"a":... a few hundred KB deep: the parser's stack, not ours
-            rec.bad = ("bad_json", "JSON nested too deeply to parse")
-        else:
-            if not isinstance(obj, dict):
-                kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-                    type(obj), "a number"
-                )
-                rec.bad = ("bad_json", f"line is {kind}, not a JSON object (JSON Lines: one object per line)")
-            elif "prompt" in obj or "completion" in obj:
-                _prompt_completion(rec, obj)
-            elif "loss_mask" in obj:
-                _masked_ids(rec, obj, vocab_size)
-            elif isinstance(obj.get(text_key), str):
-                rec.text = obj[text_key]
-                if not rec.text.strip():
-                    rec.bad = ("empty", "empty text")
-            elif "labels" in obj:  # Hugging Face's targets: training every id instead would be silent harm
-                rec.bad = ("bad_mask", LABELS_HINT)
-            elif isinstance(obj.get("ids"), list):
-                ids = obj["ids"]
-                limit = vocab_size or (1 << 31)
-                if not ids:
-                    rec.bad = ("empty", "empty ids")
-                elif not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in ids):
-                    rec.bad = ("bad_ids", f"ids must be integers in [0, {limit})")
-                else:
-                    rec.ids = ids
-            else:
-                strings = [k for k, v in obj.items() if isinstance(v, str)][:4]
-                hint = (
-                    f"; its string keys: {', '.join(strings)} (--text-column NAME reads one)"
-                    if strings
-                    else ""
-                )
-                rec.bad = (
-                    "missing_text",
-                    f'object has no "{text_key}" string, "ids" list, or "prompt" and "completion" strings{hint}',
-                )
+        obj, rec.bad = _parse(raw, CR_HINT if notes.get("cr") and lineno == 1 else "")
+        if rec.bad is None:
+            _read_object(rec, obj, vocab_size, text_key)
             if rec.bad is None and _SURROGATE_ESCAPE.search(raw) and not _utf8(rec.text, rec.prompt):
                 rec.bad = (
                     "invalid_utf8",
@@ -109,6 +69,69 @@ def jsonl_records(
             if rec.bad is None:
                 _say_unread(path, where, obj, text_key)
         yield rec
+
+
+def _parse(raw: bytes, cr_hint: str) -> tuple[Any, tuple[str, str] | None]:
+    """A line's JSON value, or why it has none: every way the parser fails is this line's problem only."""
+    try:
+        return json.loads(raw.decode("utf-8")), None
+    except UnicodeDecodeError as exc:
+        return None, ("invalid_utf8", f"invalid UTF-8 at byte {exc.start}")
+    except json.JSONDecodeError as exc:
+        cr = f"; {cr_hint}" if cr_hint else ""
+        return None, ("bad_json", f"not valid JSON ({exc.msg} at column {exc.colno}){cr}")
+    except RecursionError:  # [[[[... or {"a":{"a":... a few hundred KB deep: the parser's stack, not ours
+        return None, ("bad_json", "JSON nested too deeply to parse")
+    except ValueError as exc:  # an integer past Python's digit limit (4,300): {"n": 999...} stopped the job
+        if "digits" in str(exc):
+            limit = sys.get_int_max_str_digits()
+            return None, ("bad_json", f"an integer of more than {limit:,} digits, which is not parsed")
+        return None, ("bad_json", f"not valid JSON ({exc})")
+
+
+def _read_object(rec: Record, obj: Any, vocab_size: int | None, text_key: str) -> None:
+    """Fill `rec` from a line's JSON value: its text, prompt and completion, or ids (and loss mask), or
+    `bad` saying why none."""
+    if not isinstance(obj, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+            type(obj), "a number"
+        )
+        rec.bad = ("bad_json", f"line is {kind}, not a JSON object (JSON Lines: one object per line)")
+    elif "prompt" in obj or "completion" in obj:
+        _prompt_completion(rec, obj)
+    elif "loss_mask" in obj:
+        _masked_ids(rec, obj, vocab_size)
+    elif isinstance(obj.get(text_key), str):
+        rec.text = obj[text_key]
+        if not rec.text.strip():
+            rec.bad = ("empty", "empty text")
+    elif "labels" in obj:  # Hugging Face's targets: training every id instead would be silent harm
+        rec.bad = ("bad_mask", LABELS_HINT)
+    elif isinstance(obj.get("ids"), list):
+        ids = obj["ids"]
+        limit = vocab_size or (1 << 31)
+        if not ids:
+            rec.bad = ("empty", "empty ids")
+        elif not _ids_in(ids, limit):
+            rec.bad = ("bad_ids", f"ids must be integers in [0, {limit})")
+        else:
+            rec.ids = ids
+    else:
+        # a key is shown escaped: one with a lone surrogate ("\\ud800") cannot be written to the log
+        strings = [_printable(k) for k, v in obj.items() if isinstance(v, str)][:4]
+        hint = f"; its string keys: {', '.join(strings)} (--text-column NAME reads one)" if strings else ""
+        rec.bad = (
+            "missing_text",
+            f'object has no "{text_key}" string, "ids" list, or "prompt" and "completion" strings{hint}',
+        )
+
+
+def _ids_in(ids: list, limit: int) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in ids)
+
+
+def _printable(s: str) -> str:
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # JSON may escape half of a UTF-16 pair ("\ud800"); json.loads keeps it as a lone surrogate, which no UTF-8
@@ -173,7 +196,7 @@ def _masked_ids(rec: Record, obj: dict, vocab_size: int | None) -> None:
         rec.bad = ("bad_mask", '"loss_mask" needs an "ids" list of the same length')
     elif not ids:
         rec.bad = ("empty", "empty ids")
-    elif not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in ids):
+    elif not _ids_in(ids, limit):
         rec.bad = ("bad_ids", f"ids must be integers in [0, {limit})")
     elif not isinstance(mask, list) or len(mask) != len(ids):
         what = f"{len(mask)} values" if isinstance(mask, list) else f"a {type(mask).__name__}"
