@@ -82,6 +82,20 @@ def test_a_hostile_json_line_is_one_bad_record_naming_file_and_line(tmp_path, su
     assert got == [(f"c.jsonl{suffix}:{n + 1}", reason), (f"c.jsonl{suffix}:{n + 2}", None)]
 
 
+@pytest.mark.parametrize("suffix", list(COMPRESS))
+def test_hostile_text_lines_are_bad_records_naming_file_and_line(tmp_path, suffix):
+    """Plain text, --doc-split line: a line of invalid UTF-8, of UTF-8 for a surrogate, with a NUL byte (past
+    the probe that refuses a binary file), or over --max-line-bytes is its own bad record."""
+    pad = b"padding line\n" * 1000
+    lines = [b"caf\xe9", b"\xed\xa0\x80", b"a\x00b", b"x" * 5000, b"good line"]
+    path = tmp_path / f"t.txt{suffix}"
+    path.write_bytes(COMPRESS[suffix](pad + b"\n".join(lines) + b"\n"))
+    got = [(r.where.rsplit(":", 1)[-1], r.bad and r.bad[0]) for r in
+           Corpus([str(path)], doc_split="line", max_line_bytes=4096).records()][-5:]  # fmt: skip
+    reasons = ["invalid_utf8", "invalid_utf8", "binary", "line_too_long", None]
+    assert got == [(str(1001 + i), r) for i, r in enumerate(reasons)]
+
+
 def test_a_key_with_a_lone_surrogate_is_said_escaped(tmp_path):
     """Named in missing_text's hint, it could not be written to the log (UnicodeEncodeError)."""
     path = tmp_path / "k.jsonl"
@@ -117,7 +131,13 @@ def _write_table(path: Path, table: pa.Table) -> None:
         w.write_table(table, max_chunksize=2)
 
 
+_LATIN1 = pa.array([b"ok", b"caf\xe9", b"fine"], pa.binary())
 TABLE_ROWS = [
+    (
+        "string of invalid UTF-8",
+        pa.Array.from_buffers(pa.string(), 3, _LATIN1.buffers()),
+        [None, "invalid_utf8", None],
+    ),  # fmt: skip
     (
         "large_string",
         pa.array(["a", None, "", "b"], pa.large_string()),
