@@ -18,8 +18,9 @@ _said_unmasked: set[str] = set()
 _said_unread: set[str] = set()  # files whose text column is read over ids or prompt columns, said once
 
 
-def text_column_of(f: DataFile, schema: Any, text_column: str) -> tuple[str, str]:
-    """(column name, kind): kind is "str", "bytes" or "ids"."""
+def text_column_of(f: DataFile, schema: Any, text_column: str, say: bool = True) -> tuple[str, str]:
+    """(column name, kind): kind is "str", "bytes" or "ids". `say`: warn of the columns not read (when the
+    file is read, not when it is checked at the start: said in corpus order)."""
     import pyarrow as pa
 
     names = list(schema.names)
@@ -37,13 +38,13 @@ def text_column_of(f: DataFile, schema: Any, text_column: str) -> tuple[str, str
             f"(--text-column){hint}"
         )
     unread = [c for c in (*IDS_COLUMNS, "prompt", "completion") if c in names and c != name]
-    if name == text_column and unread and str(f) not in _said_unread:
+    if say and name == text_column and unread and str(f) not in _said_unread:
         _said_unread.add(str(f))
         ids = next((c for c in unread if c in IDS_COLUMNS), None)
         log.warning("%s: column %r is tokenized; %s not read%s", f, name, ", ".join(map(repr, unread)),
                     f" (--text-column {ids} trains the ids as they are)" if ids else "")  # fmt: skip
     masks = [c for c in MASK_COLUMNS if c in names]
-    if masks and name in IDS_COLUMNS and str(f) not in _said_unmasked:
+    if say and masks and name in IDS_COLUMNS and str(f) not in _said_unmasked:
         _said_unmasked.add(str(f))  # once per file and process: files are reopened every epoch
         log.warning(
             "%s: column %r is not read: every token of %r is trained (loss masks come from JSONL records "

@@ -128,7 +128,7 @@ def check_table(f: DataFile, text_column: str) -> None:
     import pyarrow as pa
 
     if f.fmt == "parquet":
-        text_column_of(f, open_parquet(f).schema_arrow, text_column)
+        text_column_of(f, open_parquet(f).schema_arrow, text_column, say=False)
         return
     try:
         with pa.memory_map(f.path) as source:
@@ -141,4 +141,4 @@ def check_table(f: DataFile, text_column: str) -> None:
             f"{f}: unreadable Arrow file: its schema cannot be read ({said(exc)}); "
             "re-download or re-create the file"
         ) from None
-    text_column_of(f, schema, text_column)
+    text_column_of(f, schema, text_column, say=False)
