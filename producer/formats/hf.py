@@ -17,8 +17,10 @@ def hf_files(where: str, names: set[str], read) -> list[str] | None:
     if "dataset_dict.json" in names:
         try:
             splits = json.loads(read("dataset_dict.json")).get("splits", [])
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             splits = []
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            splits = []  # a hand-edited file: the splits are not named, the folder is still refused
         raise FormatError(
             f"{where} is a Hugging Face DatasetDict (splits: {', '.join(map(str, splits)) or '?'}); "
             f"pass one split's folder, e.g. {where.rstrip('/')}/{splits[0] if splits else 'train'}"
@@ -27,8 +29,14 @@ def hf_files(where: str, names: set[str], read) -> list[str] | None:
         return None
     try:
         files = [entry["filename"] for entry in json.loads(read("state.json"))["_data_files"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{where}/state.json: not a Hugging Face dataset state ({exc})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise FormatError(
+            f"{where}/state.json: not a Hugging Face dataset state ({str(exc)[:200] or type(exc).__name__})"
+        ) from None
+    if not all(isinstance(f, str) for f in files):  # a number among them stopped the join below
+        raise FormatError(
+            f"{where}/state.json: not a Hugging Face dataset state (a filename is not a string)"
+        )
     missing = [f for f in files if f not in names]
     if missing:
         raise FormatError(f"{where}: state.json lists {', '.join(missing)}, which is missing")

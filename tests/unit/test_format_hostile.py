@@ -272,3 +272,28 @@ def test_tokenizer_train_reads_past_hostile_records(tmp_path, capsys):
     assert main(["tokenizer", "train", "--data", str(path), "--out", str(out), "--vocab-size", "300"]) == 0
     assert json.loads(out.read_text())["model"]["type"] == "BPE"
     assert "Exceeds the limit" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "said"),
+    [
+        (
+            "state.json",
+            '{"_data_files": [{"filename": 5}]}',
+            r"state\.json: not a Hugging Face dataset state",
+        ),
+        (
+            "state.json",
+            '{"_data_files": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            r"state\.json: not a Hugging",
+        ),
+        ("dataset_dict.json", '{"splits": 5}', r"a Hugging Face DatasetDict \(splits: \?\)"),
+        ("dataset_dict.json", '{"splits": [{"a": 1}]}', r"a Hugging Face DatasetDict \(splits: \?\)"),
+    ],
+    ids=["a number for a file name", "nested too deep", "splits a number", "splits of objects"],
+)
+def test_a_hand_edited_hugging_face_folder_is_refused_in_one_line(tmp_path, name, content, said):
+    """A TypeError (joining a number) or RecursionError escaped as a traceback."""
+    (tmp_path / name).write_text(content)
+    with pytest.raises(FormatError, match=said):
+        Corpus([str(tmp_path)])
