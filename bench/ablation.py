@@ -30,14 +30,14 @@ from bench.trainbench import (
 VARIANTS: list[tuple] = [
     ("all on", {}, {}),
     ("CUDA graphs (compile mode reduce-overhead)", {}, {"compile_mode": "reduce-overhead"}),
-    # the default on one CUDA GPU (consumer/step_graph.py): the row below is the step as the host issues it
+    # the default on one CUDA GPU (consumer/fast/step_graph.py): the row below is the step as the host issues it
     ("the step issued eagerly, not as CUDA graphs (--no-step-graph)", {}, {"step_graph": False}),
     (
         "the step graph's cuBLASLt memsets kept as memset nodes, not kernel nodes",
         {},
         {},
         {},
-        {"lmpipe.consumer.memset_nodes.ENABLED": False},
+        {"lmpipe.consumer.fast.memset_nodes.ENABLED": False},
     ),
     (
         "max-autotune (Triton matmul templates, no CUDA graphs)",
@@ -72,18 +72,18 @@ VARIANTS: list[tuple] = [
         {"lmpipe.consumer.step.CLIP_IN_STEP": False},
     ),
     (
-        "AdamW as torch's fused kernel, not the Triton one (consumer/adamw.py)",
+        "AdamW as torch's fused kernel, not the Triton one (consumer/fast/adamw.py)",
         {},
         {},
         {},
-        {"lmpipe.consumer.adamw.ENABLED": False},
+        {"lmpipe.consumer.fast.adamw.ENABLED": False},
     ),
     (
         "the q/k/v projection's backward as autograd writes it (dq, dk, dv concatenated first)",
         {},
         {},
         {},
-        {"lmpipe.consumer.qkv_kernel.ENABLED": False},
+        {"lmpipe.consumer.fast.qkv_kernel.ENABLED": False},
     ),
     (
         "the MLP's GELU as kernels of its own, not in cuBLASLt's GEMM epilogues (--no-gelu-epilogue)",
@@ -95,7 +95,7 @@ VARIANTS: list[tuple] = [
         {},
         {},
         {},
-        {"lmpipe.consumer.loss.TUNED_HEAD_GEMM": False},
+        {"lmpipe.consumer.fast.loss.TUNED_HEAD_GEMM": False},
     ),
     # inductor fuses the layer norms' weight gradients into their backward kernels, each program writing a
     # partial sum to a workspace that an aten sum then reduces: 25 such sums, 0.4 ms a step (H100)

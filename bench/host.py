@@ -30,7 +30,7 @@ import torch
 import bench.trainbench
 from bench.common import table, write_result
 from bench.trainbench import SyntheticSteps, apply_smoke, common_args, warm_synthetic_steps
-from lmpipe.consumer import cublaslt
+from lmpipe.consumer.fast import cublaslt
 
 # (part, is it inside the forward or backward): the parts that are not add up to the step, with the rest
 PARTS = [
@@ -105,7 +105,7 @@ def timed_parts(step: SyntheticSteps) -> Iterator[dict[str, float]]:
 
 
 def gemm_call_cost(n: int, k: int, m: int, calls: int = 50) -> tuple[float, float] | None:
-    """Host microseconds of one nvmath GEMM call (consumer/cublaslt.py) and of one torch.mm, [n, k] x [k, m]
+    """Host microseconds of one nvmath GEMM call (consumer/fast/cublaslt.py) and of one torch.mm, [n, k] x [k, m]
     in bf16 (the LM head's shape at the step's rows), each run of calls issued behind a GPU sleep; None
     without nvmath."""
     if cublaslt.unavailable():

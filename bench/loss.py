@@ -1,4 +1,4 @@
-"""The LM head's loss alone: torch's cross-entropy (compiled) against the one-pass kernel (consumer/loss.py).
+"""The LM head's loss alone: torch's cross-entropy (compiled) against the one-pass kernel (consumer/fast/loss.py).
 
     python -m bench.loss                         # GPT-2 124M's head: 32 x 1024 tokens, 768 -> 26,624
 
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from bench.common import cuda_ms, table, write_result
-from lmpipe.consumer import loss as L
+from lmpipe.consumer.fast import loss as L
 from lmpipe.consumer.model import IGNORE
 
 # --- --ce-only: variants of the per-row kernel alone, on a [tokens, vocab] logits buffer -----------------

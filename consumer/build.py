@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
-from lmpipe.consumer.flash import unavailable as flash_unavailable
-from lmpipe.consumer.mlp_kernel import unavailable as gelu_epilogue_unavailable
+from lmpipe.consumer.fast.flash import unavailable as flash_unavailable
+from lmpipe.consumer.fast.mlp_kernel import unavailable as gelu_epilogue_unavailable
 from lmpipe.consumer.model import GPT, MLP, CausalSelfAttention, fused_linear_cross_entropy, preset
 from lmpipe.consumer.scaler import LossScaler, make_scaler
 from lmpipe.consumer.step import StepRunner, make_optimizer, step_graph_problem, to_float8
@@ -145,7 +145,7 @@ def build(
         and mcfg.n_embd >= 768
         and importlib.util.find_spec("triton") is not None
     ):
-        from lmpipe.consumer import qkv_kernel  # Triton: imported where it runs
+        from lmpipe.consumer.fast import qkv_kernel  # Triton: imported where it runs
 
         for module in model.modules():
             if isinstance(module, CausalSelfAttention):

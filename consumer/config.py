@@ -107,7 +107,7 @@ class TrainConfig:
         False,
         help="liger-kernel's fused linear + cross-entropy on CUDA: far less memory, one host sync a step",
     )
-    # One pass over the logits instead of two (consumer/loss.py): 1.017x on GPT-2 124M at 32 rows on an H100
+    # One pass over the logits instead of two (consumer/fast/loss.py): 1.017x on GPT-2 124M at 32 rows on an H100
     # (bench/results/ablation-h100-*.md), and the loss after 300 steps within 0.05% of torch's in fp32 and
     # bf16 (bench/results/loss-kernel-parity-h100-*.md)
     loss_kernel: bool = setting(
@@ -115,7 +115,7 @@ class TrainConfig:
         help="CUDA, bf16/fp32: the LM head's cross-entropy in one Triton pass over the logits "
         "(--no-loss-kernel: torch's two passes)",
     )
-    # The MLP's GELU and its gradient inside the GEMMs around them (consumer/mlp_kernel.py), where
+    # The MLP's GELU and its gradient inside the GEMMs around them (consumer/fast/mlp_kernel.py), where
     # nvmath-python is installed; elsewhere (CPU, fp16/fp32/fp8, biases) the GELU runs as before.
     gelu_epilogue: bool = setting(
         True,
@@ -133,7 +133,7 @@ class TrainConfig:
     )
     fused_adamw: bool = setting(True, help="fused AdamW (--no-fused-adamw: the foreach implementation)")
     # The host issues GPT-2 124M's 16-row step about as fast as an H100 runs it; replayed, a step costs it a
-    # few copies and two launches (consumer/step_graph.py, bench/results/host-h100-2026-11-27.md)
+    # few copies and two launches (consumer/fast/step_graph.py, bench/results/host-h100-2026-11-27.md)
     step_graph: bool = setting(
         True,
         help="capture the whole training step (forward, backward, clip, AdamW) as CUDA graphs after a few "

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from lmpipe.consumer.flash import cu_seqlens_host
+from lmpipe.consumer.fast.flash import cu_seqlens_host
 from lmpipe.consumer.model import IGNORE, AttnSpec
 from lmpipe.shared.config import PipelineConfig
 

@@ -5,7 +5,7 @@ is exact for the real tokens (they never look right), so they take SDPA with is_
 the flash kernel on CUDA. Packed rows hold several documents; `seg` says which token belongs to which,
 and attention is causal *within* a document only. That mask is built once per batch (`AttnSpec`) and
 shared by every layer: on CUDA as a FlexAttention block mask (or, with `--attention flash`, as the documents'
-offsets for FlashAttention-4's varlen kernels: consumer/flash.py), elsewhere as an exact boolean mask for SDPA.
+offsets for FlashAttention-4's varlen kernels: consumer/fast/flash.py), elsewhere as an exact boolean mask for SDPA.
 Position ids restart at every document so a packed document sees the same positions it would alone.
 """
 
@@ -20,8 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from lmpipe.consumer.flash import varlen_attention
-from lmpipe.consumer.mlp_kernel import mlp as mlp_with_gelu_epilogues
+from lmpipe.consumer.fast.flash import varlen_attention
+from lmpipe.consumer.fast.mlp_kernel import mlp as mlp_with_gelu_epilogues
 
 IGNORE = -100
 
@@ -68,7 +68,7 @@ class AttnSpec:
     kind: str  # "causal" | "dense" | "flex" | "varlen"
     mask: torch.Tensor | None = None  # dense: bool [B, 1, L, L], True = may attend
     block_mask: object | None = None  # flex: torch.nn.attention.flex_attention.BlockMask
-    cu_seqlens: torch.Tensor | None = None  # varlen: int32 document starts (consumer/flash.py)
+    cu_seqlens: torch.Tensor | None = None  # varlen: int32 document starts (consumer/fast/flash.py)
     seg: torch.Tensor | None = None  # flex: the document ids its mask_mod reads (a step graph copies them)
 
 
@@ -81,12 +81,14 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.qkv_kernel = False  # CUDA, bf16, no biases: the projection's backward of consumer/qkv_kernel.py
+        self.qkv_kernel = (
+            False  # CUDA, bf16, no biases: the projection's backward of consumer/fast/qkv_kernel.py
+        )
 
     def forward(self, x: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
         B, L, C = x.shape
         if self.qkv_kernel and x.is_cuda:
-            from lmpipe.consumer.qkv_kernel import qkv  # Triton: imported where it runs
+            from lmpipe.consumer.fast.qkv_kernel import qkv  # Triton: imported where it runs
 
             q, k, v = qkv(x, self.c_attn.weight)
         else:
@@ -160,7 +162,9 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.grad_checkpointing = False
         self.fused_ce = None  # set to fused_linear_cross_entropy() to never materialise the logits
-        self.loss_kernel = False  # CUDA: the LM head's loss in one pass over the logits (consumer/loss.py)
+        self.loss_kernel = (
+            False  # CUDA: the LM head's loss in one pass over the logits (consumer/fast/loss.py)
+        )
         self.residual_dtype: torch.dtype | None = None  # None: as autocast leaves it (fp32)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
@@ -208,7 +212,7 @@ class GPT(nn.Module):
             h, t = h.reshape(-1, h.size(-1)), targets.reshape(-1)
             if self.fused_ce is not None:
                 return None, _fused_ce(self.fused_ce, w, h, t)
-            from lmpipe.consumer.loss import head_loss  # Triton: imported where it runs
+            from lmpipe.consumer.fast.loss import head_loss  # Triton: imported where it runs
 
             return None, head_loss(h, w, t, IGNORE)
         logits = self.lm_head(h)

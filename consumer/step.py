@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 
 from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.fast.step_graph import GRAPH_AFTER, CaptureFailed, StepGraph, shape_key
 from lmpipe.consumer.inputs import ModelInputs
 from lmpipe.consumer.scaler import LossScaler
-from lmpipe.consumer.step_graph import GRAPH_AFTER, CaptureFailed, StepGraph, shape_key
 
 log = logging.getLogger("lmpipe.trainer")
 
@@ -40,7 +40,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW, decaying only matrices (nanoGPT's split), fused when asked and supported: on CUDA with Triton,
-    consumer/adamw.py's kernel, else torch's fused kernel."""
+    consumer/fast/adamw.py's kernel, else torch's fused kernel."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -48,9 +48,9 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     if cfg.fused_adamw:
         try:
             if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-                from lmpipe.consumer import adamw  # Triton: imported where it runs
+                from lmpipe.consumer.fast import adamw  # Triton: imported where it runs
 
-                # torch's fused AdamW with a step nearer the memory's speed (consumer/adamw.py)
+                # torch's fused AdamW with a step nearer the memory's speed (consumer/fast/adamw.py)
                 return adamw.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8)
             return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, fused=True)
         except (RuntimeError, TypeError) as exc:  # e.g. a device without a fused kernel
@@ -81,7 +81,7 @@ def step_graph_problem(runner: StepRunner) -> str | None:
         return "it captures one micro-batch a step (--accum 1)"
     if importlib.util.find_spec("triton") is None:
         return "it needs the Triton AdamW, and Triton is not installed"
-    from lmpipe.consumer import adamw  # Triton: imported where it runs
+    from lmpipe.consumer.fast import adamw  # Triton: imported where it runs
 
     if not (isinstance(runner.optimizer, adamw.AdamW) and adamw.ENABLED):
         return "it needs the Triton AdamW (fused AdamW on CUDA with Triton), which reads lr from memory"
@@ -110,7 +110,7 @@ class StepRunner:
         # CUDA graphs (compile mode reduce-overhead/max-autotune): each forward starts a new replay, so
         # the previous step's outputs (already read) may be overwritten
         self.cudagraphs = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
-        # --step-graph: the whole step as CUDA graphs (consumer/step_graph.py), where step_graph_problem allows
+        # --step-graph: the whole step as CUDA graphs (consumer/fast/step_graph.py), where step_graph_problem allows
         self.graphs = cfg.step_graph and step_graph_problem(self) is None
         self._graph: StepGraph | None = None
         self._eager_steps = 0

@@ -37,7 +37,7 @@ shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 python3 -c "import torch, triton, zmq; print('torch', torch.__version__, 'triton', triton.__version__, 'pyzmq', zmq.__version__)" | tee -a "$OUT/card.txt"
 python3 -c "from lmpipe.consumer.model import fused_linear_cross_entropy as f; print('liger fused CE:', f() is not None)" | tee -a "$OUT/card.txt"
-python3 -c "import torch; from lmpipe.consumer.flash import unavailable as u; print('--attention flash:', u(torch.device('cuda')) or 'available')" | tee -a "$OUT/card.txt"
+python3 -c "import torch; from lmpipe.consumer.fast.flash import unavailable as u; print('--attention flash:', u(torch.device('cuda')) or 'available')" | tee -a "$OUT/card.txt"
 
 run() {  # name, command...
     local name=$1; shift

@@ -151,9 +151,9 @@ def test_loss_kernel_equals_torchs_cross_entropy_in_fp32(compiled, monkeypatch):
 def test_loss_kernel_in_bf16_is_as_close_to_fp32_as_torchs(compiled, tuned, monkeypatch):
     """Both paths round to bf16; the kernel's error against the fp32 result may be no larger than
     torch's own. A bias (a wrong scale, a lost term) shows up here long before a loss curve shows it.
-    tuned-gemm: the head's forward GEMM through nvmath (consumer/cublaslt.py) as well."""
-    from lmpipe.consumer import cublaslt
-    from lmpipe.consumer import loss as L
+    tuned-gemm: the head's forward GEMM through nvmath (consumer/fast/cublaslt.py) as well."""
+    from lmpipe.consumer.fast import cublaslt
+    from lmpipe.consumer.fast import loss as L
 
     if tuned and cublaslt.unavailable():
         pytest.skip(cublaslt.unavailable())
@@ -176,8 +176,8 @@ def test_loss_kernel_in_bf16_is_as_close_to_fp32_as_torchs(compiled, tuned, monk
 def test_the_heads_weight_gradient_comes_in_the_weights_layout(tuned, monkeypatch):
     """A gradient in another layout than its weight's is copied into it by autograd: a strided copy of the
     whole [vocab, C] matrix every step. Both GEMM paths hand dW over row-major, as the weight is."""
-    from lmpipe.consumer import cublaslt
-    from lmpipe.consumer import loss as L
+    from lmpipe.consumer.fast import cublaslt
+    from lmpipe.consumer.fast import loss as L
 
     if tuned and cublaslt.unavailable():
         pytest.skip(cublaslt.unavailable())
@@ -198,7 +198,7 @@ def test_the_heads_weight_gradient_comes_in_the_weights_layout(tuned, monkeypatc
 
 
 def test_head_backward_scale_is_the_fp32_product_rounded_once():
-    from lmpipe.consumer.loss import _times
+    from lmpipe.consumer.fast.loss import _times
 
     g = torch.Generator(device=DEV).manual_seed(0)
     for n in (1, 4095, 4097, 50304 * 8):
@@ -354,10 +354,10 @@ def test_compile_keeps_bucket_shapes_bounded(procs, tmp_path, port):
 
 
 def test_triton_adamw_equals_torchs_fused_on_gpt2_parameters():
-    """consumer/adamw.py against torch's fused AdamW on GPT-2 124M's tensors (the embedding spans hundreds of
+    """consumer/fast/adamw.py against torch's fused AdamW on GPT-2 124M's tensors (the embedding spans hundreds of
     chunks, the layer norms one partial chunk each), with a clip's grad_scale on every step."""
-    from lmpipe.consumer import adamw
     from lmpipe.consumer.config import TrainConfig
+    from lmpipe.consumer.fast import adamw
     from lmpipe.consumer.step import make_optimizer
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The one-pass loss kernel (consumer/loss.py) on CPU, through Triton's interpreter: the loss and both
+"""The one-pass loss kernel (consumer/fast/loss.py) on CPU, through Triton's interpreter: the loss and both
 gradients equal torch's cross-entropy. tests/test_cuda.py runs it compiled, in bf16, on a GPU."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ pytest.importorskip("triton", reason="Triton is not installed (it comes with tor
 
 CHECK = """
 import torch, torch.nn.functional as F
-from lmpipe.consumer import loss as L
+from lmpipe.consumer.fast import loss as L
 L.BLOCK = 128  # several blocks a row, the last one partial
 torch.manual_seed(0)
 n, c, v = 48, 16, 300

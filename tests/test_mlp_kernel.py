@@ -1,4 +1,4 @@
-"""The MLP with its GELU in cuBLASLt's GEMM epilogues (consumer/mlp_kernel.py) computes what the plain MLP does."""
+"""The MLP with its GELU in cuBLASLt's GEMM epilogues (consumer/fast/mlp_kernel.py) computes what the plain MLP does."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lmpipe.consumer.build import build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
-from lmpipe.consumer.mlp_kernel import unavailable
+from lmpipe.consumer.fast.mlp_kernel import unavailable
 from lmpipe.shared.config import PipelineConfig
 from tests.helpers import compiled_bf16_steps
 
@@ -45,7 +45,7 @@ def _reference(x, w_fc, w_proj):
 def test_epilogue_mlp_matches_the_tanh_gelu_mlp_forward_and_backward(n, c):
     """Against fp32: no further from it than the same MLP in plain bf16 ops, and far from the erf GELU's."""
     _need_nvmath()
-    from lmpipe.consumer.mlp_kernel import mlp
+    from lmpipe.consumer.fast.mlp_kernel import mlp
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, c, device="cuda", generator=g)
@@ -107,12 +107,12 @@ def test_a_bf16_cuda_trainer_takes_the_epilogues_and_says_so(caplog):
 @pytest.mark.parametrize("epilogue", [None, "GELU_AUX", "DGELU"])
 def test_a_gemm_straight_to_cublaslt_equals_nvmaths_execute(epilogue, monkeypatch):
     """After its first call plans a shape, cublaslt.gemm calls cuBLASLt itself with the plan's descriptors
-    and algorithm (consumer/cublaslt.py): the same bits as nvmath's execute(), on new operands each call,
+    and algorithm (consumer/fast/cublaslt.py): the same bits as nvmath's execute(), on new operands each call,
     the epilogue's auxiliary input and output included."""
     _need_nvmath()
     from nvmath.linalg.advanced import MatmulEpilog
 
-    from lmpipe.consumer import cublaslt
+    from lmpipe.consumer.fast import cublaslt
 
     monkeypatch.setattr(cublaslt, "_plans", {})
     g = torch.Generator(device="cuda").manual_seed(0)

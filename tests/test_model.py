@@ -11,8 +11,8 @@ import torch
 from lmpipe.consumer.build import AUTOTUNE_ATTENTION, build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
-from lmpipe.consumer.flash import cu_seqlens_host
-from lmpipe.consumer.flash import unavailable as flash_unavailable
+from lmpipe.consumer.fast.flash import cu_seqlens_host
+from lmpipe.consumer.fast.flash import unavailable as flash_unavailable
 from lmpipe.consumer.inputs import MaskCache, build_inputs, positions, targets_for
 from lmpipe.consumer.model import GPT, IGNORE, AttnSpec, preset
 from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer
@@ -332,7 +332,7 @@ def _flash_or_skip():
 @pytest.mark.cuda
 @pytest.mark.parametrize("L", [200, 256])
 def test_flash_attention_trains_like_dense(L):
-    """--attention flash (FlashAttention-4 varlen, consumer/flash.py) gives the dense mask's loss and
+    """--attention flash (FlashAttention-4 varlen, consumer/fast/flash.py) gives the dense mask's loss and
     gradients in bf16, eager and compiled."""
     _flash_or_skip()
     torch.manual_seed(0)

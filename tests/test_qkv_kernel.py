@@ -1,4 +1,4 @@
-"""The q/k/v projection whose backward reads dq, dk, dv where they are (consumer/qkv_kernel.py) computes what
+"""The q/k/v projection whose backward reads dq, dk, dv where they are (consumer/fast/qkv_kernel.py) computes what
 the plain projection does: its Triton GEMM in Triton's interpreter, the autograd wiring eager and compiled
 on CPU (no concatenation of the three gradients left in inductor's code), and the whole model on a GPU."""
 
@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="Triton is not installed (it comes with tor
 
 CHECK = """
 import torch, triton
-from lmpipe.consumer import qkv_kernel as K
+from lmpipe.consumer.fast import qkv_kernel as K
 torch.manual_seed(0)
 M, C = 200, 128  # rows not a multiple of any tile; BN 256 wider than C
 dq, dk, dv = (torch.randn(M, C) for _ in range(3))
@@ -39,7 +39,7 @@ def test_the_input_gradient_kernel_sums_the_three_gemms_in_the_interpreter():
 
 
 def _attention(x, w, kernel: bool):
-    from lmpipe.consumer.qkv_kernel import qkv
+    from lmpipe.consumer.fast.qkv_kernel import qkv
 
     B, L, C = x.shape
     q, k, v = qkv(x, w) if kernel else F.linear(x, w).split(C, -1)
@@ -110,7 +110,7 @@ def test_a_compiled_gpt_trains_alike_with_and_without_the_qkv_kernel():
 @pytest.mark.cuda
 @pytest.mark.parametrize("m, c", [(4096, 768), (1000, 256)])
 def test_the_input_gradient_kernel_is_as_close_to_fp32_as_torchs_bf16_gemm(m, c):
-    from lmpipe.consumer.qkv_kernel import input_grad
+    from lmpipe.consumer.fast.qkv_kernel import input_grad
 
     g = torch.Generator(device="cuda").manual_seed(0)
     d = [torch.randn(m, c, device="cuda", generator=g) for _ in range(3)]

@@ -1,4 +1,4 @@
-"""--step-graph (consumer/step_graph.py): the whole training step captured as CUDA graphs trains as the eager
+"""--step-graph (consumer/fast/step_graph.py): the whole training step captured as CUDA graphs trains as the eager
 step does, follows the lr schedule and the loss's denominator, and steps eagerly where it cannot capture."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from lmpipe.consumer.build import build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
+from lmpipe.consumer.fast.step_graph import GRAPH_AFTER, _static_copy, _tensors, shape_key
 from lmpipe.consumer.inputs import build_inputs
 from lmpipe.consumer.step import step_graph_problem
-from lmpipe.consumer.step_graph import GRAPH_AFTER, _static_copy, _tensors, shape_key
 from lmpipe.shared.config import PipelineConfig
 from tests.helpers import masked_packed_batch
 
@@ -160,8 +160,8 @@ def test_batches_that_change_shape_are_not_captured():
 def test_nvmath_gemms_that_cannot_be_captured_are_refused_before_capture(monkeypatch):
     """Only the direct cuBLASLt call can be captured: with it off, or with plans of an nvmath-python that lacks
     what it reads, the step graph is refused up front (CaptureFailed with nothing trained), not attempted."""
-    from lmpipe.consumer import cublaslt
-    from lmpipe.consumer.step_graph import CaptureFailed, StepGraph
+    from lmpipe.consumer.fast import cublaslt
+    from lmpipe.consumer.fast.step_graph import CaptureFailed, StepGraph
 
     class OldPlan:  # a planned Matmul of an nvmath-python without the direct call's attributes
         num_operands = 2
@@ -200,9 +200,9 @@ def test_a_graphs_static_batch_is_its_own_copy_and_its_mask_reads_it():
 
 
 def test_a_memset_node_becomes_whole_aligned_words():
-    """consumer/memset_nodes.py stores a memset's bytes as 32-bit words, or leaves a node it cannot (2-D,
+    """consumer/fast/memset_nodes.py stores a memset's bytes as 32-bit words, or leaves a node it cannot (2-D,
     unaligned, not whole words) as it is."""
-    from lmpipe.consumer.memset_nodes import Fill, as_words
+    from lmpipe.consumer.fast.memset_nodes import Fill, as_words
 
     assert as_words(0x1000, 0, 1, 4, 1) == Fill(0x1000, 0, 1)  # cuBLASLt's: 4 bytes of zeros
     assert as_words(0x1000, 0x1AB, 1, 8, 1) == Fill(0x1000, 0xABABABAB, 2)  # a byte value is its low 8 bits
@@ -219,7 +219,7 @@ def test_memset_nodes_become_kernel_nodes_that_write_the_same_bytes():
     """cuBLASLt's workspace memsets in a captured graph (split-K weight gradients need them) become kernel
     nodes: none left, and the GEMMs' results equal, bit for bit, those of the same work captured unedited."""
     driver = pytest.importorskip("cuda.bindings.driver")
-    from lmpipe.consumer import memset_nodes
+    from lmpipe.consumer.fast import memset_nodes
 
     def memsets(graph: torch.cuda.CUDAGraph) -> int:
         g = driver.CUgraph(graph.raw_cuda_graph())

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from lmpipe.consumer import cublaslt
+from lmpipe.consumer.fast import cublaslt
 
 
 def unavailable(device: torch.device, cfg_bias: bool, n_embd: int) -> str | None:

@@ -9,7 +9,7 @@ gelu-epilogue-h100-2026-11-27.md). nvmath plans a GEMM once per shape and can ti
 
 Each call after the first goes straight to cuBLASLt's matmul through nvmath's binding, with the plan's
 descriptors and best algorithm, a workspace from torch's allocator and the outputs made by torch. That is
-what lets the training step be captured as a CUDA graph (consumer/step_graph.py): `Matmul.execute()`
+what lets the training step be captured as a CUDA graph (consumer/fast/step_graph.py): `Matmul.execute()`
 creates and records a CUDA event of its own and keeps its own workspace. It also costs a third of
 execute()'s host time (31 against 82 us a call, H100), which alone moved tokens/s by 1.001-1.004x
 (bench/results/host-h100-2026-11-27.md). The plan's descriptors are nvmath's attributes, not its API: with a

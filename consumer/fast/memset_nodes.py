@@ -1,4 +1,4 @@
-"""A captured CUDA graph's memset nodes rewritten as kernel nodes (the step graph's, consumer/step_graph.py).
+"""A captured CUDA graph's memset nodes rewritten as kernel nodes (the step graph's, consumer/fast/step_graph.py).
 
 cuBLASLt zeroes 4 bytes of its workspace before every GEMM that uses one: 112 memsets in GPT-2 124M's step.
 Captured, each is a memset node, and the GPU sits idle about 4.4 us around it where one kernel follows

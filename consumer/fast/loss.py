@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmpipe.consumer import cublaslt
+from lmpipe.consumer.fast import cublaslt
 
 BLOCK = 8192  # vocabulary entries a program reads at a time (bench.loss: best of 2k-32k x 8-32 warps)
 WARPS = 8

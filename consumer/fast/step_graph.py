@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from lmpipe.consumer import cublaslt, memset_nodes  # torch alone: nvmath, cuda.bindings where used
+from lmpipe.consumer.fast import cublaslt, memset_nodes  # torch alone: nvmath, cuda.bindings where used
 from lmpipe.consumer.inputs import ModelInputs, document_causal_mask_mod
 from lmpipe.consumer.model import AttnSpec
 
@@ -141,7 +141,7 @@ class StepGraph:
             raise CaptureFailed(e, None) from e
         self.fwd_bwd.replay()  # this batch's gradients, now in the graph's memory
         for g in opt.param_groups:
-            g["lr"] = self.lr  # the Triton AdamW reads it from memory (consumer/adamw.py)
+            g["lr"] = self.lr  # the Triton AdamW reads it from memory (consumer/fast/adamw.py)
         try:
             # the update for this batch, eager: it builds AdamW's tables over the graph's gradients
             norm = runner.clip_and_update()
@@ -182,7 +182,7 @@ class StepGraph:
 
 def _graph() -> torch.cuda.CUDAGraph:
     """A graph to capture into; kept un-instantiated after capture where its memset nodes are to be
-    rewritten (consumer/memset_nodes.py)."""
+    rewritten (consumer/fast/memset_nodes.py)."""
     if memset_nodes.unavailable():
         return torch.cuda.CUDAGraph()
     return torch.cuda.CUDAGraph(keep_graph=True)
@@ -227,7 +227,7 @@ def _capture(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, pool, fn: Cal
 
 
 def _gemm_problem() -> str | None:
-    """Why nvmath's GEMMs (consumer/cublaslt.py) would fail a capture, or None: only the direct cuBLASLt call
+    """Why nvmath's GEMMs (consumer/fast/cublaslt.py) would fail a capture, or None: only the direct cuBLASLt call
     can be captured (Matmul.execute() records an event of its own)."""
     if not cublaslt._plans:
         return None
