@@ -35,8 +35,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from bench.common import table, write_result
 from bench.trainbench import bench_data, device_batches, pipeline_config
-from lmpipe.consumer.fast.flash import cu_seqlens_host, varlen_attention
-from lmpipe.consumer.inputs import document_block_mask_host
+from lmpipe.consumer.fast.flash import varlen_attention
+from lmpipe.consumer.inputs import cu_seqlens_host, document_block_mask_host
 
 # FlexAttention tile sizes to try (kernel_options; fwd_/bwd_ name one direction's). "bwd 32/64/64/32":
 # what max-autotune picked for the backward on an H100 (bench/results/attention-*.md); "gym": the options

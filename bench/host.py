@@ -108,7 +108,7 @@ def gemm_call_cost(n: int, k: int, m: int, calls: int = 50) -> tuple[float, floa
     """Host microseconds of one nvmath GEMM call (consumer/fast/cublaslt.py) and of one torch.mm, [n, k] x [k, m]
     in bf16 (the LM head's shape at the step's rows), each run of calls issued behind a GPU sleep; None
     without nvmath."""
-    if cublaslt.unavailable():
+    if cublaslt.nvmath_missing():
         return None
     a = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).t()
@@ -132,7 +132,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30, help="host functions listed (cProfile, cumulative)")
     args = apply_smoke(p.parse_args())
     # the step as the host issues it: a replayed graph calls none of the functions timed here
-    step = warm_synthetic_steps(args, step_graph=False)
+    step = warm_synthetic_steps(args, fast="auto,-step-graph")
     tcfg = step.tcfg
 
     def behind_a_sleep(i: int) -> tuple[float, float]:

@@ -186,7 +186,7 @@ def main() -> None:
     for block in map(int, a.blocks.split(",")):
         for warps in map(int, a.warps.split(",")):
             L.BLOCK, L.WARPS = block, warps
-            ms = cuda_ms(run(lambda h, w, t: L._HeadLoss.apply(h, w, t, IGNORE)), a.steps)
+            ms = cuda_ms(run(lambda h, w, t: L._HeadLoss.apply(h, w, t, IGNORE, False)), a.steps)
             rows.append(["one-pass kernel", block, warps, ms, base / ms])
             print(f"kernel BLOCK={block} warps={warps}: {ms:.3f} ms", flush=True)
     body = (

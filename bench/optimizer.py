@@ -25,6 +25,15 @@ from lmpipe.consumer.model import GPT, preset
 from lmpipe.consumer.step import make_optimizer
 
 
+def triton_adamw(model: torch.nn.Module, cfg: TrainConfig, dev: torch.device) -> adamw.AdamW:
+    """consumer/fast/adamw.py's AdamW over make_optimizer's groups, as path adamw builds it."""
+    groups = [
+        {"params": g["params"], "weight_decay": g["weight_decay"]}
+        for g in make_optimizer(model, cfg, dev).param_groups
+    ]
+    return adamw.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-124m")
@@ -42,7 +51,7 @@ def main() -> None:
         p.grad = torch.randn_like(p)
     grads = [p.grad for p in params]
     torch_opt = torch.optim.AdamW(make_optimizer(model, cfg, dev).param_groups, fused=True)
-    triton_opt = make_optimizer(model, cfg, dev)  # consumer/fast/adamw.py's, as the trainer's on CUDA
+    triton_opt = triton_adamw(model, cfg, dev)  # consumer/fast/adamw.py's, as the trainer's on CUDA
 
     def clip_then_step() -> None:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
@@ -67,7 +76,7 @@ def main() -> None:
     shipped = (adamw.CHUNK, adamw.BLOCK, adamw.WARPS)
 
     def with_tiles(tiles: tuple[int, int, int]) -> Callable[[], None]:
-        step = clip_in_grad_scale(make_optimizer(model, cfg, dev))  # its own table, of this CHUNK
+        step = clip_in_grad_scale(triton_adamw(model, cfg, dev))  # its own table, of this CHUNK
 
         def run() -> None:
             adamw.CHUNK, adamw.BLOCK, adamw.WARPS = tiles
