@@ -10,8 +10,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lmpipe.consumer.fast import NAMES as FAST_PATHS
-from lmpipe.consumer.fast import problem as fast_problem
+from lmpipe.consumer import fast as fast_paths
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import at_least, between, positive, setting, validate
 
@@ -110,11 +109,11 @@ class TrainConfig:
     )
     fast: str = setting(
         "auto",
-        check=fast_problem,
+        check=fast_paths.problem,
         metavar="auto|none|LIST",
         help="fast paths (consumer/fast/): auto: every one on by default that can run here; none: the "
         "reference path; a comma list: exactly those (auto,NAME adds an opt-in one, auto,-NAME leaves one "
-        "out). Paths: " + ", ".join(FAST_PATHS),
+        "out). Paths: " + ", ".join(fast_paths.NAMES),
     )
     vocab_size: int = setting(
         0, check=at_least(0), help="model vocabulary (0: the tokenizer's, rounded up to a multiple of 64)"
@@ -204,6 +203,10 @@ class TrainConfig:
             out.append(f"--residual-dtype bf16 needs --precision bf16 or fp8, not {given}")
         if self.device == "cpu" and self.attention == "flash":
             out.append("--attention flash needs a CUDA GPU; --device cpu is the CPU")
+        if self.device == "cpu" and fast_paths.problem(self.fast) is None:
+            named = fast_paths.parse(self.fast).add
+            if cuda := [p.name for p in fast_paths.PATHS if p.cuda and p.name in named]:
+                out.append(f"--fast {cuda[0]} needs a CUDA GPU; --device cpu is the CPU")
         return out
 
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from lmpipe.consumer.fast import cublaslt, mix
-from lmpipe.consumer.fast.liger import head_inputs
+from lmpipe.consumer.fast.liger import LigerLoss, head_inputs
 from lmpipe.consumer.model import GPT, IGNORE
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class KernelLoss(GPT):
 def unavailable(built: Built) -> str | None:
     if built.precision == "fp16":
         return "in fp16 its unscaled softmax - one-hot would underflow"
-    if built.tcfg.fused_ce:
+    if isinstance(built.model, LigerLoss):
         return "--fused-ce (liger) computes the head's loss"
     return None
 

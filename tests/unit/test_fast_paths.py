@@ -14,6 +14,7 @@ from lmpipe.consumer import fast
 from lmpipe.consumer.build import build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
+from lmpipe.consumer.fast.liger import LigerLoss
 from lmpipe.consumer.model import GPT, MLP, CausalSelfAttention, GPTConfig
 from lmpipe.consumer.step import StepRunner
 from lmpipe.shared.config import PipelineConfig
@@ -102,11 +103,17 @@ def _cuda_build(precision: str = "bf16", applied: tuple[str, ...] = (), **cfg) -
                            model=SimpleNamespace(config=cfg.get("model", GPTConfig())))  # fmt: skip
 
 
+def _liger_build() -> SimpleNamespace:
+    built = _cuda_build()
+    built.model = LigerLoss.__new__(LigerLoss)  # --fused-ce with liger installed: all the check reads
+    return built
+
+
 @pytest.mark.parametrize(
     "name, build_, says",
     [
         ("loss-kernel", _cuda_build("fp16"), "fp16"),
-        ("loss-kernel", _cuda_build(fused_ce=True), "--fused-ce"),
+        ("loss-kernel", _liger_build(), "--fused-ce"),
         ("head-gemm", _cuda_build(), "loss-kernel's GEMMs, and it is off"),
         ("head-gemm", _cuda_build("fp32", ("loss-kernel",)), "bf16 GEMMs; this run's matmuls are fp32"),
         ("gelu-epilogue", _cuda_build("fp16"), "bf16, not fp16"),
@@ -152,3 +159,12 @@ def test_varlen_inputs_without_flash_attention_are_one_clear_error():
     attn = CausalSelfAttention(GPTConfig(n_embd=64, n_head=4))
     with pytest.raises(ValueError, match="--attention flash"):
         attn(torch.zeros(1, 8, 64), AttnSpec("varlen", cu_seqlens=torch.tensor([0, 8], dtype=torch.int32)))
+
+
+def test_a_cuda_path_named_for_a_cpu_run_is_refused_before_anything_starts():
+    with pytest.raises(
+        SettingsError, match=r"^--fast qkv-backward needs a CUDA GPU; --device cpu is the CPU$"
+    ):
+        TrainConfig(device="cpu", fast="auto,qkv-backward")
+    assert TrainConfig(device="cpu", fast="auto").cross_check() == []
+    assert TrainConfig(device="cpu", fast="clip-in-step").cross_check() == []
