@@ -154,7 +154,7 @@ def head_loss(
 
 
 class KernelLoss(GPT):
-    tuned_head_gemm = False  # cublaslt.TunedHead sets it
+    tuned_head_gemm = False  # head_gemm.TunedHead sets it
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not h.is_cuda:
