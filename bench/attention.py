@@ -11,7 +11,7 @@ causal triangle is masked), is checked against the trainer's kernel (outputs and
 - varlen: torch.nn.attention.varlen (FlashAttention-2 inside torch) over the rows' document pieces, where
   torch has it;
 - FA4 varlen: FlashAttention-4 (flash-attn-4, CuTe DSL) over the same pieces, called directly (exact
-  cu_seqlens and longest piece) and as the trainer calls it (`--attention flash`, consumer/flash.py: padded
+  cu_seqlens and longest piece) and as the trainer calls it (`--attention flash`, consumer/fast/flash.py: padded
   cu_seqlens, the row length as the longest piece), where flash_attn.cute is installed;
 - flex, FLASH backend: the trainer's FlexAttention with kernel_options BACKEND=FLASH (FlashAttention-4's
   kernels behind FlexAttention's block mask), where torch and flash_attn.cute allow it;
@@ -35,8 +35,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from bench.common import table, write_result
 from bench.trainbench import bench_data, device_batches, pipeline_config
-from lmpipe.consumer.flash import cu_seqlens_host, varlen_attention
-from lmpipe.consumer.inputs import document_block_mask_host
+from lmpipe.consumer.fast.flash import varlen_attention
+from lmpipe.consumer.inputs import cu_seqlens_host, document_block_mask_host
 
 # FlexAttention tile sizes to try (kernel_options; fwd_/bwd_ name one direction's). "bwd 32/64/64/32":
 # what max-autotune picked for the backward on an H100 (bench/results/attention-*.md); "gym": the options

@@ -6,7 +6,7 @@ that reason). This probe times each plain GEMM of a GPT-2 124M step as torch run
 with the heuristic's pick, and with the best of cuBLASLt's candidates timed (nvmath's autotune), and adds up
 what a step would save. Forward and backward GEMMs are written as torch calls them (x @ W^T, dy @ W,
 dy^T @ x). The MLP's two epilogue GEMMs (GELU_AUX after c_fc, DGELU in c_proj's input gradient) are timed
-as consumer/mlp_kernel.py calls them, their DGELU also with c_proj's weight copied K-major (a TN GEMM), and
+as consumer/fast/mlp_kernel.py calls them, their DGELU also with c_proj's weight copied K-major (a TN GEMM), and
 the MLP's six GEMMs also in the other orientation (tokens-major: h, pre and dpre stored [4C, tokens]).
 `--limits 8,64` times the best of each list of cuBLASLt's heuristic candidates (8 is nvmath's default).
 
@@ -68,7 +68,7 @@ def main() -> None:
         ("lm_head dh = dlogits W", dl, w, 1),
         ("lm_head dW = dlogits^T h", dl.T, h, 1),
     ]
-    # the MLP's epilogue GEMMs on transposes, as consumer/mlp_kernel.py writes them (cuBLASLt is column-major)
+    # the MLP's epilogue GEMMs on transposes, as consumer/fast/mlp_kernel.py writes them (cuBLASLt is column-major)
     x, w_fc, w_proj, dy, pre = t(N, C), t(4 * C, C), t(C, 4 * C), t(N, C), t(N, 4 * C)
     gemms += [
         ("c_fc forward, GELU_AUX epilogue", w_fc, x.T, L, MatmulEpilog.GELU_AUX, None),
@@ -153,7 +153,7 @@ def main() -> None:
         f"and the best timed algorithm for each would save {saved:.2f} ms a step.\n"
     )
     mlp = {  # the MLP's six GEMMs a layer, in each orientation
-        "as consumer/mlp_kernel.py runs them": ["c_fc forward, GELU_AUX epilogue", "mlp.c_proj forward x W^T",
+        "as consumer/fast/mlp_kernel.py runs them": ["c_fc forward, GELU_AUX epilogue", "mlp.c_proj forward x W^T",
             "mlp.c_proj dW = dy^T x", "mlp.c_proj dx, DGELU epilogue", "c_fc dx = dy W", "c_fc dW = dy^T x"],
         "tokens-major": [n for n in as_run if n.endswith("tokens-major")],
     }  # fmt: skip

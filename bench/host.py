@@ -30,7 +30,7 @@ import torch
 import bench.trainbench
 from bench.common import table, write_result
 from bench.trainbench import SyntheticSteps, apply_smoke, common_args, warm_synthetic_steps
-from lmpipe.consumer import cublaslt
+from lmpipe.consumer.fast import cublaslt
 
 # (part, is it inside the forward or backward): the parts that are not add up to the step, with the rest
 PARTS = [
@@ -105,10 +105,10 @@ def timed_parts(step: SyntheticSteps) -> Iterator[dict[str, float]]:
 
 
 def gemm_call_cost(n: int, k: int, m: int, calls: int = 50) -> tuple[float, float] | None:
-    """Host microseconds of one nvmath GEMM call (consumer/cublaslt.py) and of one torch.mm, [n, k] x [k, m]
+    """Host microseconds of one nvmath GEMM call (consumer/fast/cublaslt.py) and of one torch.mm, [n, k] x [k, m]
     in bf16 (the LM head's shape at the step's rows), each run of calls issued behind a GPU sleep; None
     without nvmath."""
-    if cublaslt.unavailable():
+    if cublaslt.nvmath_missing():
         return None
     a = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).t()
@@ -132,7 +132,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30, help="host functions listed (cProfile, cumulative)")
     args = apply_smoke(p.parse_args())
     # the step as the host issues it: a replayed graph calls none of the functions timed here
-    step = warm_synthetic_steps(args, step_graph=False)
+    step = warm_synthetic_steps(args, fast="auto,-step-graph")
     tcfg = step.tcfg
 
     def behind_a_sleep(i: int) -> tuple[float, float]:

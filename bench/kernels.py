@@ -142,7 +142,9 @@ def main() -> None:
                         "host's launches between them")  # fmt: skip
     p.add_argument("--trace", action="store_true", help="also write each variant's Chrome trace to --out")
     args = apply_smoke(p.parse_args())
-    step = warm_synthetic_steps(args, step_graph=args.step_graph)  # captured in the warm-up, where it can be
+    step = warm_synthetic_steps(
+        args, fast="auto" if args.step_graph else "auto,-step-graph"
+    )  # captured in the warm-up, where it can be
     trainer, tcfg, runner = step.trainer, step.tcfg, step.trainer.runner
 
     def trace_path(name: str) -> str | None:

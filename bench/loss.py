@@ -1,4 +1,4 @@
-"""The LM head's loss alone: torch's cross-entropy (compiled) against the one-pass kernel (consumer/loss.py).
+"""The LM head's loss alone: torch's cross-entropy (compiled) against the one-pass kernel (consumer/fast/loss.py).
 
     python -m bench.loss                         # GPT-2 124M's head: 32 x 1024 tokens, 768 -> 26,624
 
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from bench.common import cuda_ms, table, write_result
-from lmpipe.consumer import loss as L
+from lmpipe.consumer.fast import loss as L
 from lmpipe.consumer.model import IGNORE
 
 # --- --ce-only: variants of the per-row kernel alone, on a [tokens, vocab] logits buffer -----------------
@@ -186,7 +186,7 @@ def main() -> None:
     for block in map(int, a.blocks.split(",")):
         for warps in map(int, a.warps.split(",")):
             L.BLOCK, L.WARPS = block, warps
-            ms = cuda_ms(run(lambda h, w, t: L._HeadLoss.apply(h, w, t, IGNORE)), a.steps)
+            ms = cuda_ms(run(lambda h, w, t: L._HeadLoss.apply(h, w, t, IGNORE, False)), a.steps)
             rows.append(["one-pass kernel", block, warps, ms, base / ms])
             print(f"kernel BLOCK={block} warps={warps}: {ms:.3f} ms", flush=True)
     body = (

@@ -14,7 +14,8 @@ import argparse
 import torch
 
 from bench.common import table, write_result
-from lmpipe.consumer.model import IGNORE, _fused_ce, fused_linear_cross_entropy
+from lmpipe.consumer.fast.liger import _fused_ce, fused_linear_cross_entropy
+from lmpipe.consumer.model import IGNORE
 
 
 def measure(fused: bool, tokens: int, dim: int, vocab: int, repeats: int = 5) -> tuple[float, float, float]:

@@ -52,8 +52,10 @@ def probe(setting: str) -> dict:
         body()
     torch.cuda.current_stream().wait_stream(s)
     rewritten = None
-    if setting == "kernel-nodes":  # the step graph's rewrite (consumer/memset_nodes.py), checked bit for bit
-        from lmpipe.consumer import memset_nodes
+    if (
+        setting == "kernel-nodes"
+    ):  # the step graph's rewrite (consumer/fast/memset_nodes.py), checked bit for bit
+        from lmpipe.consumer.fast import memset_nodes
 
         plain = torch.cuda.CUDAGraph()
         with torch.cuda.graph(plain, stream=s):
@@ -121,7 +123,7 @@ def main() -> None:
         ("default", {"CUBLASLT_WORKSPACE_SIZE": "0"}),
         ("default", {"CUBLASLT_WORKSPACE_SIZE": "1024"}),
         ("default", {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}),
-        ("kernel-nodes", {}),  # the memset nodes as kernel nodes (consumer/memset_nodes.py)
+        ("kernel-nodes", {}),  # the memset nodes as kernel nodes (consumer/fast/memset_nodes.py)
     ]
     for setting, env in runs:
         out = subprocess.run([sys.executable, "-m", "bench.memset_probe", "--one", setting],

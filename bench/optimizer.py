@@ -3,7 +3,7 @@
 The trainer's step ends with the gradients' norm, clip_grad_norm_'s clip and AdamW. This times two ways of
 running them on the model's own parameters (random gradients, so every step clips): clip_grad_norm_'s
 multiply then torch's fused AdamW, the clip inside torch's fused AdamW's grad_scale, and the clip inside the
-Triton AdamW's grad_scale (consumer/adamw.py; the trainer's on CUDA). The floor
+Triton AdamW's grad_scale (consumer/fast/adamw.py; the trainer's on CUDA). The floor
 is one read of the gradients for the norm, then AdamW's reads of weights, gradients and both moments and its
 writes of weights and moments, at the card's memory bandwidth. (A third way, the three compiled as one
 torch.compile'd function over torch's functional AdamW, was slower: bench/results/optimizer-h200-2026-11-27.md.)
@@ -19,10 +19,19 @@ from collections.abc import Callable
 import torch
 
 from bench.common import cuda_ms, table, write_result
-from lmpipe.consumer import adamw
 from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.fast import adamw
 from lmpipe.consumer.model import GPT, preset
 from lmpipe.consumer.step import make_optimizer
+
+
+def triton_adamw(model: torch.nn.Module, cfg: TrainConfig, dev: torch.device) -> adamw.AdamW:
+    """consumer/fast/adamw.py's AdamW over make_optimizer's groups, as path adamw builds it."""
+    groups = [
+        {"params": g["params"], "weight_decay": g["weight_decay"]}
+        for g in make_optimizer(model, cfg, dev).param_groups
+    ]
+    return adamw.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
 
 def main() -> None:
@@ -42,7 +51,7 @@ def main() -> None:
         p.grad = torch.randn_like(p)
     grads = [p.grad for p in params]
     torch_opt = torch.optim.AdamW(make_optimizer(model, cfg, dev).param_groups, fused=True)
-    triton_opt = make_optimizer(model, cfg, dev)  # consumer/adamw.py's, as the trainer's on CUDA
+    triton_opt = triton_adamw(model, cfg, dev)  # consumer/fast/adamw.py's, as the trainer's on CUDA
 
     def clip_then_step() -> None:
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
@@ -67,7 +76,7 @@ def main() -> None:
     shipped = (adamw.CHUNK, adamw.BLOCK, adamw.WARPS)
 
     def with_tiles(tiles: tuple[int, int, int]) -> Callable[[], None]:
-        step = clip_in_grad_scale(make_optimizer(model, cfg, dev))  # its own table, of this CHUNK
+        step = clip_in_grad_scale(triton_adamw(model, cfg, dev))  # its own table, of this CHUNK
 
         def run() -> None:
             adamw.CHUNK, adamw.BLOCK, adamw.WARPS = tiles

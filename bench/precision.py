@@ -1,5 +1,5 @@
 """Precision: fp32, fp16 without scaling, fp16 static, fp16 dynamic, bf16 on WikiText-2, the one-pass
-loss kernel (--loss-kernel) against torch's cross-entropy in fp32 and bf16, and a bf16 residual stream
+loss kernel (--fast path loss-kernel) against torch's cross-entropy in fp32 and bf16, and a bf16 residual stream
 (--residual-dtype bf16, the default on CUDA) against autocast's fp32 one, which the other modes keep.
 
     python -m bench.precision                    # GPT-2 124M, T=1024, 300 steps each, eager
@@ -27,7 +27,7 @@ from lmpipe.consumer.trainer import Trainer
 
 WARM = 10  # untimed steps per mode
 
-MODES = [  # name, precision, loss scaling, --loss-kernel, --residual-dtype
+MODES = [  # name, precision, loss scaling, path loss-kernel, --residual-dtype
     ("fp32", "fp32", "dynamic", False, "fp32"),
     ("fp16, no scaling", "fp16", "none", False, "fp32"),
     ("fp16, static 1024", "fp16", "static:1024", False, "fp32"),
@@ -44,7 +44,7 @@ def run(mode: tuple[str, str, str, bool, str], data, pcfg, args) -> dict:
     name, precision, scale, loss_kernel, residual = mode
     tcfg = TrainConfig(
         model=args.model, steps=args.steps, lr=args.lr, warmup=20, precision=precision, loss_scale=scale,
-        vocab_size=args.vocab_size, compile=args.compile, seed=1234, loss_kernel=loss_kernel,
+        vocab_size=args.vocab_size, compile=args.compile, seed=1234, fast="auto" if loss_kernel else "auto,-loss-kernel",
         residual_dtype=residual,
     )  # fmt: skip
     trainer = Trainer(pcfg, tcfg)

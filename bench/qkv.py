@@ -1,7 +1,7 @@
 """Probe: the q/k/v projection's backward, with and without the concatenation of dq, dk and dv.
 
 Times, side by side on GPT-2 124M's shapes, a layer's projection backward as autograd writes it (dq, dk, dv
-copied into one [tokens, 3C] gradient, then one GEMM for dx and one for dW) against consumer/qkv_kernel.py's
+copied into one [tokens, 3C] gradient, then one GEMM for dx and one for dW) against consumer/fast/qkv_kernel.py's
 (dx by its Triton GEMM reading the three in turn, dW by three cuBLAS GEMMs), and against dx as three cuBLAS
 GEMMs accumulating in place.
 
@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from bench.common import cuda_ms, table, write_result
-from lmpipe.consumer import qkv_kernel
+from lmpipe.consumer.fast import qkv_kernel
 
 
 def main() -> None:
@@ -60,7 +60,7 @@ def main() -> None:
     err = max(float((p.float() - q.float()).abs().max() / q.float().abs().max()) for p, q in zip(got, want))
     ways = [
         ("autograd's: concatenate, then dx and dW GEMMs", autograds),
-        ("consumer/qkv_kernel.py: Triton dx, three dW GEMMs", kernel),
+        ("consumer/fast/qkv_kernel.py: Triton dx, three dW GEMMs", kernel),
         ("the concatenation alone", cat_only),
         ("dx: concatenate + cuBLAS GEMM", dx_torch),
         ("dx: the Triton kernel", dx_kernel),

@@ -1,24 +1,24 @@
 """What the trainer trains with: the GPT, its optimizer and loss scaler, the DDP and compile wrappers around
-it, and the step runner over them (consumer/step.py)."""
+it, and the step runner over them (consumer/step.py): the reference path, then the fast paths that --fast
+picks (consumer/fast/)."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from lmpipe.consumer import fast
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
-from lmpipe.consumer.flash import unavailable as flash_unavailable
-from lmpipe.consumer.mlp_kernel import unavailable as gelu_epilogue_unavailable
-from lmpipe.consumer.model import GPT, MLP, CausalSelfAttention, fused_linear_cross_entropy, preset
+from lmpipe.consumer.fast import flash, liger
+from lmpipe.consumer.model import GPT, preset
 from lmpipe.consumer.scaler import LossScaler, make_scaler
-from lmpipe.consumer.step import StepRunner, make_optimizer, step_graph_problem, to_float8
+from lmpipe.consumer.step import StepRunner, make_optimizer, to_float8
 from lmpipe.shared.config import PipelineConfig
 
 log = logging.getLogger("lmpipe.trainer")
@@ -41,6 +41,11 @@ class Built:
     scaler: LossScaler | None  # fp16 only
     step_model: torch.nn.Module  # what the step calls: the model under DDP and/or compile
     runner: StepRunner
+    tcfg: TrainConfig
+    device: torch.device
+    precision: str  # resolved: fp32, bf16, fp16 or fp8
+    autocast_dtype: torch.dtype | None
+    fast: list[str] = field(default_factory=list)  # the fast paths applied, in order (consumer/fast/)
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -62,7 +67,7 @@ def check_step_memory(pcfg: PipelineConfig, tcfg: TrainConfig, vocab_size: int, 
                       autocast_dtype) -> None:  # fmt: skip
     """Refuse a micro-batch whose logits alone cannot fit where it trains: a lower bound on a step's memory
     (the activations and their gradients come on top), so a --batch-size out of reach is one line at the
-    start, not the kernel's out-of-memory kill minutes later. liger's fused loss (--fused-ce) never holds
+    start, not the out-of-memory kill minutes later. liger's fused loss (--fused-ce) never holds
     the whole logits, so it is not checked."""
     if tcfg.fused_ce and device.type == "cuda":
         return
@@ -79,81 +84,20 @@ def check_step_memory(pcfg: PipelineConfig, tcfg: TrainConfig, vocab_size: int, 
         )
 
 
-def build(
-    pcfg: PipelineConfig,
-    tcfg: TrainConfig,
-    vocab_size: int,
-    device: torch.device,
-    precision: str,
-    autocast_dtype,
-    dist: Dist,
-) -> Built:
-    """The GPT, its optimizer and loss scaler, DDP and compile wrappers, and the step runner."""
-    why: str | None
-    check_step_memory(pcfg, tcfg, vocab_size, device, autocast_dtype)  # before anything is allocated
-    if tcfg.attention == "flash" and (why := flash_unavailable(device)):
-        raise ValueError(why)
-    mcfg = preset(tcfg.model, vocab_size=max(tcfg.vocab_size, vocab_size), block_size=pcfg.seq_len)
-    model = GPT(mcfg).to(device)
-    model.grad_checkpointing = tcfg.grad_checkpointing
+def residual_dtype(
+    tcfg: TrainConfig, device: torch.device, precision: str, autocast_dtype
+) -> torch.dtype | None:
+    """The residual stream's dtype (--residual-dtype): bf16 where the matmuls run in bf16, else None (fp32)."""
     if tcfg.residual_dtype != "fp32" and autocast_dtype == torch.bfloat16:
-        model.residual_dtype = torch.bfloat16
-    elif tcfg.residual_dtype == "bf16":  # --precision auto on a CPU (fp32 and fp16 by name: cross_check)
+        return torch.bfloat16
+    if tcfg.residual_dtype == "bf16":  # --precision auto on a CPU (fp32 and fp16 by name: cross_check)
         log.warning("--residual-dtype bf16 needs bf16 matmuls; %s trains in %s, the stream stays fp32",
                     device.type, precision)  # fmt: skip
-    if precision == "fp8":
-        if n_fp8 := to_float8(model):
-            log.info("fp8: %d linear layers use torchao float8 matmuls", n_fp8)
-        else:
-            log.warning("fp8: no linear layer of --model %s is large enough for float8 to pay; it trains in bf16",
-                        tcfg.model)  # fmt: skip
-    if tcfg.fused_ce and device.type == "cuda":
-        model.fused_ce = fused_linear_cross_entropy()
-        if model.fused_ce is None:
-            log.warning("--fused-ce: liger-kernel is not installed (pip install 'lmpipe[fused]'); plain loss")
-    elif tcfg.fused_ce:
-        log.info("--fused-ce runs on CUDA only; on %s the loss is torch's", device.type)
-    model.loss_kernel = (
-        tcfg.loss_kernel
-        and device.type == "cuda"
-        and precision != "fp16"  # the kernel's unscaled softmax - one-hot would underflow in fp16
-        and model.fused_ce is None
-        and importlib.util.find_spec("triton") is not None
-    )
-    if tcfg.gelu_epilogue and device.type == "cuda":
-        if precision != "bf16":
-            why = f"it needs --precision bf16, not {precision}"
-        elif tcfg.compile and tcfg.compile_mode in ("reduce-overhead", "max-autotune"):
-            # nvmath keeps a cuBLASLt workspace between calls; a CUDA graph's private memory pool refuses it
-            why = f"--compile-mode {tcfg.compile_mode} records CUDA graphs, which nvmath's calls cannot join"
-        else:
-            why = gelu_epilogue_unavailable(device, mcfg.bias, mcfg.n_embd)
-        if why:
-            log.info("the MLP's GELU runs as kernels of its own: %s", why)
-        else:
-            for module in model.modules():
-                if isinstance(module, MLP):
-                    module.gelu_epilogue = True
-            log.info("the MLP's GELU and its gradient run in cuBLASLt's GEMM epilogues (nvmath-python)")
-    if (
-        device.type == "cuda"
-        and precision == "bf16"
-        and not mcfg.bias
-        and mcfg.n_embd % 64 == 0  # the kernel's K steps of 64 each lie in one of q, k, v
-        # measured at GPT-2 124M's 768; a smaller model's step is host-bound (bench/results/overhead-*.md),
-        # and a custom op's dispatch there costs more than the copy it saves
-        and mcfg.n_embd >= 768
-        and importlib.util.find_spec("triton") is not None
-    ):
-        from lmpipe.consumer import qkv_kernel  # Triton: imported where it runs
+    return None
 
-        for module in model.modules():
-            if isinstance(module, CausalSelfAttention):
-                module.qkv_kernel = qkv_kernel.ENABLED
-    optimizer = make_optimizer(model, tcfg, device)
-    scaler = make_scaler(tcfg.loss_scale, device) if precision == "fp16" else None
-    if scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):
-        log.warning("fp16 with a non-fused optimizer: the scaler reads found_inf on the host every step")
+
+def wrap(model: GPT, pcfg: PipelineConfig, tcfg: TrainConfig, device: torch.device, dist: Dist):
+    """(what the step calls, DDP's no_sync or None): the model under DDP (torchrun) and/or torch.compile."""
     step_model: torch.nn.Module = model
     no_sync = None
     if dist.enabled:
@@ -183,10 +127,45 @@ def build(
             mode = None if tcfg.compile_mode == "default" else tcfg.compile_mode
             compiled = torch.compile(step_model, dynamic=False, mode=mode)
         step_model = cast(torch.nn.Module, compiled)
+    return step_model, no_sync
+
+
+def build(
+    pcfg: PipelineConfig,
+    tcfg: TrainConfig,
+    vocab_size: int,
+    device: torch.device,
+    precision: str,
+    autocast_dtype,
+    dist: Dist,
+) -> Built:
+    """The reference GPT, its optimizer and loss scaler, DDP and compile wrappers and the step runner; then
+    --attention flash, --fused-ce and the fast paths that --fast picks, swapped into them (consumer/fast/).
+    torch.compile traces at the first step, so what the paths swap in is what it compiles."""
+    check_step_memory(pcfg, tcfg, vocab_size, device, autocast_dtype)  # before anything is allocated
+    if tcfg.attention == "flash" and (why := flash.problem(device)):
+        raise ValueError(why)
+    mcfg = preset(tcfg.model, vocab_size=max(tcfg.vocab_size, vocab_size), block_size=pcfg.seq_len)
+    residual = residual_dtype(tcfg, device, precision, autocast_dtype)
+    model = GPT(mcfg, grad_checkpointing=tcfg.grad_checkpointing, residual_dtype=residual).to(device)
+    if precision == "fp8":
+        if n_fp8 := to_float8(model):
+            log.info("fp8: %d linear layers use torchao float8 matmuls", n_fp8)
+        else:
+            log.warning("fp8: no linear layer of --model %s is large enough for float8 to pay; it trains in bf16",
+                        tcfg.model)  # fmt: skip
+    optimizer = make_optimizer(model, tcfg, device)
+    scaler = make_scaler(tcfg.loss_scale, device) if precision == "fp16" else None
+    if scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):
+        log.warning("fp16 with a non-fused optimizer: the scaler reads found_inf on the host every step")
+    step_model, no_sync = wrap(model, pcfg, tcfg, device, dist)
     runner = StepRunner(
         step_model, optimizer, tcfg, autocast_dtype, scaler, no_sync=no_sync, strategy=pcfg.strategy
     )
-    # on by default: said on CUDA, where it could have run, not on every CPU run
-    if tcfg.step_graph and runner.device_type == "cuda" and (why := step_graph_problem(runner)):
-        log.info("the training step runs eagerly, not as CUDA graphs (--step-graph): %s", why)
-    return Built(model, optimizer, scaler, step_model, runner)
+    built = Built(model, optimizer, scaler, step_model, runner, tcfg, device, precision, autocast_dtype)
+    if tcfg.attention == "flash":
+        flash.apply(built)
+    if tcfg.fused_ce:
+        liger.apply_setting(built)
+    fast.apply_all(tcfg.fast, built)
+    return built

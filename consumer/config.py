@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lmpipe.consumer import fast as fast_paths
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import at_least, between, positive, setting, validate
 
@@ -89,8 +90,7 @@ class TrainConfig:
     )
     # autocast leaves the residual stream (embeddings, each block's input and output) in fp32; in bf16 the
     # layer norms and residual adds, the memory-bound part of a GPT-2 124M step, move half the bytes: 1.055x
-    # at 32 rows on an H100, the loss within 1.4% of fp32's either way over 300-1000 steps in four runs
-    # (bench/results/residual-h100-*.md)
+    # at 32 rows on an H100, the loss as fp32's (bench/results/residual-h100-*.md)
     residual_dtype: str = setting(
         "auto",
         choices=("auto", "fp32", "bf16"),
@@ -107,20 +107,13 @@ class TrainConfig:
         False,
         help="liger-kernel's fused linear + cross-entropy on CUDA: far less memory, one host sync a step",
     )
-    # One pass over the logits instead of two (consumer/loss.py): 1.017x on GPT-2 124M at 32 rows on an H100
-    # (bench/results/ablation-h100-*.md), and the loss after 300 steps within 0.05% of torch's in fp32 and
-    # bf16 (bench/results/loss-kernel-parity-h100-*.md)
-    loss_kernel: bool = setting(
-        True,
-        help="CUDA, bf16/fp32: the LM head's cross-entropy in one Triton pass over the logits "
-        "(--no-loss-kernel: torch's two passes)",
-    )
-    # The MLP's GELU and its gradient inside the GEMMs around them (consumer/mlp_kernel.py), where
-    # nvmath-python is installed; elsewhere (CPU, fp16/fp32/fp8, biases) the GELU runs as before.
-    gelu_epilogue: bool = setting(
-        True,
-        help="CUDA, bf16, no CUDA graphs: the MLP's GELU and its gradient in cuBLASLt's GEMM epilogues, where "
-        "nvmath-python is installed (--no-gelu-epilogue: compiled kernels of their own)",
+    fast: str = setting(
+        "auto",
+        check=fast_paths.problem,
+        metavar="auto|none|LIST",
+        help="fast paths (consumer/fast/): auto: every one on by default that can run here; none: the "
+        "reference path; a comma list: exactly those (auto,NAME adds an opt-in one, auto,-NAME leaves one "
+        "out). Paths: " + ", ".join(fast_paths.NAMES),
     )
     vocab_size: int = setting(
         0, check=at_least(0), help="model vocabulary (0: the tokenizer's, rounded up to a multiple of 64)"
@@ -132,14 +125,6 @@ class TrainConfig:
         "kernels (flash: Hopper+, pip install 'lmpipe[flash]')",
     )
     fused_adamw: bool = setting(True, help="fused AdamW (--no-fused-adamw: the foreach implementation)")
-    # The host issues GPT-2 124M's 16-row step about as fast as an H100 runs it; replayed, a step costs it a
-    # few copies and two launches (consumer/step_graph.py, bench/results/host-h100-2026-11-27.md)
-    step_graph: bool = setting(
-        True,
-        help="capture the whole training step (forward, backward, clip, AdamW) as CUDA graphs after a few "
-        "steps and replay them for every batch (one CUDA GPU, --accum 1, bf16 or fp32, --strategy pack or "
-        "pad; elsewhere the step runs eagerly)",
-    )
     grad_checkpointing: bool = setting(False, help="recompute activations in backward")
     compile: bool = setting(False, help="torch.compile the model")
     compile_mode: str = setting(
@@ -218,6 +203,10 @@ class TrainConfig:
             out.append(f"--residual-dtype bf16 needs --precision bf16 or fp8, not {given}")
         if self.device == "cpu" and self.attention == "flash":
             out.append("--attention flash needs a CUDA GPU; --device cpu is the CPU")
+        if self.device == "cpu" and fast_paths.problem(self.fast) is None:
+            named = fast_paths.parse(self.fast).add
+            if cuda := [p.name for p in fast_paths.PATHS if p.cuda and p.name in named]:
+                out.append(f"--fast {cuda[0]} needs a CUDA GPU; --device cpu is the CPU")
         return out
 
 

@@ -1,12 +1,16 @@
 """A GPT-2-like language model in one file (after nanoGPT), with document-aware attention.
 
 Rows come in two kinds. Padded rows hold one document each, padded on the right: plain causal attention
-is exact for the real tokens (they never look right), so they take SDPA with is_causal=True, which runs
-the flash kernel on CUDA. Packed rows hold several documents; `seg` says which token belongs to which,
+is exact for the real tokens (they never look right), so they take SDPA with is_causal=True (FlashAttention
+on CUDA). Packed rows hold several documents; `seg` says which token belongs to which,
 and attention is causal *within* a document only. That mask is built once per batch (`AttnSpec`) and
 shared by every layer: on CUDA as a FlexAttention block mask (or, with `--attention flash`, as the documents'
-offsets for FlashAttention-4's varlen kernels: consumer/flash.py), elsewhere as an exact boolean mask for SDPA.
+offsets for FlashAttention-4: consumer/fast/flash.py), elsewhere as an exact boolean mask for SDPA.
 Position ids restart at every document so a packed document sees the same positions it would alone.
+
+This is the reference path (`--fast none`). The one hook for the fast paths: consumer/fast/ may give a module
+a subclass of its class (fast.mix) that overrides `GPT.loss`, `CausalSelfAttention.project` or `.attend`, or
+`MLP.forward`; parameters, state dict and initialisation stay these.
 """
 
 from __future__ import annotations
@@ -19,9 +23,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
-
-from lmpipe.consumer.flash import varlen_attention
-from lmpipe.consumer.mlp_kernel import mlp as mlp_with_gelu_epilogues
 
 IGNORE = -100
 
@@ -68,7 +69,7 @@ class AttnSpec:
     kind: str  # "causal" | "dense" | "flex" | "varlen"
     mask: torch.Tensor | None = None  # dense: bool [B, 1, L, L], True = may attend
     block_mask: object | None = None  # flex: torch.nn.attention.flex_attention.BlockMask
-    cu_seqlens: torch.Tensor | None = None  # varlen: int32 document starts (consumer/flash.py)
+    cu_seqlens: torch.Tensor | None = None  # varlen: int32 document starts (inputs.cu_seqlens_host)
     seg: torch.Tensor | None = None  # flex: the document ids its mask_mod reads (a step graph copies them)
 
 
@@ -81,33 +82,31 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.qkv_kernel = False  # CUDA, bf16, no biases: the projection's backward of consumer/qkv_kernel.py
 
     def forward(self, x: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
         B, L, C = x.shape
-        if self.qkv_kernel and x.is_cuda:
-            from lmpipe.consumer.qkv_kernel import qkv  # Triton: imported where it runs
-
-            q, k, v = qkv(x, self.c_attn.weight)
-        else:
-            q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, L, self.n_head, C // self.n_head) for t in (q, k, v))
-        if attn.kind == "varlen":  # takes [B, L, H, D] as it is (no attention dropout)
-            assert attn.cu_seqlens is not None
-            y = varlen_attention(q, k, v, attn.cu_seqlens)
-        else:
-            y = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn).transpose(1, 2)
+        q, k, v = (t.view(B, L, self.n_head, C // self.n_head) for t in self.project(x))
+        y = self.attend(q, k, v, attn)
         return self.resid_dropout(self.c_proj(y.contiguous().view(B, L, C)))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
-        """q, k, v: [B, H, L, D] -> [B, H, L, D]"""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v, each [B, L, C]."""
+        return self.c_attn(x).split(x.size(-1), dim=2)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
+        """q, k, v: [B, L, H, D] -> [B, L, H, D]"""
+        if attn.kind == "varlen":
+            raise ValueError("varlen inputs (--attention flash) need consumer/fast/flash.py's attention")
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         drop = self.dropout if self.training else 0.0
         if attn.kind == "flex":
             flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
-            return flex(q, k, v, block_mask=attn.block_mask)
-        if attn.kind == "dense":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, dropout_p=drop)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+            y = flex(q, k, v, block_mask=attn.block_mask)
+        elif attn.kind == "dense":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn.mask, dropout_p=drop)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        return y.transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -116,11 +115,8 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.gelu_epilogue = False  # CUDA, bf16, no biases: the GELU inside cuBLASLt's GEMMs (mlp_kernel.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gelu_epilogue and x.is_cuda:
-            return self.dropout(mlp_with_gelu_epilogues(x, self.c_fc.weight, self.c_proj.weight))
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
@@ -152,16 +148,16 @@ class Trunk(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(
+        self, cfg: GPTConfig, grad_checkpointing: bool = False, residual_dtype: torch.dtype | None = None
+    ):
         super().__init__()
         self.config = cfg
         self.transformer = Trunk(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
-        self.grad_checkpointing = False
-        self.fused_ce = None  # set to fused_linear_cross_entropy() to never materialise the logits
-        self.loss_kernel = False  # CUDA: the LM head's loss in one pass over the logits (consumer/loss.py)
-        self.residual_dtype: torch.dtype | None = None  # None: as autocast leaves it (fp32)
+        self.grad_checkpointing = grad_checkpointing  # recompute each block's activations in backward
+        self.residual_dtype = residual_dtype  # None: as autocast leaves it (fp32)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -198,29 +194,19 @@ class GPT(nn.Module):
         """Returns (logits, summed loss over targets != IGNORE). Logits are None when targets are given,
         so training never keeps the [B, L, vocab] tensor around longer than the loss needs it."""
         h = self.hidden(idx, pos, attn)
-        kernel = self.loss_kernel and h.is_cuda
-        if targets is not None and (self.fused_ce is not None or kernel):
-            # the head's matmul and loss in one fused function, which autocast does not reach
-            w = self.lm_head.weight
-            if torch.is_autocast_enabled(h.device.type):  # LayerNorm left h in fp32; match the matmuls
-                dt = torch.get_autocast_dtype(h.device.type)
-                h, w = h.to(dt), w.to(dt)
-            h, t = h.reshape(-1, h.size(-1)), targets.reshape(-1)
-            if self.fused_ce is not None:
-                return None, _fused_ce(self.fused_ce, w, h, t)
-            from lmpipe.consumer.loss import head_loss  # Triton: imported where it runs
-
-            return None, head_loss(h, w, t, IGNORE)
-        logits = self.lm_head(h)
         if targets is None:
-            return logits, None
-        loss = F.cross_entropy(
+            return self.lm_head(h), None
+        return None, self.loss(h, targets)
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The LM head and its cross-entropy, summed over targets != IGNORE; h [B, L, C]."""
+        logits = self.lm_head(h)
+        return F.cross_entropy(
             logits.float().view(-1, logits.size(-1)),
             targets.reshape(-1),
             ignore_index=IGNORE,
             reduction="sum",
         )
-        return None, loss
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (PaLM appendix B: 6N + 12 * layers * dim * seq_len)."""
@@ -233,20 +219,3 @@ def _compiled_flex_attention():
     """FlexAttention for eager models, compiled once: uncompiled it runs a slow reference path. A
     compiled model calls flex_attention directly and compiles it with everything else."""
     return torch.compile(flex_attention, dynamic=False)
-
-
-@torch.compiler.disable
-def _fused_ce(loss_fn, weight: torch.Tensor, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # liger's kernels are Triton already; traced by dynamo they broke the graph at every .item() (dozens
-    # of graphs) and one inductor-compiled piece hit an illegal memory access on an H200. Run them as-is.
-    return loss_fn(weight, h, targets)
-
-
-def fused_linear_cross_entropy():
-    """liger-kernel's fused linear + cross-entropy (summed over targets != IGNORE), or None when it is
-    not installed. It computes the loss chunk by chunk and never holds the [tokens, vocab] logits."""
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        return None
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")

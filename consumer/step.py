@@ -1,4 +1,5 @@
-"""One optimizer step: the LR schedule, AdamW, and forward/backward over a step's micro-batches.
+"""One optimizer step, the reference path (`--fast none`): the LR schedule, AdamW, and forward/backward over
+a step's micro-batches.
 
 Loss normalisation: the loss of a step is the sum of per-token losses over all its micro-batches divided by
 the number of target tokens in all of them. That count is known on the host from the batch headers before
@@ -9,7 +10,6 @@ whatever the padding in each.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import math
 from collections.abc import Callable
@@ -19,12 +19,8 @@ import torch
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.inputs import ModelInputs
 from lmpipe.consumer.scaler import LossScaler
-from lmpipe.consumer.step_graph import GRAPH_AFTER, CaptureFailed, StepGraph, shape_key
 
 log = logging.getLogger("lmpipe.trainer")
-
-# With a fused AdamW, clip inside its step (see StepRunner.step); False: clip_grad_norm_'s own pass (bench)
-CLIP_IN_STEP = True
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -39,53 +35,17 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW, decaying only matrices (nanoGPT's split), fused when asked and supported: on CUDA with Triton,
-    consumer/adamw.py's kernel, else torch's fused kernel."""
+    """torch's AdamW, decaying only matrices (nanoGPT's split), fused where asked and supported, else foreach."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     betas = (cfg.beta1, cfg.beta2)
     if cfg.fused_adamw:
         try:
-            if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-                from lmpipe.consumer import adamw  # Triton: imported where it runs
-
-                # torch's fused AdamW with a step nearer the memory's speed (consumer/adamw.py)
-                return adamw.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8)
             return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, fused=True)
-        except (RuntimeError, TypeError) as exc:  # e.g. a device without a fused kernel
+        except (RuntimeError, TypeError) as exc:  # e.g. a device torch has no fused AdamW for
             log.warning("fused AdamW unavailable (%s); using the foreach implementation", exc)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8, foreach=True)
-
-
-def step_graph_problem(runner: StepRunner) -> str | None:
-    """Why --step-graph cannot capture this runner's step, or None."""
-    if runner.device_type != "cuda":
-        return f"it needs CUDA, not {runner.device_type}"
-    if runner.no_sync is not None:
-        return "DDP (torchrun) all-reduces inside the backward"
-    if runner.scaler is not None:
-        return "fp16's loss scaler decides on the host whether to step"
-    if runner.cfg.attention == "flash":
-        return "--attention flash's document offsets change length from batch to batch"
-    if runner.cfg.fused_ce:
-        return "--fused-ce (liger) reads the loss on the host every step"
-    if runner.cfg.precision == "fp8":
-        return "torchao's float8 matmuls have not been run under CUDA graph capture here yet"
-    if runner.cudagraphs:
-        return f"--compile-mode {runner.cfg.compile_mode} records CUDA graphs of its own"
-    if runner.strategy not in ("pack", "pad"):
-        # one graph holds its own activations: eager steps for the other shapes beside it would double them
-        return f"--strategy {runner.strategy} changes the batches' shape from step to step"
-    if runner.cfg.accum != 1:
-        return "it captures one micro-batch a step (--accum 1)"
-    if importlib.util.find_spec("triton") is None:
-        return "it needs the Triton AdamW, and Triton is not installed"
-    from lmpipe.consumer import adamw  # Triton: imported where it runs
-
-    if not (isinstance(runner.optimizer, adamw.AdamW) and adamw.ENABLED):
-        return "it needs the Triton AdamW (fused AdamW on CUDA with Triton), which reads lr from memory"
-    return None
 
 
 class StepRunner:
@@ -110,13 +70,9 @@ class StepRunner:
         # CUDA graphs (compile mode reduce-overhead/max-autotune): each forward starts a new replay, so
         # the previous step's outputs (already read) may be overwritten
         self.cudagraphs = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
-        # --step-graph: the whole step as CUDA graphs (consumer/step_graph.py), where step_graph_problem allows
-        self.graphs = cfg.step_graph and step_graph_problem(self) is None
-        self._graph: StepGraph | None = None
-        self._eager_steps = 0
-        # autocast's cache as a capture has it, for the whole run: dynamo guards on it (one compile, not two)
-        self._autocast_cache = not self.graphs
-        self._last_key: tuple | None = None
+        self.graphs = False  # whether a step may be captured as CUDA graphs (consumer/fast/step_graph.py)
+        self.clip_in_step = False  # clip inside the optimizer's step (consumer/fast/clip.py)
+        self.autocast_cache = True  # autocast's cache of cast weights in eager steps
 
     def _autocast(self, cache: bool = True):
         if self.autocast_dtype is None:
@@ -128,29 +84,6 @@ class StepRunner:
         under DDP, which averages gradients over R ranks, all ranks' targets / R). Returns (summed loss
         over this rank's targets, grad norm before clipping)."""
         denom = denom if denom > 0 else 1.0
-        if self.graphs and len(micro) == 1:
-            graph = self._graph
-            if graph is not None and graph.takes(micro[0]):
-                return graph.run(micro[0], denom, lr)
-            key = shape_key(micro[0])
-            if graph is None and key is not None:
-                # steps in a row of this shape: a graph is made for the shape the run keeps, not a short batch's
-                self._eager_steps = self._eager_steps + 1 if key == self._last_key else 1
-                self._last_key = key
-                if self._eager_steps > GRAPH_AFTER:  # compiled, tuned and planned by now: capture
-                    try:
-                        self._graph = StepGraph(self, micro[0], denom, lr)
-                        return self._graph.first
-                    except CaptureFailed as e:  # the same step fails the same way: eager from here on
-                        self.graphs = False
-                        # its text, not the exception: a handler that keeps records (pytest's caplog, a
-                        # buffer) would keep the traceback, and with it the failed capture's tensors
-                        log.warning("the training step cannot be captured as CUDA graphs (%s); it runs "
-                                    "eagerly from here (--no-step-graph: no attempt)", str(e))  # fmt: skip
-                        if e.result is not None:
-                            return e.result
-        if self._graph is not None:  # the graph's gradients stay in p.grad; an eager backward starts anew
-            self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -160,7 +93,7 @@ class StepRunner:
             with self.no_sync() if (self.no_sync and not last) else contextlib.nullcontext():
                 if self.cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                loss_sum += self.forward_backward(inp, denom, cache=self._autocast_cache)
+                loss_sum += self.forward_backward(inp, denom, cache=self.autocast_cache)
         norm = self.clip_and_update()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, norm
@@ -182,13 +115,11 @@ class StepRunner:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        # A fused optimizer divides each gradient by `grad_scale` as it reads it (GradScaler's protocol), so
-        # clipping needs no pass of its own over the gradients: 0.2 ms of a GPT-2 124M step on an H100, net
-        # of the kernel writing the gradients back (bench/results/levers-h100-2026-11-27.md).
+        # a fused optimizer divides each gradient by `grad_scale` as it reads it (GradScaler's protocol)
         in_step = (
-            self.cfg.grad_clip > 0
+            self.clip_in_step
+            and self.cfg.grad_clip > 0
             and not self.scaler
-            and CLIP_IN_STEP
             and getattr(self.optimizer, "_step_supports_amp_scaling", False)
         )
         if self.cfg.grad_clip > 0 and not in_step:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|elastic|all]
+#   scripts/gpu_check.sh [tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|elastic|all]
 #                        [extra benchmark args...]
+# fast: the CUDA tests (each fast path's parity test against --fast none among them), the trainer tests again
+# with LMPIPE_FAST=none (reference-tests alone), and the ablation's "all on" against --fast none, in one run.
 # Results (logs, bench/results-style .md files, the precision plot) go to $OUT (default /tmp/lmpipe-gpu).
 # On the team's lent GPU machine pyzmq, torchao and nvmath-python come as wheels in .whl/ (see README, Development),
 # and WikiText-2 as a copy in .benchdata/.
@@ -36,8 +38,9 @@ shift || true
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 python3 -c "import torch, triton, zmq; print('torch', torch.__version__, 'triton', triton.__version__, 'pyzmq', zmq.__version__)" | tee -a "$OUT/card.txt"
-python3 -c "from lmpipe.consumer.model import fused_linear_cross_entropy as f; print('liger fused CE:', f() is not None)" | tee -a "$OUT/card.txt"
-python3 -c "import torch; from lmpipe.consumer.flash import unavailable as u; print('--attention flash:', u(torch.device('cuda')) or 'available')" | tee -a "$OUT/card.txt"
+python3 -c "from lmpipe.consumer.fast.liger import fused_linear_cross_entropy as f; print('liger fused CE:', f() is not None)" | tee -a "$OUT/card.txt"
+python3 -c "import torch; from lmpipe.consumer.fast.flash import problem as u; print('--attention flash:', u(torch.device('cuda')) or 'available')" | tee -a "$OUT/card.txt"
+python3 -c "from lmpipe.consumer.fast.cublaslt import nvmath_missing as m; print('nvmath-python (gelu-epilogue, head-gemm):', m() or 'available')" | tee -a "$OUT/card.txt"
 
 run() {  # name, command...
     local name=$1; shift
@@ -49,11 +52,18 @@ run() {  # name, command...
 }
 
 test_args=()  # `tests -k loss_kernel` selects tests; `all`'s extra arguments are the benchmarks'
-[ "$stage" = tests ] && test_args=("$@")
+[ "$stage" = tests ] || [ "$stage" = reference-tests ] && test_args=("$@")
+# the files that hold cuda-marked tests (others may import CPU-only dev extras), and those of them that start
+# a trainer process: those read LMPIPE_FAST (tests/helpers.py lets it through)
+cuda_files=$(grep -rl "mark.cuda" tests --include='test_*.py' | sort)
+trainer_files=$(grep -l "procs.start\|run_lmpipe" $cuda_files)
 
 case $stage in
     # every cuda-marked test, from the files that hold them (others may import CPU-only dev extras)
-    tests|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m cuda $(grep -l "mark.cuda" tests/test_*.py) "${test_args[@]}" ;;&
+    tests|fast|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m cuda $cuda_files "${test_args[@]}" ;;&
+    reference-tests|fast) run cuda-tests-fast-none env LMPIPE_FAST=none python3 -m pytest -q -p no:cacheprovider \
+        --durations=8 -m cuda $trainer_files "${test_args[@]}" ;;&
+    fast) run ablation-fast python3 -m bench.ablation --only "all on" reference --out "$OUT" "$@" ;;&
     ceiling|all) run ceiling python3 -m bench.ceiling --out "$OUT" "$@" ;;&
     kernels|all) run kernels python3 -m bench.kernels --out "$OUT" "$@" ;;&
     attention|all) run attention python3 -m bench.attention --out "$OUT" "$@" ;;&
@@ -74,7 +84,7 @@ case $stage in
     peers) run peers python3 -m bench.peers --out "$OUT" "$@" ;;&
     elastic) run elastic python3 -m bench.elastic --data "$LMPIPE_WIKITEXT"/*.txt --doc-split heading \
         --seq-len 1024 --batch-size 16 --before 1 --after 4 --out "$OUT" "$@" ;;&
-    tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|elastic|all) ;;
+    tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|elastic|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

@@ -1,4 +1,4 @@
-"""The Triton AdamW (consumer/adamw.py) on CPU, through Triton's interpreter: the same weights, moments and
+"""The Triton AdamW (consumer/fast/adamw.py) on CPU, through Triton's interpreter: the same weights, moments and
 step counters as torch's AdamW over several steps, with a clip's grad_scale, a changing lr (a tensor in the
 last step), gradients that move between steps and two parameter groups; the state loads into torch's AdamW. tests/test_cuda.py runs it
 on a GPU."""
@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="Triton is not installed (it comes with tor
 CHECK = """
 import copy
 import torch
-from lmpipe.consumer import adamw as A
+from lmpipe.consumer.fast import adamw as A
 A.CHUNK, A.BLOCK = 256, 64  # several chunks a tensor, the last one partial, several blocks a chunk
 torch.manual_seed(0)
 shapes = [(30, 20), (1000,), (5,), (256,), (17, 40)]

@@ -4,13 +4,16 @@ loss, compile with bounded shapes, and the trainer end to end on CUDA. Skipped w
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from lmpipe.consumer.fast import mix
+from lmpipe.consumer.fast.liger import LigerLoss, fused_linear_cross_entropy
 from lmpipe.consumer.inputs import build_inputs
-from lmpipe.consumer.model import GPT, AttnSpec, fused_linear_cross_entropy, preset
+from lmpipe.consumer.model import GPT, AttnSpec, preset
 
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda")
@@ -93,6 +96,7 @@ def test_fused_cross_entropy_matches_the_plain_loss():
     if fused_linear_cross_entropy() is None:
         pytest.skip("liger-kernel not installed")
     plain, fused = model(vocab=4096), model(vocab=4096)
+    mix(fused, LigerLoss)
     fused.fused_ce = fused_linear_cross_entropy()
     x = torch.randint(0, 4096, (4, 256), device=DEV)
     pos = torch.arange(256, device=DEV).expand(4, 256)
@@ -139,8 +143,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_loss_kernel_equals_torchs_cross_entropy_in_fp32(compiled, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 means fp32 here
     torchs = _head_grads(model(vocab=5000), compiled, None)
+    from lmpipe.consumer.fast.loss import KernelLoss
+
     kern = model(vocab=5000)
-    kern.loss_kernel = True
+    mix(kern, KernelLoss)
     ours = _head_grads(kern, compiled, None)
     for a, b in zip(ours, torchs):
         assert _rel(a, b) < 1e-4, f"relative difference {_rel(a, b):.2e} from torch's in fp32"
@@ -151,19 +157,20 @@ def test_loss_kernel_equals_torchs_cross_entropy_in_fp32(compiled, monkeypatch):
 def test_loss_kernel_in_bf16_is_as_close_to_fp32_as_torchs(compiled, tuned, monkeypatch):
     """Both paths round to bf16; the kernel's error against the fp32 result may be no larger than
     torch's own. A bias (a wrong scale, a lost term) shows up here long before a loss curve shows it.
-    tuned-gemm: the head's forward GEMM through nvmath (consumer/cublaslt.py) as well."""
-    from lmpipe.consumer import cublaslt
-    from lmpipe.consumer import loss as L
+    tuned-gemm: the head's forward GEMM through nvmath (consumer/fast/cublaslt.py) as well."""
+    from lmpipe.consumer.fast import cublaslt
+    from lmpipe.consumer.fast import loss as L
 
-    if tuned and cublaslt.unavailable():
-        pytest.skip(cublaslt.unavailable())
-    monkeypatch.setattr(L, "TUNED_HEAD_GEMM", tuned)
+    if tuned and cublaslt.nvmath_missing():
+        pytest.skip(cublaslt.nvmath_missing())
+    from lmpipe.consumer.fast.head_gemm import TunedHead
+
     monkeypatch.setattr(cublaslt, "_plans", {})
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     truth = _head_grads(model(vocab=5000), compiled, None)
     torchs = _head_grads(model(vocab=5000), compiled, torch.bfloat16)
     kern = model(vocab=5000)
-    kern.loss_kernel = True
+    mix(kern, TunedHead if tuned else L.KernelLoss)
     ours = _head_grads(kern, compiled, torch.bfloat16)
     for name, a, b, ref in zip(("loss", "head grad", "block-0 grad"), ours, torchs, truth):
         err, base = _rel(a, ref), _rel(b, ref)
@@ -176,12 +183,11 @@ def test_loss_kernel_in_bf16_is_as_close_to_fp32_as_torchs(compiled, tuned, monk
 def test_the_heads_weight_gradient_comes_in_the_weights_layout(tuned, monkeypatch):
     """A gradient in another layout than its weight's is copied into it by autograd: a strided copy of the
     whole [vocab, C] matrix every step. Both GEMM paths hand dW over row-major, as the weight is."""
-    from lmpipe.consumer import cublaslt
-    from lmpipe.consumer import loss as L
+    from lmpipe.consumer.fast import cublaslt
+    from lmpipe.consumer.fast import loss as L
 
-    if tuned and cublaslt.unavailable():
-        pytest.skip(cublaslt.unavailable())
-    monkeypatch.setattr(L, "TUNED_HEAD_GEMM", tuned)
+    if tuned and cublaslt.nvmath_missing():
+        pytest.skip(cublaslt.nvmath_missing())
     monkeypatch.setattr(cublaslt, "_plans", {})
     g = torch.Generator(device=DEV).manual_seed(0)
     h = torch.randn(512, 64, device=DEV, generator=g, dtype=torch.bfloat16, requires_grad=True)
@@ -189,7 +195,7 @@ def test_the_heads_weight_gradient_comes_in_the_weights_layout(tuned, monkeypatc
     targets = torch.randint(0, 1000, (512,), device=DEV, generator=g)
     seen = []
     w.register_hook(lambda grad: seen.append(grad))
-    L.head_loss(h, w, targets, -1).backward()
+    L.head_loss(h, w, targets, -1, tuned).backward()
     assert seen[0].stride() == w.stride()
     want = torch.nn.functional.cross_entropy(h.float() @ w.float().t(), targets, reduction="sum")
     (dw,) = torch.autograd.grad(want, w)
@@ -198,7 +204,7 @@ def test_the_heads_weight_gradient_comes_in_the_weights_layout(tuned, monkeypatc
 
 
 def test_head_backward_scale_is_the_fp32_product_rounded_once():
-    from lmpipe.consumer.loss import _times
+    from lmpipe.consumer.fast.loss import _times
 
     g = torch.Generator(device=DEV).manual_seed(0)
     for n in (1, 4095, 4097, 50304 * 8):
@@ -354,10 +360,10 @@ def test_compile_keeps_bucket_shapes_bounded(procs, tmp_path, port):
 
 
 def test_triton_adamw_equals_torchs_fused_on_gpt2_parameters():
-    """consumer/adamw.py against torch's fused AdamW on GPT-2 124M's tensors (the embedding spans hundreds of
+    """consumer/fast/adamw.py against torch's fused AdamW on GPT-2 124M's tensors (the embedding spans hundreds of
     chunks, the layer norms one partial chunk each), with a clip's grad_scale on every step."""
-    from lmpipe.consumer import adamw
     from lmpipe.consumer.config import TrainConfig
+    from lmpipe.consumer.fast import adamw
     from lmpipe.consumer.step import make_optimizer
 
     torch.manual_seed(0)
@@ -365,8 +371,12 @@ def test_triton_adamw_equals_torchs_fused_on_gpt2_parameters():
     ref = GPT(preset("gpt2-124m", vocab_size=50257)).cuda()
     ref.load_state_dict(ours.state_dict())
     cfg = TrainConfig(fused_adamw=True, weight_decay=0.1)
-    opt = make_optimizer(ours, cfg, torch.device("cuda"))
-    assert isinstance(opt, adamw.AdamW)
+    built = SimpleNamespace(
+        tcfg=cfg, optimizer=make_optimizer(ours, cfg, torch.device("cuda")), runner=SimpleNamespace()
+    )
+    adamw.apply(built)  # type: ignore[arg-type]  # path adamw, as build() applies it
+    opt = built.optimizer
+    assert isinstance(opt, adamw.AdamW) and built.runner.optimizer is opt
     torch_opt = torch.optim.AdamW(
         [{"params": [p for p in ref.parameters() if p.dim() >= 2], "weight_decay": 0.1},
          {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}],

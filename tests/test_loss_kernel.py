@@ -1,4 +1,4 @@
-"""The one-pass loss kernel (consumer/loss.py) on CPU, through Triton's interpreter: the loss and both
+"""The one-pass loss kernel (consumer/fast/loss.py) on CPU, through Triton's interpreter: the loss and both
 gradients equal torch's cross-entropy. tests/test_cuda.py runs it compiled, in bf16, on a GPU."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ pytest.importorskip("triton", reason="Triton is not installed (it comes with tor
 
 CHECK = """
 import torch, torch.nn.functional as F
-from lmpipe.consumer import loss as L
+from lmpipe.consumer.fast import loss as L
 L.BLOCK = 128  # several blocks a row, the last one partial
 torch.manual_seed(0)
 n, c, v = 48, 16, 300
@@ -21,7 +21,7 @@ for upstream in (1.0, 0.37):
     t = torch.randint(0, v, (n,))
     t[::5] = -100  # ignored targets
     t[0], t[1] = 0, v - 1  # the first and the last vocabulary entry
-    got = L._HeadLoss.apply(h, w, t, -100)
+    got = L._HeadLoss.apply(h, w, t, -100, False)
     (got * upstream).backward()
     h2, w2 = h.detach().requires_grad_(), w.detach().requires_grad_()
     want = F.cross_entropy(h2 @ w2.t(), t, ignore_index=-100, reduction="sum")
@@ -32,8 +32,8 @@ for upstream in (1.0, 0.37):
     # every target ignored: no loss, no gradient
     t[:] = -100
     h.grad = None
-    L._HeadLoss.apply(h, w, t, -100).backward()
-    assert float(L._HeadLoss.apply(h, w, t, -100)) == 0.0 and not h.grad.any()
+    L._HeadLoss.apply(h, w, t, -100, False).backward()
+    assert float(L._HeadLoss.apply(h, w, t, -100, False)) == 0.0 and not h.grad.any()
 # the kernel's switches (bench.loss times them) change where it reads from, not what it computes
 logits = torch.randn(n, v)
 t = torch.randint(0, v, (n,))

@@ -1,8 +1,9 @@
-"""The MLP with its GELU in cuBLASLt's GEMM epilogues (consumer/mlp_kernel.py) computes what the plain MLP does."""
+"""The MLP with its GELU in cuBLASLt's GEMM epilogues (consumer/fast/mlp_kernel.py) computes what the plain MLP does."""
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,28 +12,40 @@ import torch.nn.functional as F
 from lmpipe.consumer.build import build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
-from lmpipe.consumer.mlp_kernel import unavailable
+from lmpipe.consumer.fast import PATHS, mix
+from lmpipe.consumer.fast import unavailable as path_unavailable
+from lmpipe.consumer.fast.cublaslt import nvmath_missing
+from lmpipe.consumer.fast.mlp_kernel import EpilogueMLP, unavailable
+from lmpipe.consumer.model import GPTConfig
 from lmpipe.shared.config import PipelineConfig
 from tests.helpers import compiled_bf16_steps
 
 
+def _built(device: str = "cuda", precision: str = "bf16", **model) -> SimpleNamespace:
+    tcfg = TrainConfig(model="tiny", metrics_port=None)
+    return SimpleNamespace(device=torch.device(device), precision=precision, tcfg=tcfg,
+                           model=SimpleNamespace(config=GPTConfig(**model)))  # fmt: skip
+
+
 def test_the_epilogues_say_why_they_cannot_run():
-    assert "CUDA only" in unavailable(torch.device("cpu"), False, 768)
-    if torch.cuda.is_available():
-        assert "biases" in unavailable(torch.device("cuda"), True, 768)
-        assert "multiple of 8" in unavailable(torch.device("cuda"), False, 100)
+    path = next(p for p in PATHS if p.name == "gelu-epilogue")
+    assert "needs CUDA, not cpu" in (path_unavailable(path, _built("cpu")) or "")  # type: ignore[arg-type]
+    assert "biases" in (unavailable(_built(bias=True)) or "")  # type: ignore[arg-type]
+    assert "multiple of 8" in (unavailable(_built(n_embd=100)) or "")  # type: ignore[arg-type]
+    assert "bf16, not fp16" in (unavailable(_built(precision="fp16")) or "")  # type: ignore[arg-type]
 
 
 def test_a_cpu_trainer_keeps_the_plain_mlp(caplog):
     tcfg = TrainConfig(model="tiny", compile=False, metrics_port=None)
-    assert tcfg.gelu_epilogue  # on by default: it applies where it can run
+    assert tcfg.fast == "auto"  # on by default: it applies where it can run
     with caplog.at_level(logging.INFO, logger="lmpipe.trainer"):
         built = build(PipelineConfig(seq_len=64), tcfg, 512, torch.device("cpu"), "fp32", None, Dist())
-    assert not any(b.mlp.gelu_epilogue for b in built.model.transformer.h)
+    assert not any(isinstance(b.mlp, EpilogueMLP) for b in built.model.transformer.h)
+    assert "gelu-epilogue (it needs CUDA, not cpu)" in caplog.text
 
 
 def _need_nvmath():
-    if (why := unavailable(torch.device("cuda"), False, 128)) is not None:
+    if (why := nvmath_missing()) is not None:
         pytest.skip(why)
 
 
@@ -45,7 +58,7 @@ def _reference(x, w_fc, w_proj):
 def test_epilogue_mlp_matches_the_tanh_gelu_mlp_forward_and_backward(n, c):
     """Against fp32: no further from it than the same MLP in plain bf16 ops, and far from the erf GELU's."""
     _need_nvmath()
-    from lmpipe.consumer.mlp_kernel import mlp
+    from lmpipe.consumer.fast.mlp_kernel import mlp
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, c, device="cuda", generator=g)
@@ -78,7 +91,8 @@ def test_a_compiled_gpt_trains_alike_with_and_without_the_epilogues():
 
     def switch(model, on):
         for b in model.transformer.h:
-            b.mlp.gelu_epilogue = on
+            if on:
+                mix(b.mlp, EpilogueMLP)
 
     (loss_off, grads_off), (loss_on, grads_on) = compiled_bf16_steps(switch)
     torch.testing.assert_close(loss_on, loss_off, rtol=2e-3, atol=0)
@@ -96,10 +110,10 @@ def test_a_bf16_cuda_trainer_takes_the_epilogues_and_says_so(caplog):
         fp16 = build(pcfg, tcfg, 512, torch.device("cuda"), "fp16", torch.float16, Dist())
         graphs = TrainConfig(model="tiny", compile=True, compile_mode="reduce-overhead", metrics_port=None)
         graphed = build(pcfg, graphs, 512, torch.device("cuda"), "bf16", torch.bfloat16, Dist())
-    assert all(b.mlp.gelu_epilogue for b in on.model.transformer.h)
-    assert not any(b.mlp.gelu_epilogue for b in fp16.model.transformer.h)
-    assert not any(b.mlp.gelu_epilogue for b in graphed.model.transformer.h)
-    assert "GEMM epilogues" in caplog.text and "needs --precision bf16, not fp16" in caplog.text
+    assert all(isinstance(b.mlp, EpilogueMLP) for b in on.model.transformer.h)
+    assert not any(isinstance(b.mlp, EpilogueMLP) for b in fp16.model.transformer.h)
+    assert not any(isinstance(b.mlp, EpilogueMLP) for b in graphed.model.transformer.h)
+    assert "gelu-epilogue" in on.fast and "needs --precision bf16, not fp16" in caplog.text
     assert "reduce-overhead records CUDA graphs" in caplog.text
 
 
@@ -107,12 +121,12 @@ def test_a_bf16_cuda_trainer_takes_the_epilogues_and_says_so(caplog):
 @pytest.mark.parametrize("epilogue", [None, "GELU_AUX", "DGELU"])
 def test_a_gemm_straight_to_cublaslt_equals_nvmaths_execute(epilogue, monkeypatch):
     """After its first call plans a shape, cublaslt.gemm calls cuBLASLt itself with the plan's descriptors
-    and algorithm (consumer/cublaslt.py): the same bits as nvmath's execute(), on new operands each call,
+    and algorithm (consumer/fast/cublaslt.py): the same bits as nvmath's execute(), on new operands each call,
     the epilogue's auxiliary input and output included."""
     _need_nvmath()
     from nvmath.linalg.advanced import MatmulEpilog
 
-    from lmpipe.consumer import cublaslt
+    from lmpipe.consumer.fast import cublaslt
 
     monkeypatch.setattr(cublaslt, "_plans", {})
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -11,9 +11,9 @@ import torch
 from lmpipe.consumer.build import AUTOTUNE_ATTENTION, build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
-from lmpipe.consumer.flash import cu_seqlens_host
-from lmpipe.consumer.flash import unavailable as flash_unavailable
-from lmpipe.consumer.inputs import MaskCache, build_inputs, positions, targets_for
+from lmpipe.consumer.fast import mix
+from lmpipe.consumer.fast.flash import problem as flash_unavailable
+from lmpipe.consumer.inputs import MaskCache, build_inputs, cu_seqlens_host, positions, targets_for
 from lmpipe.consumer.model import GPT, IGNORE, AttnSpec, preset
 from lmpipe.consumer.step import StepRunner, lr_at, make_optimizer
 from lmpipe.producer.batching import BatchSpec, batches
@@ -143,9 +143,8 @@ def test_clipping_inside_the_fused_step_equals_clip_grad_norm(grad_clip, device)
         model = tiny_model(seed=5).to(dev).train()
         opt = make_optimizer(model, cfg, dev)
         assert opt.defaults["fused"] is True and opt._step_supports_amp_scaling  # type: ignore[attr-defined]
-        if not inside:  # the step as it was: clip the gradients in place, then a plain fused step
-            opt._step_supports_amp_scaling = False  # type: ignore[attr-defined]
         runner = StepRunner(model, opt, cfg, None)
+        runner.clip_in_step = inside  # path clip-in-step (consumer/fast/clip.py); else clip_grad_norm_'s pass
         norms = [runner.step([m], 100.0, lr=1e-2)[1] for m in micro]  # two steps: Adam's moments matter
         assert not any(hasattr(opt, k) for k in ("grad_scale", "found_inf"))
         runs.append((norms, [p.detach().clone() for p in model.parameters()]))
@@ -332,11 +331,15 @@ def _flash_or_skip():
 @pytest.mark.cuda
 @pytest.mark.parametrize("L", [200, 256])
 def test_flash_attention_trains_like_dense(L):
-    """--attention flash (FlashAttention-4 varlen, consumer/flash.py) gives the dense mask's loss and
+    """--attention flash (FlashAttention-4 varlen, consumer/fast/flash.py) gives the dense mask's loss and
     gradients in bf16, eager and compiled."""
     _flash_or_skip()
+    from lmpipe.consumer.fast.flash import FlashAttention
+
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=97, block_size=L)).cuda()
+    for block in model.transformer.h:
+        mix(block.attn, FlashAttention)  # as build() does for --attention flash
     tokens, lengths, seg, mask = (t.cuda() for t in masked_packed_batch(L, L))
     losses, grads = [], []
     for attention, run in (

@@ -1,8 +1,10 @@
-"""The q/k/v projection whose backward reads dq, dk, dv where they are (consumer/qkv_kernel.py) computes what
+"""The q/k/v projection whose backward reads dq, dk, dv where they are (consumer/fast/qkv_kernel.py) computes what
 the plain projection does: its Triton GEMM in Triton's interpreter, the autograd wiring eager and compiled
 on CPU (no concatenation of the three gradients left in inductor's code), and the whole model on a GPU."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,14 +13,16 @@ import torch.nn.functional as F
 from lmpipe.consumer.build import build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
+from lmpipe.consumer.fast import mix
 from lmpipe.shared.config import PipelineConfig
 from tests.helpers import compiled_bf16_steps, run_in_triton_interpreter
 
 pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's CUDA wheels)")
+from lmpipe.consumer.fast import qkv_kernel as K  # noqa: E402  # Triton, checked above
 
 CHECK = """
 import torch, triton
-from lmpipe.consumer import qkv_kernel as K
+from lmpipe.consumer.fast import qkv_kernel as K
 torch.manual_seed(0)
 M, C = 200, 128  # rows not a multiple of any tile; BN 256 wider than C
 dq, dk, dv = (torch.randn(M, C) for _ in range(3))
@@ -39,7 +43,7 @@ def test_the_input_gradient_kernel_sums_the_three_gemms_in_the_interpreter():
 
 
 def _attention(x, w, kernel: bool):
-    from lmpipe.consumer.qkv_kernel import qkv
+    from lmpipe.consumer.fast.qkv_kernel import qkv
 
     B, L, C = x.shape
     q, k, v = qkv(x, w) if kernel else F.linear(x, w).split(C, -1)
@@ -79,7 +83,7 @@ def test_the_projection_gives_the_plain_projections_values_and_gradients(compile
 def test_a_cpu_trainer_keeps_autograds_projection():
     tcfg = TrainConfig(model="tiny", compile=False, metrics_port=None)
     built = build(PipelineConfig(seq_len=64), tcfg, 512, torch.device("cpu"), "fp32", None, Dist())
-    assert not any(b.attn.qkv_kernel for b in built.model.transformer.h)
+    assert not any(isinstance(b.attn, K.QKVProjection) for b in built.model.transformer.h)
 
 
 @pytest.mark.cuda
@@ -89,7 +93,8 @@ def test_a_compiled_gpt_trains_alike_with_and_without_the_qkv_kernel():
 
     def switch(model, on):
         for b in model.transformer.h:
-            b.attn.qkv_kernel = on
+            if on:
+                mix(b.attn, K.QKVProjection)
 
     (loss_off, grads_off), (loss_on, grads_on) = compiled_bf16_steps(switch)
     torch.testing.assert_close(loss_on, loss_off, rtol=0, atol=0)  # the forward is the same GEMM
@@ -97,20 +102,24 @@ def test_a_compiled_gpt_trains_alike_with_and_without_the_qkv_kernel():
         assert (a - b).norm() <= 0.01 * b.norm(), name  # bf16 rounding apart; a wrong block is ~100%
 
     pcfg = PipelineConfig(seq_len=64)
-    gpt2 = TrainConfig(model="gpt2-124m", compile=False, metrics_port=None)
+    gpt2 = TrainConfig(model="gpt2-124m", compile=False, fast="auto,qkv-backward", metrics_port=None)
     on = build(pcfg, gpt2, 512, torch.device("cuda"), "bf16", torch.bfloat16, Dist())
-    fp16 = build(pcfg, gpt2, 512, torch.device("cuda"), "fp16", torch.float16, Dist())
-    tiny = build(pcfg, TrainConfig(model="tiny", compile=False, metrics_port=None), 512, torch.device("cuda"),
-                 "bf16", torch.bfloat16, Dist())  # fmt: skip
-    assert all(b.attn.qkv_kernel for b in on.model.transformer.h)
-    assert not any(b.attn.qkv_kernel for b in fp16.model.transformer.h)
-    assert not any(b.attn.qkv_kernel for b in tiny.model.transformer.h)  # host-bound: the plain projection
+    assert all(isinstance(b.attn, K.QKVProjection) for b in on.model.transformer.h)
+    default = build(
+        pcfg, replace(gpt2, fast="auto"), 512, torch.device("cuda"), "bf16", torch.bfloat16, Dist()
+    )
+    assert not any(isinstance(b.attn, K.QKVProjection) for b in default.model.transformer.h)  # opt-in
+    # named, it is refused in one line where it cannot run: fp16, or a host-bound model's width
+    with pytest.raises(ValueError, match="--fast qkv-backward: it needs --precision bf16"):
+        build(pcfg, gpt2, 512, torch.device("cuda"), "fp16", torch.float16, Dist())
+    with pytest.raises(ValueError, match="under 768"):
+        build(pcfg, replace(gpt2, model="tiny"), 512, torch.device("cuda"), "bf16", torch.bfloat16, Dist())
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("m, c", [(4096, 768), (1000, 256)])
 def test_the_input_gradient_kernel_is_as_close_to_fp32_as_torchs_bf16_gemm(m, c):
-    from lmpipe.consumer.qkv_kernel import input_grad
+    from lmpipe.consumer.fast.qkv_kernel import input_grad
 
     g = torch.Generator(device="cuda").manual_seed(0)
     d = [torch.randn(m, c, device="cuda", generator=g) for _ in range(3)]

@@ -1,4 +1,4 @@
-"""--step-graph (consumer/step_graph.py): the whole training step captured as CUDA graphs trains as the eager
+"""Path step-graph (consumer/fast/step_graph.py): the whole training step captured as CUDA graphs trains as the eager
 step does, follows the lr schedule and the loss's denominator, and steps eagerly where it cannot capture."""
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ import torch
 from lmpipe.consumer.build import build
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
+from lmpipe.consumer.fast import PATHS
+from lmpipe.consumer.fast import step_graph as SG
+from lmpipe.consumer.fast import unavailable as path_unavailable
+from lmpipe.consumer.fast.step_graph import GRAPH_AFTER, GraphedSteps, _static_copy, _tensors, shape_key
 from lmpipe.consumer.inputs import build_inputs
-from lmpipe.consumer.step import step_graph_problem
-from lmpipe.consumer.step_graph import GRAPH_AFTER, _static_copy, _tensors, shape_key
 from lmpipe.shared.config import PipelineConfig
 from tests.helpers import masked_packed_batch
 
 
 def _built(device: str, step_graph: bool, compile: bool = False, **kw):
     torch.manual_seed(0)
-    tcfg = TrainConfig(
-        model="tiny", compile=compile, step_graph=step_graph, grad_clip=1.0, metrics_port=None, **kw
-    )
+    fast = "auto" if step_graph else "auto,-step-graph"
+    tcfg = TrainConfig(model="tiny", compile=compile, fast=fast, grad_clip=1.0, metrics_port=None, **kw)
     dtype = torch.bfloat16 if device == "cuda" else None
     return build(PipelineConfig(seq_len=256), tcfg, 97, torch.device(device), "bf16" if dtype else "fp32", dtype,
                  Dist())  # fmt: skip
@@ -57,7 +58,9 @@ def test_a_captured_step_trains_as_the_eager_step(compile):
     eager, graphed = _built("cuda", False, compile), _built("cuda", True, compile)
     want, got = _train(eager, lengths), _train(graphed, lengths)
     graph = graphed.runner._graph
-    assert graph is not None and eager.runner._graph is None and graph.static.idx.shape[1] == 256
+    assert (
+        graph is not None and not isinstance(eager.runner, GraphedSteps) and graph.static.idx.shape[1] == 256
+    )
     torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
     # bf16 kernels compiled under autocast's cache on and off round differently (1.0e-3 seen, H100); an lr
     # or denominator the graph failed to follow moves the weights by ~5e-2 over these steps
@@ -134,34 +137,36 @@ def _reserved() -> int:
 
 def test_on_a_cpu_the_step_runs_eagerly_and_says_why():
     built = _built("cpu", True)
-    assert not built.runner.graphs
-    assert step_graph_problem(built.runner) == "it needs CUDA, not cpu"
+    assert not built.runner.graphs and not isinstance(built.runner, GraphedSteps)
+    path = next(p for p in PATHS if p.name == "step-graph")
+    assert path_unavailable(path, built) == "it needs CUDA, not cpu"
     losses = []
     inp = _batch(0, 64, "cpu")
     for _ in range(GRAPH_AFTER + 2):  # past the point where a CUDA runner would capture
         loss, _ = built.runner.step([inp], float((inp.targets >= 0).sum()), 1e-2)
         losses.append(float(loss))
-    assert built.runner._graph is None and losses[-1] < losses[0]
+    assert losses[-1] < losses[0]
 
 
 def test_batches_that_change_shape_are_not_captured():
     """A graph holds one shape's activations; eager steps beside it for the others would double them."""
     for strategy, problem in [("pad-batch", True), ("bucket", True), ("pad", False), ("pack", False)]:
-        runner = _built("cpu", True).runner
-        runner.strategy, runner.device_type = strategy, "cuda"  # past the CPU check, to the strategy's
-        why = step_graph_problem(runner) or ""
+        built = _built("cpu", True)  # the path's own reasons, past the registry's CUDA check
+        built.runner.strategy = strategy
+        why = SG.unavailable(built) or ""
         assert ("changes the batches' shape" in why) == problem, (strategy, why)
-    runner.cfg.precision = "fp8"  # torchao's float8 scaling has not run under capture
-    assert "float8" in (step_graph_problem(runner) or "")
-    runner.cfg.fused_ce = True  # liger's .item() a step: every capture would fail
-    assert "--fused-ce" in (step_graph_problem(runner) or "")
+    assert "Triton AdamW" in (SG.unavailable(built) or "")  # path adamw needs CUDA: not applied on a CPU
+    built.tcfg.precision = "fp8"  # torchao's float8 scaling has not run under capture
+    assert "float8" in (SG.unavailable(built) or "")
+    built.tcfg.fused_ce = True  # liger's .item() a step: every capture would fail
+    assert "--fused-ce" in (SG.unavailable(built) or "")
 
 
 def test_nvmath_gemms_that_cannot_be_captured_are_refused_before_capture(monkeypatch):
     """Only the direct cuBLASLt call can be captured: with it off, or with plans of an nvmath-python that lacks
     what it reads, the step graph is refused up front (CaptureFailed with nothing trained), not attempted."""
-    from lmpipe.consumer import cublaslt
-    from lmpipe.consumer.step_graph import CaptureFailed, StepGraph
+    from lmpipe.consumer.fast import cublaslt
+    from lmpipe.consumer.fast.step_graph import CaptureFailed, StepGraph
 
     class OldPlan:  # a planned Matmul of an nvmath-python without the direct call's attributes
         num_operands = 2
@@ -200,9 +205,9 @@ def test_a_graphs_static_batch_is_its_own_copy_and_its_mask_reads_it():
 
 
 def test_a_memset_node_becomes_whole_aligned_words():
-    """consumer/memset_nodes.py stores a memset's bytes as 32-bit words, or leaves a node it cannot (2-D,
+    """consumer/fast/memset_nodes.py stores a memset's bytes as 32-bit words, or leaves a node it cannot (2-D,
     unaligned, not whole words) as it is."""
-    from lmpipe.consumer.memset_nodes import Fill, as_words
+    from lmpipe.consumer.fast.memset_nodes import Fill, as_words
 
     assert as_words(0x1000, 0, 1, 4, 1) == Fill(0x1000, 0, 1)  # cuBLASLt's: 4 bytes of zeros
     assert as_words(0x1000, 0x1AB, 1, 8, 1) == Fill(0x1000, 0xABABABAB, 2)  # a byte value is its low 8 bits
@@ -219,7 +224,7 @@ def test_memset_nodes_become_kernel_nodes_that_write_the_same_bytes():
     """cuBLASLt's workspace memsets in a captured graph (split-K weight gradients need them) become kernel
     nodes: none left, and the GEMMs' results equal, bit for bit, those of the same work captured unedited."""
     driver = pytest.importorskip("cuda.bindings.driver")
-    from lmpipe.consumer import memset_nodes
+    from lmpipe.consumer.fast import memset_nodes
 
     def memsets(graph: torch.cuda.CUDAGraph) -> int:
         g = driver.CUgraph(graph.raw_cuda_graph())

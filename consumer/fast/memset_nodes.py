@@ -1,11 +1,11 @@
-"""A captured CUDA graph's memset nodes rewritten as kernel nodes (the step graph's, consumer/step_graph.py).
+"""Path memset-nodes: a captured CUDA graph's memset nodes rewritten as kernel nodes (the step graph's,
+consumer/fast/step_graph.py).
 
-cuBLASLt zeroes 4 bytes of its workspace before every GEMM that uses one: 112 memsets in GPT-2 124M's step.
-Captured, each is a memset node, and the GPU sits idle about 4.4 us around it where one kernel follows
-another in about 0.5 us: 0.5-0.6 ms of a 55 ms step at 32 rows on an H200 (bench/results/workspace-2026-11-28.md).
-Without a workspace there are no memsets, but the small weight gradients lose split-K: 0.93x. So the
-memsets stay, as kernel nodes that store the same bytes: same place in the graph, same edges. In the probe
-the GPU's idle time a GEMM goes from 2.67 to 0.03 us; in the step, 1.002x on an H200
+cuBLASLt zeroes 4 bytes of its workspace before every GEMM that uses one. Captured, each is a memset node,
+and the GPU sits idle for microseconds around it where one kernel follows another in about 0.5 us. Without a
+workspace there are no memsets, but the small weight gradients lose split-K (0.93x,
+bench/results/workspace-2026-11-28.md). So the memsets stay, as kernel nodes that store the same bytes: same
+place in the graph, same edges. 1.002x in the step on an H200, within noise: opt-in
 (bench/results/memset-nodes-h200-2026-11-28.md).
 
 CUDA's driver API through cuda-python (`cuda.bindings`, which nvmath-python already brings) does the
@@ -18,10 +18,12 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-ENABLED = True  # bench.ablation switches it off
+if TYPE_CHECKING:
+    from lmpipe.consumer.build import Built
 
 THREADS = 256
 
@@ -146,10 +148,10 @@ def rewrite(graph: torch.cuda.CUDAGraph, device: torch.device) -> int:
     return done
 
 
-def unavailable() -> str | None:
-    """Why the rewrite cannot run here, or None."""
-    if not ENABLED:
-        return "switched off"
+def unavailable(built: Built) -> str | None:
+    """Why the rewrite cannot run in this build, or None."""
+    if "step-graph" not in built.fast:
+        return "it edits the step graph, which is off"
     try:
         from cuda.bindings import driver  # noqa: F401
     except ImportError:
@@ -157,3 +159,7 @@ def unavailable() -> str | None:
     if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph"):  # torch < 2.7
         return "this torch cannot hand out a captured graph before instantiating it"
     return None
+
+
+def apply(built: Built) -> None:
+    built.runner.rewrite_memsets = True  # type: ignore[attr-defined]  # a step_graph.GraphedSteps

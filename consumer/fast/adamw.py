@@ -1,28 +1,33 @@
-"""AdamW's update as one Triton kernel a parameter group, over a table of the tensors' addresses (CUDA, fp32).
+"""Path adamw: AdamW's update as one Triton kernel a parameter group, over a table of the tensors' addresses
+(CUDA, fp32).
 
 AdamW's work is memory traffic only: read the weights, gradients and both moments, write the weights and
-moments. torch's fused AdamW does it at 0.67 of the memory's speed on GPT-2 124M's 75 tensors. Here each
+moments, and torch's fused AdamW does it well below the memory's speed on GPT-2 124M's 75 tensors. Here each
 program of one launch takes one chunk of one tensor from a table whose rows hold the chunk's four addresses,
 its step counter's address and its length, so every tensor, small or large, is one grid. The table is
 rebuilt (and uploaded without a host sync) only when a tensor moves; the caching allocator hands the
-gradients the same blocks every step. With the norm and clip: 1.48 ms against torch's 1.79 on an H100, and
-1.006-1.018x tokens/s pipeline-fed, GPT-2 124M at 32 rows past 50% MFU (bench/results/adamw-h100-2026-11-27.md).
+gradients the same blocks every step. 1.006-1.018x tokens/s pipeline-fed, GPT-2 124M at 32 rows on an H100
+(bench/results/adamw-h100-2026-11-27.md).
 
 The optimizer is torch.optim.AdamW (fused) with this step: the same state ('step', 'exp_avg', 'exp_avg_sq'),
 so checkpoints move between the two, and torch's fused kernel still runs whatever this one does not take:
 amsgrad, maximize, non-fp32 or non-contiguous tensors, and a loss scaler's found_inf (fp16). A tensor lr
 (0-d fp32 on the parameters' device) is read by the kernel, so a captured CUDA graph's step follows it.
-bench.optimizer times the two; bench.ablation switches this off (ENABLED).
+bench.optimizer times the two.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = True
+if TYPE_CHECKING:
+    from lmpipe.consumer.build import Built
+
 CHUNK = 16384  # elements a program updates, one table row (bench.optimizer: 16k-256k x 1k-4k x 4-16 warps)
 BLOCK = 4096  # elements a program holds at a time
 WARPS = 8
@@ -92,8 +97,7 @@ class AdamW(torch.optim.AdamW):
 
     def _takes(self, group: dict, params: list[torch.Tensor]) -> bool:
         return (
-            ENABLED
-            and getattr(self, "found_inf", None) is None
+            getattr(self, "found_inf", None) is None
             and not (group["amsgrad"] or group["maximize"])
             and (not torch.is_tensor(group["lr"]) or _device_scalar(group["lr"], params))
             and all(p.dtype == torch.float32 and p.is_contiguous() and _dense_fp32(p.grad) for p in params)
@@ -131,3 +135,18 @@ class AdamW(torch.optim.AdamW):
                 LR_PTR=torch.is_tensor(lr), CHUNK=CHUNK, BLOCK=BLOCK, num_warps=WARPS,
             )  # fmt: skip
         return None
+
+
+def unavailable(built: Built) -> str | None:
+    if not built.tcfg.fused_adamw:
+        return "--no-fused-adamw asks for torch's foreach AdamW"
+    return None
+
+
+def apply(built: Built) -> None:
+    """torch's AdamW of the plain build, replaced by this one over the same groups and hyperparameters."""
+    cfg, old = built.tcfg, built.optimizer
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in old.param_groups]
+    built.optimizer = built.runner.optimizer = AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8
+    )

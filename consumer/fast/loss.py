@@ -1,30 +1,33 @@
-"""The LM head and its cross-entropy with one pass over the logits (CUDA, Triton).
+"""Path loss-kernel: the LM head and its cross-entropy with one pass over the logits (CUDA, Triton).
 
 torch.compile's cross-entropy reads the [tokens, vocab] logits twice a step: in the forward pass (an online
-softmax) and in the backward pass (the softmax again, minus the one-hot), and writes their gradient; for
-GPT-2 124M at 32 x 1024 tokens that is 4.9 ms of a 66 ms step on an H100, at well under the memory's speed
-(bench/results/kernels-*.md). Here one kernel, in the forward pass, takes each row's log-sum-exp and, while
+softmax) and in the backward pass (the softmax again, minus the one-hot), and writes their gradient. Here one
+kernel, in the forward pass, takes each row's log-sum-exp and, while
 the row is still in cache, overwrites the logits with their gradient (softmax - one-hot). The backward pass
 is then two matmuls and a scale: the upstream gradient is one scalar, so it multiplies the matmuls' small
 outputs, not the logits. This is liger-kernel's cross-entropy idea without its chunking, which needs a host
-sync a step (`--fused-ce`). On by default on CUDA in bf16 and fp32 (`--no-loss-kernel`: torch's); in fp16
-torch's runs, since softmax - one-hot, kept unscaled by the loss scale, would underflow there.
+sync a step (`--fused-ce`). 1.016-1.020x tokens/s on GPT-2 124M at 32 rows on an H100
+(bench/results/ablation-h100-2026-11-26.md). In fp16 torch's runs: softmax - one-hot, kept unscaled by the
+loss scale, would underflow there.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from lmpipe.consumer import cublaslt
+from lmpipe.consumer.fast import cublaslt, mix
+from lmpipe.consumer.fast.liger import LigerLoss, head_inputs
+from lmpipe.consumer.model import GPT, IGNORE
+
+if TYPE_CHECKING:
+    from lmpipe.consumer.build import Built
 
 BLOCK = 8192  # vocabulary entries a program reads at a time (bench.loss: best of 2k-32k x 8-32 warps)
 WARPS = 8
-# The head's forward and weight-gradient GEMMs through nvmath with cuBLASLt's fastest algorithm timed, where
-# nvmath-python is installed: 3.33 ms against torch's 3.83 ms for GPT-2 124M's forward at 32 rows on an H100,
-# 3.28 against 3.37 for its dW (bench/results/head-h100-2026-11-27.md). bench.ablation switches it off.
-TUNED_HEAD_GEMM = True
 
 
 @triton.jit
@@ -34,8 +37,8 @@ def _ce_row(
     """One row at `base`: loss = logsumexp(x) - x[target] (0 where target == ignore); x := softmax(x) - one-hot
     (0 where ignored), in place. The row is read twice; the first pass asks L2 to keep it (evict_last), the
     second runs from the row's end, so the blocks read last come back first, and lets it go (evict_first).
-    Over GPT-2's 32k x 50k logits on an H100: 2.78 ms, against 2.88 ms with the hints alone and 3.30 ms with
-    neither (HINTS, FROM_END: bench.loss --ce-only, bench/results/head-h100-2026-11-27.md)."""
+    Over GPT-2's 32k x 50k logits on an H100: 2.78 ms, against 3.30 ms with neither (HINTS, FROM_END:
+    bench.loss --ce-only, bench/results/head-h100-2026-11-27.md)."""
     valid = target != ignore
     m = float("-inf")
     s = 0.0
@@ -112,8 +115,10 @@ def _times(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ignore: int) -> torch.Tensor:
-        tuned = TUNED_HEAD_GEMM and h.is_cuda and h.dtype == torch.bfloat16 and not cublaslt.unavailable()
+    def forward(
+        ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ignore: int, tuned_gemm: bool
+    ) -> torch.Tensor:
+        tuned = tuned_gemm and h.is_cuda and h.dtype == torch.bfloat16 and not cublaslt.nvmath_missing()
         logits = cublaslt.gemm(h, w.t()) if tuned else h @ w.t()
         losses = torch.empty(logits.size(0), device=logits.device, dtype=torch.float32)
         _ce_rows[(logits.size(0),)](
@@ -130,17 +135,41 @@ class _HeadLoss(torch.autograd.Function):
         # bf16 once, as torch's (grad * (softmax - one-hot)) @ w is; scaling the products after rounding
         # them doubles their rounding error.
         ws, hs = _times(w, grad), _times(h, grad)
-        # dW's tuned algorithm is 2.5% faster than torch's pick; dh's is slower (bench.gemm_tune). nvmath's
+        # only dW's GEMM is tuned: dh's timed algorithm is slower than torch's pick (bench.gemm_tune). nvmath's
         # result takes its first operand's layout: dW^T = hs^T dlogits comes out column-major, so dW is
-        # row-major as w is; dlogits^T first made dW column-major, and autograd copied it into w's layout
-        # (a strided copy of [vocab, C], 0.27 ms a step at 32 rows on an H200: bench/results/kernels-*.md)
+        # row-major as w is, and autograd copies nothing into w's layout
         dw = cublaslt.gemm(hs.t(), dlogits).t() if ctx.tuned else dlogits.t() @ hs
-        return dlogits @ ws, dw, None, None
+        return dlogits @ ws, dw, None, None, None
 
 
 @torch.compiler.disable  # an opaque kernel for dynamo: the compiled model ends at the final layer norm
-def head_loss(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ignore: int) -> torch.Tensor:
+def head_loss(
+    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, ignore: int, tuned_gemm: bool = False
+) -> torch.Tensor:
     """sum over rows with targets != ignore of cross_entropy(h @ w.T, targets): h [N, C], w [V, C], targets
     [N] (int64), h and w of one dtype (the matmul's). The logits' gradient is made now and kept in their
-    place, so memory is what keeping the logits for backward takes."""
-    return _HeadLoss.apply(h.contiguous(), w, targets.contiguous(), ignore)
+    place, so memory is what keeping the logits for backward takes. `tuned_gemm`: the head's GEMMs through
+    cublaslt.gemm in bf16 (path head-gemm)."""
+    return _HeadLoss.apply(h.contiguous(), w, targets.contiguous(), ignore, tuned_gemm)
+
+
+class KernelLoss(GPT):
+    tuned_head_gemm = False  # head_gemm.TunedHead sets it
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not h.is_cuda:
+            return super().loss(h, targets)
+        h, w, t = head_inputs(self, h, targets)
+        return head_loss(h, w, t, IGNORE, self.tuned_head_gemm)
+
+
+def unavailable(built: Built) -> str | None:
+    if built.precision == "fp16":
+        return "in fp16 its unscaled softmax - one-hot would underflow"
+    if isinstance(built.model, LigerLoss):
+        return "--fused-ce (liger) computes the head's loss"
+    return None
+
+
+def apply(built: Built) -> None:
+    mix(built.model, KernelLoss)

@@ -1,25 +1,29 @@
-"""The attention's q/k/v projection with a backward that reads dq, dk and dv where they are (CUDA, Triton).
+"""Path qkv-backward: the attention's q/k/v projection with a backward that reads dq, dk and dv where they are
+(CUDA, Triton).
 
 Attention's backward returns dq, dk and dv as three tensors. The projection's backward as autograd writes it
 needs them side by side, one [tokens, 3C] gradient for one input-gradient GEMM and one weight-gradient GEMM,
-so inductor copies all three into it first: 1.17 ms of GPT-2 124M's 57 ms step at 32 rows on an H100
-(bench/results/head-h100-2026-11-27.md). Here the input gradient dx = dq Wq + dk Wk + dv Wv is one Triton GEMM
+so inductor copies all three into it first. Here the input gradient dx = dq Wq + dk Wk + dv Wv is one Triton GEMM
 whose K loop reads each of the three in turn, and the weight gradient is three cuBLAS GEMMs, one per block of
-rows. The forward is the one GEMM it was; q, k and v are views of its output as before. On an H100 that
-backward takes 0.89-0.91x the time (bench.qkv; bench/results/qkv-h100-2026-11-27.md), though the Triton GEMM
-runs at about 80% of cuBLAS's rate. consumer/build.py turns it on for bf16 CUDA models without biases, of
-hidden size 768 and up.
+rows. The forward is the one GEMM it was; q, k and v are views of its output as before. The backward takes
+0.89-0.91x the time on an H100, but the step gains within noise (consumer/fast/__init__.py: opt-in;
+bench/results/qkv-h100-2026-11-27.md). It runs for bf16 CUDA models without biases, of hidden size 768 and up.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# bench.ablation switches it off: the projection as autograd writes it
-ENABLED = True
+from lmpipe.consumer.fast import mix
+from lmpipe.consumer.model import CausalSelfAttention
+
+if TYPE_CHECKING:
+    from lmpipe.consumer.build import Built
 
 
 def _configs() -> list[triton.Config]:
@@ -106,3 +110,30 @@ def qkv(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     shape = x.shape
     q, k, v = _Projection.apply(x.reshape(-1, shape[-1]).to(dt).contiguous(), w.to(dt))
     return q.view(shape), k.view(shape), v.view(shape)
+
+
+class QKVProjection(CausalSelfAttention):
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if x.is_cuda:
+            return qkv(x, self.c_attn.weight)
+        return super().project(x)
+
+
+def unavailable(built: Built) -> str | None:
+    cfg = built.model.config
+    if built.precision != "bf16":
+        return f"it needs --precision bf16, not {built.precision}"
+    if cfg.bias:
+        return "the model has biases"
+    if cfg.n_embd % 64:  # the kernel's K steps of 64 each lie in one of q, k, v
+        return f"n_embd {cfg.n_embd} is not a multiple of 64"
+    if cfg.n_embd < 768:
+        # a smaller model's step is host-bound (bench/results/overhead-*.md): a custom op's dispatch costs more
+        return f"n_embd {cfg.n_embd} is under 768, where the op's dispatch costs more than the copy it saves"
+    return None
+
+
+def apply(built: Built) -> None:
+    for module in built.model.modules():
+        if isinstance(module, CausalSelfAttention):
+            mix(module, QKVProjection)

@@ -9,22 +9,27 @@ has them for Hopper and Blackwell, forward and backward; it is an optional extra
 The kernels are wrapped as torch custom ops so that torch.compile treats each call as one opaque node
 instead of tracing the CuTe DSL's Python (flash-attn-4 registers none of its own).
 
-Shapes are fixed for torch.compile: `cu_seqlens` is padded to a bucket (the next power of two of the piece
-count, at least 64) by repeating its end, which adds empty documents, and `max_seqlen` is the row length.
-So a compiled model sees one cu_seqlens shape for almost every batch and recompiles at most once per bucket.
+Shapes are fixed for torch.compile: `cu_seqlens` is padded to a bucket (inputs.cu_seqlens_host) and
+`max_seqlen` is the row length, so a compiled model recompiles at most once per bucket.
+
+Chosen by `--attention flash` (it changes what the inputs carry), not by `--fast`; build() applies it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-MIN_BUCKET = 64
+from lmpipe.consumer.fast import mix
+from lmpipe.consumer.model import AttnSpec, CausalSelfAttention
+
+if TYPE_CHECKING:
+    from lmpipe.consumer.build import Built
 
 
-def unavailable(device: torch.device) -> str | None:
+def problem(device: torch.device) -> str | None:
     """Why `--attention flash` cannot run on `device`, or None if it can."""
     if device.type != "cuda":
         return f"--attention flash needs a CUDA GPU; this run is on {device.type}"
@@ -34,21 +39,6 @@ def unavailable(device: torch.device) -> str | None:
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
         return "--attention flash needs FlashAttention-4: pip install 'lmpipe[flash]' (flash-attn-4)"
     return None
-
-
-def cu_seqlens_host(seg_host: np.ndarray) -> np.ndarray:
-    """Where each document piece starts in the flattened [B * L] batch, then B * L, padded to a bucket.
-
-    A piece is a run of equal `seg` inside one row: a new row always starts a new piece, even where the
-    same document carries on (attention never crosses rows). The padding repeats B * L: empty documents."""
-    B, L = seg_host.shape
-    new = np.ones((B, L), dtype=bool)
-    new[:, 1:] = seg_host[:, 1:] != seg_host[:, :-1]
-    starts = np.flatnonzero(new.ravel())
-    bucket = max(MIN_BUCKET, 1 << int(len(starts)).bit_length())  # > len(starts): room for the end
-    cu = np.full(bucket, B * L, dtype=np.int32)
-    cu[: len(starts)] = starts
-    return cu
 
 
 @torch.library.custom_op("lmpipe::flash_varlen_fwd", mutates_args=(), device_types="cuda")
@@ -119,3 +109,21 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
     flat = [t.reshape(B * L, H, D) for t in (q, k, v)]
     out, _ = _fwd(*flat, cu, L, D**-0.5)
     return out.view(B, L, H, D)
+
+
+class FlashAttention(CausalSelfAttention):
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttnSpec) -> torch.Tensor:
+        if attn.kind == "varlen":  # takes [B, L, H, D] as it is (no attention dropout)
+            assert attn.cu_seqlens is not None
+            return varlen_attention(q, k, v, attn.cu_seqlens)
+        return super().attend(q, k, v, attn)
+
+
+def unavailable(built: Built) -> str | None:
+    return problem(built.device)
+
+
+def apply(built: Built) -> None:
+    for module in built.model.modules():
+        if isinstance(module, CausalSelfAttention):
+            mix(module, FlashAttention)

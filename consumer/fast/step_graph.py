@@ -1,14 +1,10 @@
-"""The whole training step as two CUDA graphs, replayed for every batch of the same shapes (--step-graph).
+"""Path step-graph: the whole training step as two CUDA graphs, replayed for every batch of the same shapes.
 
-On an H100 the host takes 24-28 ms to issue GPT-2 124M's 16-row step (~600 launches: compiled graphs, custom
-ops, AdamW), about the GPU's 28 ms, so the GPU waits for it; four steps queued behind one sleep run at
-28.7 ms each, back to back behind the host at 29.8 ms (bench/results/host-h100-2026-11-27.md). Replayed, a
-step costs the host a few copies into static buffers and two replays: 1.14-1.59x at 16 rows, 1.03x at 32, 3.9x
-for the tiny model (bench/results/step-graph-h100-2026-11-27.md).
-
-torch's `reduce-overhead` graphs only the compiled forward and backward, and copies or re-records for each
-batch's new inputs and block mask (0.48x, bench/results/overhead-2026-11-26.md). Here the whole step is
-captured once, by hand, as torch's "whole-network capture" recipe does:
+The host takes about as long to issue GPT-2 124M's step (~600 launches) as an H100 takes to run it, so the GPU
+waits for it. Replayed, a step costs the host a few copies into static buffers and two replays: 1.14-1.59x at
+16 rows on an H100 (bench/results/step-graph-h100-2026-11-27.md). torch's `reduce-overhead` graphs only the
+compiled forward and backward and re-records for each batch's new inputs and block mask; here the whole step
+is captured once, by hand, as torch's "whole-network capture" recipe does:
 
 - graph 1: forward and backward of the static batch. Gradients start from None when it is captured, so the
   backward writes them into the graph's memory; each replay overwrites them (no accumulation).
@@ -17,10 +13,10 @@ captured once, by hand, as torch's "whole-network capture" recipe does:
   loss's denominator are device tensors written before each replay.
 
 Every tensor a graph reads (static inputs, lr, denominator, AdamW's tables, the GEMMs' workspace) is held
-here for the graphs' life. On by default; taken only where capture is safe (step.step_graph_problem): one
-CUDA device, no DDP, one micro-batch a step, no fp16 loss scaler, no fp8, the Triton AdamW, and batches of one
-shape (--strategy pack, pad). Anything else steps eagerly, as does a step whose capture fails (CaptureFailed:
-said once, nothing lost or trained twice).
+here for the graphs' life. Taken only where capture is safe (unavailable): one CUDA device, no DDP, one
+micro-batch a step, no fp16 loss scaler, no fp8, the Triton AdamW, and batches of one shape (--strategy pack,
+pad). Anything else steps eagerly, as does a step whose capture fails (CaptureFailed: said once, nothing lost
+or trained twice).
 """
 
 from __future__ import annotations
@@ -32,12 +28,13 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from lmpipe.consumer import cublaslt, memset_nodes  # torch alone: nvmath, cuda.bindings where used
+from lmpipe.consumer.fast import cublaslt, memset_nodes, mix  # torch alone: nvmath, cuda.bindings where used
 from lmpipe.consumer.inputs import ModelInputs, document_causal_mask_mod
 from lmpipe.consumer.model import AttnSpec
+from lmpipe.consumer.step import StepRunner
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.step import StepRunner
+    from lmpipe.consumer.build import Built
 
 log = logging.getLogger("lmpipe.trainer")
 T = TypeVar("T")
@@ -127,7 +124,8 @@ class StepGraph:
             opt.zero_grad(set_to_none=True)
         torch.cuda.current_stream(device).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
-        self.fwd_bwd = _graph()
+        rewrite = getattr(runner, "rewrite_memsets", False)
+        self.fwd_bwd = _graph(rewrite)
         try:
             self.loss = _capture(
                 self.fwd_bwd,
@@ -135,22 +133,22 @@ class StepGraph:
                 pool,
                 lambda: runner.forward_backward(self.static, self.denom, cache=False),
             )
-            _finish(self.fwd_bwd, device)
+            _finish(self.fwd_bwd, device, rewrite)
         except Exception as e:  # nothing ran: the gradients made in the capture are not this batch's
             opt.zero_grad(set_to_none=True)
             raise CaptureFailed(e, None) from e
         self.fwd_bwd.replay()  # this batch's gradients, now in the graph's memory
         for g in opt.param_groups:
-            g["lr"] = self.lr  # the Triton AdamW reads it from memory (consumer/adamw.py)
+            g["lr"] = self.lr  # the Triton AdamW reads it from memory (consumer/fast/adamw.py)
         try:
             # the update for this batch, eager: it builds AdamW's tables over the graph's gradients
             norm = runner.clip_and_update()
             self.first = (self.loss.detach().clone(), norm)
             side.wait_stream(torch.cuda.current_stream(device))
-            self.update = _graph()
+            self.update = _graph(rewrite)
             try:
                 self.norm = _capture(self.update, side, pool, runner.clip_and_update)
-                _finish(self.update, device)
+                _finish(self.update, device, rewrite)
             except Exception as e:  # this batch has trained (above): its result stands
                 torch.cuda.current_stream(device).wait_stream(side)
                 opt.zero_grad(set_to_none=True)
@@ -162,7 +160,7 @@ class StepGraph:
         # what the graphs read by address and nothing else holds for good
         tables = getattr(opt, "_tables", {})
         self._keep = [t for _, t in tables.values()] + list(cublaslt._workspaces.values())
-        log.info("the training step runs as CUDA graphs from here (--step-graph)")
+        log.info("the training step runs as CUDA graphs from here (--fast step-graph)")
 
     def takes(self, inp: ModelInputs) -> bool:
         return shape_key(inp) == self.key
@@ -180,18 +178,18 @@ class StepGraph:
         return self.loss.detach(), self.norm
 
 
-def _graph() -> torch.cuda.CUDAGraph:
+def _graph(rewrite: bool) -> torch.cuda.CUDAGraph:
     """A graph to capture into; kept un-instantiated after capture where its memset nodes are to be
-    rewritten (consumer/memset_nodes.py)."""
-    if memset_nodes.unavailable():
+    rewritten (consumer/fast/memset_nodes.py)."""
+    if not rewrite:
         return torch.cuda.CUDAGraph()
     return torch.cuda.CUDAGraph(keep_graph=True)
 
 
-def _finish(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+def _finish(graph: torch.cuda.CUDAGraph, device: torch.device, rewrite: bool) -> None:
     """The captured graph's memset nodes as kernel nodes, then instantiated (where _graph kept it so; a
     failed instantiation fails the capture, as it does inside capture_end)."""
-    if memset_nodes.unavailable():
+    if not rewrite:
         return
     try:
         n = memset_nodes.rewrite(graph, device)
@@ -227,7 +225,7 @@ def _capture(graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream, pool, fn: Cal
 
 
 def _gemm_problem() -> str | None:
-    """Why nvmath's GEMMs (consumer/cublaslt.py) would fail a capture, or None: only the direct cuBLASLt call
+    """Why nvmath's GEMMs (consumer/fast/cublaslt.py) would fail a capture, or None: only the direct cuBLASLt call
     can be captured (Matmul.execute() records an event of its own)."""
     if not cublaslt._plans:
         return None
@@ -236,3 +234,71 @@ def _gemm_problem() -> str | None:
     if not all(cublaslt._direct_ok(mm) for mm in cublaslt._plans.values()):
         return "this nvmath-python's planned GEMMs lack what the direct cuBLASLt call reads (nvmath 1.0's)"
     return None
+
+
+class GraphedSteps(StepRunner):
+    """The runner's step as CUDA graphs once a shape has repeated; eager until then, and for other shapes."""
+
+    rewrite_memsets = False  # consumer/fast/memset_nodes.py sets it
+    _graph: StepGraph | None = None
+    _eager_steps = 0
+    _last_key: tuple | None = None
+
+    def step(self, micro: list[ModelInputs], denom: float, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        denom = denom if denom > 0 else 1.0
+        if self.graphs and len(micro) == 1:
+            graph = self._graph
+            if graph is not None and graph.takes(micro[0]):
+                return graph.run(micro[0], denom, lr)
+            key = shape_key(micro[0])
+            if graph is None and key is not None:
+                # steps in a row of this shape: a graph is made for the shape the run keeps, not a short batch's
+                self._eager_steps = self._eager_steps + 1 if key == self._last_key else 1
+                self._last_key = key
+                if self._eager_steps > GRAPH_AFTER:  # compiled, tuned and planned by now: capture
+                    try:
+                        self._graph = StepGraph(self, micro[0], denom, lr)
+                        return self._graph.first
+                    except CaptureFailed as e:  # the same step fails the same way: eager from here on
+                        self.graphs = False
+                        # its text, not the exception: a handler that keeps records (pytest's caplog, a
+                        # buffer) would keep the traceback, and with it the failed capture's tensors
+                        log.warning("the training step cannot be captured as CUDA graphs (%s); it runs "
+                                    "eagerly from here (--fast auto,-step-graph: no attempt)", str(e))  # fmt: skip
+                        if e.result is not None:
+                            return e.result
+        if self._graph is not None:  # the graph's gradients stay in p.grad; an eager backward starts anew
+            self.optimizer.zero_grad(set_to_none=True)
+        return super().step(micro, denom, lr)
+
+
+def unavailable(built: Built) -> str | None:
+    """Why the step cannot be captured in this build, or None."""
+    runner, cfg = built.runner, built.tcfg
+    if runner.no_sync is not None:
+        return "DDP (torchrun) all-reduces inside the backward"
+    if runner.scaler is not None:
+        return "fp16's loss scaler decides on the host whether to step"
+    if cfg.attention == "flash":
+        return "--attention flash's document offsets change length from batch to batch"
+    if cfg.fused_ce:
+        return "--fused-ce (liger) reads the loss on the host every step"
+    if cfg.precision == "fp8":
+        return "torchao's float8 matmuls have not been run under CUDA graph capture here yet"
+    if runner.cudagraphs:
+        return f"--compile-mode {cfg.compile_mode} records CUDA graphs of its own"
+    if runner.strategy not in ("pack", "pad"):
+        # one graph holds its own activations: eager steps for the other shapes beside it would double them
+        return f"--strategy {runner.strategy} changes the batches' shape from step to step"
+    if cfg.accum != 1:
+        return "it captures one micro-batch a step (--accum 1)"
+    if "adamw" not in built.fast:
+        return "it needs the Triton AdamW (path adamw), which reads lr from memory"
+    return None
+
+
+def apply(built: Built) -> None:
+    mix(built.runner, GraphedSteps)
+    built.runner.graphs = True
+    # autocast's cache as a capture has it, for the whole run: dynamo guards on it (one compile, not two)
+    built.runner.autocast_cache = False

@@ -1,7 +1,8 @@
-"""GPT-2's MLP with the GELU and its gradient inside cuBLASLt's GEMMs (nvmath-python), CUDA and bf16 only.
+"""Path gelu-epilogue: GPT-2's MLP with the GELU and its gradient inside cuBLASLt's GEMMs (nvmath-python),
+CUDA and bf16 only.
 
 Compiled, the MLP's GELU and its gradient run as kernels of their own, each a full pass over the [tokens, 4C]
-activation (4.2 ms of GPT-2 124M's 61 ms step at 32 rows on an H100: bench/results/kernels-*.md). cuBLASLt
+activation. 1.028-1.037x tokens/s on GPT-2 124M at 32 rows on an H100 (bench/results/gelu-epilogue-h100-2026-11-27.md). cuBLASLt
 does both inside the GEMMs around them: c_fc's GEMM applies the GELU as it writes and keeps its input as an
 auxiliary output (epilogue GELU_AUX), and c_proj's input-gradient GEMM multiplies by gelu'(that input) as
 it writes (DGELU). torch exposes neither (its `_addmm_activation` recomputes the GEMM for the backward), so
@@ -15,21 +16,36 @@ the row-major [tokens, 4C] activation the next GEMM reads, with no copy.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
-from lmpipe.consumer import cublaslt
+from lmpipe.consumer.fast import cublaslt, mix
+from lmpipe.consumer.model import MLP
+
+if TYPE_CHECKING:
+    from lmpipe.consumer.build import Built
 
 
-def unavailable(device: torch.device, cfg_bias: bool, n_embd: int) -> str | None:
-    """Why the GELU epilogues cannot run here, or None."""
-    if device.type != "cuda":
-        return f"it runs on CUDA only, not {device.type}"
-    if cfg_bias:
+def unavailable(built: Built) -> str | None:
+    """Why the GELU epilogues cannot run in this build, or None."""
+    tcfg, cfg = built.tcfg, built.model.config
+    if built.precision != "bf16":
+        return f"it needs --precision bf16, not {built.precision}"
+    if tcfg.compile and tcfg.compile_mode in ("reduce-overhead", "max-autotune"):
+        # nvmath keeps a cuBLASLt workspace between calls; a CUDA graph's private memory pool refuses it
+        return f"--compile-mode {tcfg.compile_mode} records CUDA graphs, which nvmath's calls cannot join"
+    if cfg.bias:
         return "the model has biases (only bias-free MLPs, GPT-2 presets' default, take the epilogues)"
-    if n_embd % 8:
-        return f"n_embd {n_embd} is not a multiple of 8 (cuBLASLt's auxiliary output needs it)"
-    return cublaslt.unavailable()
+    if cfg.n_embd % 8:
+        return f"n_embd {cfg.n_embd} is not a multiple of 8 (cuBLASLt's auxiliary output needs it)"
+    return cublaslt.nvmath_missing()
+
+
+def apply(built: Built) -> None:
+    for module in built.model.modules():
+        if isinstance(module, MLP):
+            mix(module, EpilogueMLP)
 
 
 @functools.cache
@@ -98,3 +114,10 @@ def mlp(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor) -> torch.Tens
     shape = x.shape
     y, _, _ = mlp_gelu(x.reshape(-1, shape[-1]).to(dt).contiguous(), w_fc.to(dt), w_proj.to(dt))
     return y.view(*shape[:-1], y.shape[-1])
+
+
+class EpilogueMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return self.dropout(mlp(x, self.c_fc.weight, self.c_proj.weight))
+        return super().forward(x)

@@ -1,18 +1,15 @@
 """cuBLASLt GEMMs through nvmath-python (NVIDIA's binding), each shape's algorithm picked by timing.
 
-torch asks cuBLASLt's heuristic for one algorithm per GEMM. For most of a GPT-2 step that pick is as fast
-as any, but not for the LM head's forward (h W^T over the 50k vocabulary: 3.83 ms against 3.33 ms for the
-best algorithm timed, an H100) and weight gradient (3.37 against 3.28 ms), nor for the MLP's GELU epilogue
-GEMM (7% slower), and torch exposes no epilogues at all (bench/results/head-h100-2026-11-27.md,
-gelu-epilogue-h100-2026-11-27.md). nvmath plans a GEMM once per shape and can time cuBLASLt's candidates
-(autotune); the plans are kept here.
+torch asks cuBLASLt's heuristic for one algorithm per GEMM and exposes no epilogues. For most of a GPT-2
+step that pick is as fast as any, but not for the LM head's GEMMs (consumer/fast/head_gemm.py); the MLP's
+epilogues need nvmath (consumer/fast/mlp_kernel.py). nvmath plans a GEMM once per shape and can time
+cuBLASLt's candidates (autotune); the plans are kept here, the library's used by the paths that need it.
 
 Each call after the first goes straight to cuBLASLt's matmul through nvmath's binding, with the plan's
 descriptors and best algorithm, a workspace from torch's allocator and the outputs made by torch. That is
-what lets the training step be captured as a CUDA graph (consumer/step_graph.py): `Matmul.execute()`
-creates and records a CUDA event of its own and keeps its own workspace. It also costs a third of
-execute()'s host time (31 against 82 us a call, H100), which alone moved tokens/s by 1.001-1.004x
-(bench/results/host-h100-2026-11-27.md). The plan's descriptors are nvmath's attributes, not its API: with a
+what lets the training step be captured as a CUDA graph (consumer/fast/step_graph.py): `Matmul.execute()`
+creates and records a CUDA event of its own and keeps its own workspace; the direct call also costs a third
+of its host time (bench/results/host-h100-2026-11-27.md). The plan's descriptors are nvmath's attributes, not its API: with a
 version without them every call takes `execute()`, and the step is not captured (step_graph._gemm_problem).
 """
 
@@ -42,7 +39,7 @@ _DIRECT_NEEDS = ("handle", "mm_desc", "mm_desc_ifc", "alpha", "beta", "a_layout_
 
 
 @functools.cache
-def unavailable() -> str | None:
+def nvmath_missing() -> str | None:
     """Why nvmath-python cannot run GEMMs here, or None."""
     try:
         import nvmath.linalg.advanced  # noqa: F401
