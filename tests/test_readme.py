@@ -18,6 +18,7 @@ from lmpipe.shared.settings import SettingsError, from_args
 from tests.helpers import REPO, WIKITEXT, free_port_pair, lmpipe_env
 
 README = REPO / "README.md"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 WT2 = WIKITEXT  # the README's WT2: where this project's machines hold WikiText-2 (valid and test)
 
 
@@ -53,16 +54,16 @@ def parse(argv: list[str]) -> None:
         from_args(ns, cls)
 
 
-def test_how_it_fits_together_names_every_module():
-    """A newcomer finds each module of the package in the map, with what it holds."""
-    text = section(README.read_text(), "How it fits together")
+def test_the_architecture_page_names_every_module():
+    """A newcomer finds each module of the package, subpackages included, in docs/architecture.md."""
+    text = ARCHITECTURE.read_text()
     missing = [
-        f"{top}/{path.name}"
+        str(path.relative_to(REPO))
         for top in ("producer", "consumer", "shared", "lmpipe")
-        for path in sorted((REPO / top).glob("*.py"))
+        for path in sorted((REPO / top).rglob("*.py"))
         if not path.name.startswith("__") and f"`{path.name}`" not in text
     ]
-    assert not missing, f"README's How it fits together does not name {missing}"
+    assert not missing, f"docs/architecture.md does not name {missing}"
 
 
 def test_quick_start_is_install_and_run_then_the_tests():
@@ -70,9 +71,12 @@ def test_quick_start_is_install_and_run_then_the_tests():
     first = bash_blocks(text)[0]
     assert len(first) == 2, first
     setup, tests = first
-    assert setup.startswith("python3 -m venv .venv && .venv/bin/pip install ") and "-e '.[dev]'" in setup
+    assert setup.startswith("python3 -m venv .venv && .venv/bin/pip install ") and "-e '.[train]'" in setup
+    assert "[dev]" not in setup, "the first line installs what training needs, no test or deploy tooling"
     assert setup.endswith("&& .venv/bin/lmpipe run"), "the first line runs the default job"
-    assert tests.startswith(".venv/bin/python -m pytest"), "the second runs the tests"
+    assert "-e '.[dev]'" in tests and tests.endswith("&& .venv/bin/python -m pytest -q"), (
+        "the second runs the tests"
+    )
     cpu = re.search(r"No GPU\?.*?```bash\n(.*?)\n```", text, re.S)
     assert cpu and "--index-url https://download.pytorch.org/whl/cpu" in cpu[1], "the CPU index, spelled out"
     assert re.search(r"torch==([\d.]+)", cpu[1])[1] == re.search(r"torch==([\d.]+)", setup)[1]
