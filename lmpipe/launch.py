@@ -139,8 +139,10 @@ def lock_checkpoint_dir(tcfg: TrainConfig) -> None:
         return
     import fcntl
 
+    from lmpipe.consumer.checkpoint import make_dir  # torch-free
+
     folder = Path(tcfg.checkpoint_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dir(folder)
     # an empty file, never written: a run refused later leaves the folder as it found it
     fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
