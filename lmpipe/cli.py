@@ -89,6 +89,12 @@ def build_parser() -> Parser:
         add_settings(t, TrainConfig, TRAINING)
         add_settings(t, ReportOptions, "reporting")
 
+    _add_commands(command)
+    return p
+
+
+def _add_commands(command) -> None:
+    """The producer's and the one-shot commands (`command(name, func, settings, **kwargs)` adds one)."""
     pr = command(
         "produce",
         cmd_produce,
@@ -150,7 +156,6 @@ def build_parser() -> Parser:
     )
     pl.add_argument("summary", help="a file written by --summary-json")
     add_settings(pl, PlotOptions, "plot", env=False)
-    return p
 
 
 # -- commands: each gets the namespace, the global options and its settings, built and validated ---------
@@ -188,7 +193,7 @@ def cmd_produce(ns, g: GlobalOptions, cfg: PipelineConfig, opts: ProduceOptions)
 
 
 def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOptions) -> int:
-    from lmpipe.launch import check_tokenizer, first_document, open_corpus
+    from lmpipe.checks import check_tokenizer, first_document, open_corpus
     from lmpipe.progress import Progress, duration, text_bytes
     from lmpipe.shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
 
@@ -230,7 +235,7 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
 
 def check_tokenizer_out(out: str, corpus) -> None:
     """tokenizer train's --out can be written, and is no corpus file it reads (replaced with JSON before)."""
-    from lmpipe.launch import check_writable
+    from lmpipe.checks import check_writable
 
     check_writable("--out", out)  # a directory, a missing or read-only folder
     if not Path(out).exists():
@@ -264,7 +269,7 @@ def _sigterm_exits():
 def _prepare(cfg: PipelineConfig, opts: PrepareOptions) -> int:
     from typing import cast
 
-    from lmpipe.launch import check_tokenizer, check_writable, first_document, open_corpus, say_left_out
+    from lmpipe.checks import check_tokenizer, check_writable, first_document, open_corpus, say_left_out
     from lmpipe.producer.shards import check_out, prepare
     from lmpipe.producer.sources import BadRecords, Corpus
     from lmpipe.producer.stream import DocStream
