@@ -360,45 +360,9 @@ def cmd_plot(ns, g: GlobalOptions, opts: PlotOptions) -> int:
 
 
 def cmd_health(ns, g: GlobalOptions, opts: HealthOptions) -> int:
-    import math
-    import urllib.request
+    from lmpipe.health import check
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from lmpipe.consumer.report import duration
-
-    url = f"http://127.0.0.1:{opts.metrics_port}/metrics"
-    try:
-        with urllib.request.urlopen(url, timeout=4) as r:
-            text = r.read().decode()
-        samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
-    except OSError as exc:
-        print(f"unhealthy: {url} does not answer ({exc})")
-        return 1
-    except ValueError as exc:  # not UTF-8, not Prometheus's text format
-        print(f"unhealthy: {url} answers, but not with Prometheus metrics ({exc})")
-        return 1
-    build = samples.get("lmpipe_build_info")
-    if build is None:  # something else holds the port (lmpipe's own server may have failed to bind it)
-        print(f"unhealthy: {url} answers, but not as lmpipe (no lmpipe_build_info)")
-        return 1
-    role = build.labels.get("role", "?")
-    if role != "trainer":
-        print(f"healthy: lmpipe {role} answers at {url}")
-        return 0
-    now = time.time()
-    last = samples["lmpipe_trainer_last_step_timestamp_seconds"].value
-    step = int(samples["lmpipe_trainer_global_step"].value)
-    since, what = (last, "its latest step") if not math.isnan(last) else (
-        samples["process_start_time_seconds"].value, "its start, with no step since")  # fmt: skip
-    age = now - since
-    if age > opts.stalled_after:
-        print(
-            f"unhealthy: trainer at step {step}, {duration(age)} since {what} (--stalled-after {opts.stalled_after:g})"
-        )
-        return 1
-    print(f"healthy: trainer at step {step}, {duration(age)} since {what}")
-    return 0
+    return check(opts)
 
 
 def _role(cmd: str, configs: list) -> str:
