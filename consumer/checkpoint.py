@@ -205,7 +205,9 @@ def read_header(path: Path) -> dict[str, Any]:
     if not isinstance(hdr, dict):
         raise CheckpointError(f"{f}: header is not a JSON object")
     version = hdr.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(f"{f}: malformed header: format_version {version!r} is not a version number")
+    if version > FORMAT_VERSION:
         raise CheckpointError(
             f"{f}: format_version {version!r} is newer than this lmpipe ({__version__}) understands "
             f"(up to {FORMAT_VERSION}); upgrade lmpipe to resume it"

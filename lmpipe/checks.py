@@ -32,7 +32,12 @@ def check_ports(cfg: PipelineConfig) -> None:
     try:
         ep = endpoints(cfg)
         if ep.kind == "ipc":
+            assert ep.runtime_dir is not None
+            lock = ep.runtime_dir / f"{cfg.port}.lock"
+            existed = lock.exists()
             ep.check_free(cfg.port)
+            if not existed:  # made by the check: a start that fails later must not leave it behind
+                _remove_unheld(lock)
             return
     except ValueError as exc:  # the runtime directory is unsafe or unusable
         raise SettingsError(f"--runtime-dir: {exc}") from None
@@ -56,6 +61,18 @@ def check_ports(cfg: PipelineConfig) -> None:
                         f"--port {cfg.port}: the {what} {cfg.host}:{port} is already in use; choose another --port"
                     ) from None
                 raise SettingsError(f"--host {cfg.host}: cannot bind port {port} ({exc.strerror})") from None
+
+
+def _remove_unheld(lock: Path) -> None:
+    """Remove a trainer's lock file that no trainer holds (one that does keeps it)."""
+    import fcntl
+
+    try:
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock.unlink()  # while held: a trainer starting this instant is refused, as if this one held it
+    except OSError:
+        pass  # held by a trainer that started meanwhile, or gone
 
 
 def check_keys(cfg: PipelineConfig, *, server: bool) -> None:
