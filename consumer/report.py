@@ -241,7 +241,14 @@ class DocLog:
     number, session), so that a run can be checked to have trained each document exactly once."""
 
     def __init__(self, path: str):
+        self.path = path
+        self._failed = False
         self._file = open(path, "a")  # noqa: SIM115 - closed by close()
+
+    def _said(self, exc: OSError) -> OSError:
+        """A write that failed (a full disk) as one line naming the file; close() then says nothing more."""
+        self._failed = True
+        return OSError(f"--doc-log {self.path}: cannot write it ({exc.strerror or exc})")
 
     def write(self, step: int, metas: list[SlotMeta]) -> None:
         rows = []
@@ -256,8 +263,15 @@ class DocLog:
                     "targets": m.n_targets,
                 }
             )
-        self._file.write(json.dumps({"step": step, "batches": rows}) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps({"step": step, "batches": rows}) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise self._said(exc) from None
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as exc:
+            if not self._failed:  # else the first failure is said already; the rest was never written
+                raise self._said(exc) from None

@@ -51,9 +51,13 @@ def report(summary, path: str | None) -> None:
     if sys.stderr.isatty():
         sys.stderr.write("\n")  # end the live status line
     print(summary.render(), flush=True)
-    if path:
+    if not path:
+        return
+    try:
         with open(path, "w") as f:  # standard JSON: an unknown figure (NaN, a run with no step) is null
             json.dump(_no_nan(summary.to_dict()), f, indent=1, allow_nan=False)
+    except OSError as exc:  # a full disk says no file name of its own
+        raise OSError(f"--summary-json {path}: cannot write it ({exc.strerror or exc})") from None
 
 
 def _no_nan(v):
