@@ -397,6 +397,7 @@ class Trainer:
             if any_stop and not self._stop_reason:
                 self._stop_reason = "another rank stopped"
             if not any_data:
+                stats.waited_for_nothing(waited)
                 break
             waited = stats.start_clock(waited)
             t0 = time.perf_counter()
