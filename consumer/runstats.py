@@ -97,6 +97,15 @@ def _check_finite(loss_sum: float, targets: float, first: int, last: int) -> Non
     )
 
 
+def untrained_reason(loss_masked: bool) -> str:
+    """Why a step's batches hold no trained target. Plain text has no loss mask: there every piece in the
+    batches is a single token (a document's last token, or the end of one cut into rows, which bucket
+    batches together), and a piece's last token has no next one to predict."""
+    if loss_masked:
+        return "every token loss-masked"
+    return "every document piece in them is a single token, with no next token in its document to predict"
+
+
 class RunStats:
     """One run's counts: per step (add_step), per logging interval (close_interval) and for the summary
     (finish). `published`: the loss scaler's overflow/skip counts already in the metrics (a resumed run's)."""
