@@ -355,6 +355,8 @@ class Trainer:
                 else f"the trainer failed ({type(exc).__name__})"
             )
             self._stop_reason = self._stop_reason or why
+            if (lost := self.dist.lost(exc)) is not None:  # said in one line, not gloo's traceback
+                raise lost from None
             raise
         finally:
             self.receiver.stop(reason=self._stop_reason or "training finished")

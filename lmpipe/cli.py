@@ -415,6 +415,12 @@ def _main(argv: list[str] | None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a failure that says itself in one line (a torchrun rank lost) carries its code
+        code = getattr(exc, "exit_code", None)
+        if not isinstance(code, int):
+            raise
+        log.error("%s", exc)
+        return code
 
 
 if __name__ == "__main__":
