@@ -19,6 +19,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,41 @@ NO_MODEL = "none (--consume-only)"  # a checkpoint's model field when it holds p
 
 class CheckpointError(ValueError):
     """A checkpoint that must not be used; the message says which field or file and why."""
+
+
+def check_trusted(path: Path) -> None:
+    """CheckpointError unless `path` belongs to this user and only this user can write it: a checkpoint
+    another local user could have planted or changed (its cursors moved ahead, its weights replaced) is
+    never resumed. Root's checkpoints must be root's."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
+    if st.st_uid != os.geteuid():
+        raise CheckpointError(
+            f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): another user may have "
+            "planted or changed it, so it is not resumed; copy the checkpoint into a folder of your own"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CheckpointError(
+            f"{path} is writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'} (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): anyone there may have changed it, so it is not resumed; "
+            f"`chmod go-w {path}` if you trust its contents"
+        )
+
+
+def check_checkpoint_trusted(path: Path, root: Path | None) -> None:
+    """The checkpoint folder, its files and the folder holding it (where a planted step-N would go)."""
+    for p in ([root] if root is not None else []) + [path, path / "header.json", path / "state.pt"]:
+        if p.exists():
+            check_trusted(p)
+
+
+_PRIVATE_FILE = 0o644  # group and others may read (the umask may take more), never write
+
+
+def _private_open(file: str | os.PathLike, flags: int) -> int:
+    return os.open(file, flags, _PRIVATE_FILE)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -67,7 +103,7 @@ class CheckpointManager:
     def save(self, step: int, header: dict[str, Any], state: dict[str, Any]) -> Path:
         """Write atomically; returns the checkpoint's directory."""
         t0 = time.perf_counter()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.dir)
         final = self.dir / f"{_PREFIX}{step:08d}"
         tmp = self.dir / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -84,7 +120,8 @@ class CheckpointManager:
             shutil.rmtree(final)
         os.replace(tmp, final)
         pointer = self.dir / f".latest.tmp-{os.getpid()}"
-        pointer.write_text(final.name + "\n")
+        with open(pointer, "w", opener=_private_open) as f:
+            f.write(final.name + "\n")
         os.replace(pointer, self.dir / "latest")
         _fsync_dir(self.dir)
         self._prune(final)
@@ -93,10 +130,10 @@ class CheckpointManager:
 
     def _write(self, tmp: Path, step: int, header: dict[str, Any], state: dict[str, Any]) -> None:
         """state.pt and header.json into `tmp`, fsynced."""
-        tmp.mkdir()
+        tmp.mkdir(mode=0o755)  # never writable by group or others, whatever the umask: resume checks it
         import torch  # here, not at the top: the launcher reads headers before it forks producers, torch-free
 
-        with open(tmp / "state.pt", "wb") as f:
+        with open(tmp / "state.pt", "wb", opener=_private_open) as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
@@ -108,7 +145,7 @@ class CheckpointManager:
             "state_sha256": sha256_file(tmp / "state.pt"),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        with open(tmp / "header.json", "w") as f:
+        with open(tmp / "header.json", "w", opener=_private_open) as f:
             json.dump(hdr, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
@@ -151,6 +188,12 @@ class CheckpointManager:
         return done[-1] if done else None
 
 
+def make_dir(folder: Path) -> None:
+    """A --checkpoint-dir, made where missing, never writable by group or others (a resume refuses that)."""
+    if not folder.is_dir():
+        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+
+
 def read_header(path: Path) -> dict[str, Any]:
     f = path / "header.json"
     if not f.is_file():
@@ -162,7 +205,9 @@ def read_header(path: Path) -> dict[str, Any]:
     if not isinstance(hdr, dict):
         raise CheckpointError(f"{f}: header is not a JSON object")
     version = hdr.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(f"{f}: malformed header: format_version {version!r} is not a version number")
+    if version > FORMAT_VERSION:
         raise CheckpointError(
             f"{f}: format_version {version!r} is newer than this lmpipe ({__version__}) understands "
             f"(up to {FORMAT_VERSION}); upgrade lmpipe to resume it"
@@ -272,13 +317,18 @@ def resolve_resume(arg: str | None, directory: str | None) -> Path | None:
     if arg == "auto":
         if not directory:
             raise CheckpointError("--resume auto needs --checkpoint-dir")
-        return CheckpointManager(directory).latest()
+        found = CheckpointManager(directory).latest()
+        if found is not None:
+            check_checkpoint_trusted(found, Path(directory))
+        return found
     p = Path(arg)
     if (p / "header.json").is_file():
+        check_checkpoint_trusted(p, None)
         return p
     found = CheckpointManager(p).latest()
     if found is None:
         raise CheckpointError(f"--resume {arg}: no checkpoint there")
+    check_checkpoint_trusted(found, p)
     return found
 
 

@@ -12,11 +12,31 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+class RankLost(RuntimeError):
+    """A rank of the job ended mid-run; the message names it. `exit_code`: the CLI says the message in one
+    line and exits with it (not a usage error)."""
+
+    exit_code = 1
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (a zombie its launcher has not reaped yet counts as ended)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except ProcessLookupError:
+        return True
+    except OSError:  # no /proc (not Linux), or not ours to signal: alive as far as we can tell
+        return False
 
 
 @dataclass
@@ -25,6 +45,7 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     host_group: Any = field(default=None, repr=False)  # gloo group for host scalars
+    peers: list[tuple[str, int]] = field(default_factory=list)  # every rank's (host name, pid)
 
     @property
     def enabled(self) -> bool:
@@ -69,6 +90,19 @@ class Dist:
         if self.enabled:
             dist.barrier(group=self.host_group)
 
+    def lost(self, exc: BaseException) -> RankLost | None:
+        """A collective's failure (gloo: "Connection closed by peer") as the rank that was lost, where a
+        rank on this host has ended; None where none has (another failure, or a rank on another host)."""
+        if not self.enabled or not isinstance(exc, RuntimeError):
+            return None
+        here = socket.gethostname()
+        gone = [f"rank {r} (pid {pid})" for r, (host, pid) in enumerate(self.peers)
+                if r != self.rank and host == here and _gone(pid)]  # fmt: skip
+        if not gone:
+            return None
+        return RankLost(f"{', '.join(gone)} of the torchrun job ended mid-run; rank {self.rank} stops too "
+                        "(resume from the last checkpoint)")  # fmt: skip
+
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
@@ -91,4 +125,6 @@ def from_env(device: str) -> Dist:
         device_id=torch.device("cuda", local_rank) if cuda else None,
     )
     host = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
-    return Dist(rank, world, local_rank, host)
+    peers: list[Any] = [None] * world  # so that a lost rank can be named (Dist.lost)
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=host)
+    return Dist(rank, world, local_rank, host, [(str(h), int(p)) for h, p in peers])

@@ -38,8 +38,10 @@ class Summary:
     # steps whose batches held no trained target (all loss-masked): no forward, backward or update, since
     # AdamW would still move the weights on a zero gradient (momentum, weight decay)
     untrained_steps: int = 0
-    seconds: float = 0.0
-    data_wait_seconds: float = 0.0
+    seconds: float = 0.0  # from the first batch to the end
+    data_wait_seconds: float = 0.0  # waits for data within `seconds`, the last one (no batch came) included
+    # the wait for the first batch, apart: start-up, producers started late, storage down from the start
+    first_data_wait_seconds: float = 0.0
     first_loss: float = float("nan")
     last_loss: float = float("nan")
     losses: list[float] = field(default_factory=list)
@@ -99,7 +101,13 @@ class Summary:
     def render(self) -> str:
         if self.steps <= self.first_step:
             return (
-                f"summary: no steps trained in {self.seconds:.1f} s ({self.stopped_by or 'stopped'}) | "
+                f"summary: no steps trained in {self.seconds:.1f} s ({self.stopped_by or 'stopped'}"
+                + (
+                    f", {self.first_data_wait_seconds:.1f} s waiting for data"
+                    if self.first_data_wait_seconds >= 0.05
+                    else ""
+                )
+                + ") | "
                 f"batches dropped: {self.rejected} malformed, {self.stale} stale"
                 + (f" | refused: {self.refused} producer hello(s)" if self.refused else "")
                 + self._render_skipped()
@@ -124,8 +132,13 @@ class Summary:
                 else "no steady tok/s (no step after the first --log-every interval)"
             )
             + (f", MFU {100 * self.steady_mfu:.1f}%" if self.steady_mfu else "")
-            + f" ({self.tokens_per_second:,.0f} overall, first step after {self.time_to_first_step:.1f} s) | "
-            f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
+            + f" ({self.tokens_per_second:,.0f} overall, first step after {self.time_to_first_step:.1f} s"
+            + (
+                f" ({self.first_data_wait_seconds:.1f} s waiting for data)) | "
+                if self.first_data_wait_seconds >= 0.05
+                else ") | "
+            )
+            + f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
             f"data wait {100 * self.data_wait_fraction:.1f}% | "
             f"batches dropped: {self.rejected} malformed, {self.stale} stale"
             + (f" | refused: {self.refused} producer hello(s)" if self.refused else "")
@@ -241,7 +254,14 @@ class DocLog:
     number, session), so that a run can be checked to have trained each document exactly once."""
 
     def __init__(self, path: str):
+        self.path = path
+        self._failed = False
         self._file = open(path, "a")  # noqa: SIM115 - closed by close()
+
+    def _said(self, exc: OSError) -> OSError:
+        """A write that failed (a full disk) as one line naming the file; close() then says nothing more."""
+        self._failed = True
+        return OSError(f"--doc-log {self.path}: cannot write it ({exc.strerror or exc})")
 
     def write(self, step: int, metas: list[SlotMeta]) -> None:
         rows = []
@@ -256,8 +276,15 @@ class DocLog:
                     "targets": m.n_targets,
                 }
             )
-        self._file.write(json.dumps({"step": step, "batches": rows}) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps({"step": step, "batches": rows}) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise self._said(exc) from None
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as exc:
+            if not self._failed:  # else the first failure is said already; the rest was never written
+                raise self._said(exc) from None

@@ -97,6 +97,15 @@ def _check_finite(loss_sum: float, targets: float, first: int, last: int) -> Non
     )
 
 
+def untrained_reason(loss_masked: bool) -> str:
+    """Why a step's batches hold no trained target. Plain text has no loss mask: there every piece in the
+    batches is a single token (a document's last token, or the end of one cut into rows, which bucket
+    batches together), and a piece's last token has no next one to predict."""
+    if loss_masked:
+        return "every token loss-masked"
+    return "every document piece in them is a single token, with no next token in its document to predict"
+
+
 class RunStats:
     """One run's counts: per step (add_step), per logging interval (close_interval) and for the summary
     (finish). `published`: the loss scaler's overflow/skip counts already in the metrics (a resumed run's)."""
@@ -125,6 +134,7 @@ class RunStats:
         self._loss = torch.zeros((), device=device)
         self._targets = self._tokens = 0
         self._wait = 0.0
+        self._unobserved = 0.0  # the wait for the first batch, until the first step puts it in the metric
         self._start: float | None = None
         self._step = step
         self._steady: tuple[float, int] | None = None  # (time, tokens) at the end of the first interval
@@ -141,11 +151,22 @@ class RunStats:
 
     def start_clock(self, waited: float) -> float:
         """The clock starts with the first batch, not with the producers' start-up: the wait for that batch
-        is not data wait (0.0 then)."""
+        is counted apart (Summary.first_data_wait_seconds), not in the run's data wait (0.0 then)."""
         if self.run_start is not None:
             return waited
         self.run_start = self._start = time.perf_counter()
+        self.summary.first_data_wait_seconds += waited
+        self._unobserved += waited  # the metric counts it with the first step
         return 0.0
+
+    def waited_for_nothing(self, waited: float) -> None:
+        """A wait that ended with no batch (the end of the data, a stop, --wait-timeout): still waited."""
+        if self.run_start is None:
+            self.summary.first_data_wait_seconds += waited
+        else:
+            self.summary.data_wait_seconds += waited
+            self._wait += waited
+        self.metrics.data_wait.observe(waited)
 
     def first_step_done(self) -> None:
         if self.device.type == "cuda":
@@ -171,7 +192,8 @@ class RunStats:
         m.loss_tokens.inc(n_targets)
         m.padding.inc(pad)
         m.steps.inc()
-        m.data_wait.observe(waited)
+        m.data_wait.observe(waited + self._unobserved)
+        self._unobserved = 0.0
         m.lr.set(lr)
 
     def check_finite(self, step: int) -> None:

@@ -38,7 +38,13 @@ from lmpipe.consumer.inputs import MaskCache, empty_inputs
 from lmpipe.consumer.model import GPT
 from lmpipe.consumer.receiver import Receiver, WorkerTable
 from lmpipe.consumer.report import Announce, DocLog, Summary
-from lmpipe.consumer.runstats import CompiledGraphs, Progress, RunStats, TrainingDiverged
+from lmpipe.consumer.runstats import (
+    CompiledGraphs,
+    Progress,
+    RunStats,
+    TrainingDiverged,
+    untrained_reason,
+)
 from lmpipe.consumer.scaler import LossScaler
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.consumer.step import lr_at, resolve_device, resolve_precision
@@ -349,6 +355,8 @@ class Trainer:
                 else f"the trainer failed ({type(exc).__name__})"
             )
             self._stop_reason = self._stop_reason or why
+            if (lost := self.dist.lost(exc)) is not None:  # said in one line, not gloo's traceback
+                raise lost from None
             raise
         finally:
             self.receiver.stop(reason=self._stop_reason or "training finished")
@@ -397,6 +405,7 @@ class Trainer:
             if any_stop and not self._stop_reason:
                 self._stop_reason = "another rank stopped"
             if not any_data:
+                stats.waited_for_nothing(waited)
                 break
             waited = stats.start_clock(waited)
             t0 = time.perf_counter()
@@ -409,17 +418,8 @@ class Trainer:
                     self.feed.copy(s)
                 loss_sum = norm = no_loss
             elif all_targets == 0:  # every rank agrees: nothing to learn here, and no update to make
-                for s in slots:
-                    self.receiver.release(s)  # never copied: free for the next batch at once
+                self._skip_untrained(slots, stats)
                 loss_sum = norm = no_loss
-                stats.summary.untrained_steps += 1
-                # every rank skips: rank 0 says so, the first time
-                if stats.summary.untrained_steps == 1 and self.dist.is_main:
-                    log.warning(
-                        "step %d: no trained target in this step's batches (every token loss-masked); the "
-                        "step is counted, the model is not updated (the summary says how often)",
-                        self.step + 1,
-                    )
             else:
                 micro = [self.feed.to_device(s) for s in slots]
                 if not micro:  # this rank's producers are done, others' are not: a step on nothing
@@ -451,3 +451,14 @@ class Trainer:
                 self.save_checkpoint()
             if stats.due(self.step):
                 stats.close_interval(self.step, lr, norm, progress)
+
+    def _skip_untrained(self, slots: list[HostSlot], stats: RunStats) -> None:
+        """A step whose batches hold no trained target: counted, no update; rank 0 says why, the first time."""
+        masked = any(s.has_loss_mask for s in slots)
+        for s in slots:
+            self.receiver.release(s)  # never copied: free for the next batch at once
+        stats.summary.untrained_steps += 1
+        if stats.summary.untrained_steps > 1 or not self.dist.is_main:
+            return
+        log.warning("step %d: no trained target in this step's batches (%s); the step is counted, the model "
+                    "is not updated (the summary says how often)", self.step + 1, untrained_reason(masked))  # fmt: skip

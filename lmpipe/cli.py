@@ -89,6 +89,12 @@ def build_parser() -> Parser:
         add_settings(t, TrainConfig, TRAINING)
         add_settings(t, ReportOptions, "reporting")
 
+    _add_commands(command)
+    return p
+
+
+def _add_commands(command) -> None:
+    """The producer's and the one-shot commands (`command(name, func, settings, **kwargs)` adds one)."""
     pr = command(
         "produce",
         cmd_produce,
@@ -150,7 +156,6 @@ def build_parser() -> Parser:
     )
     pl.add_argument("summary", help="a file written by --summary-json")
     add_settings(pl, PlotOptions, "plot", env=False)
-    return p
 
 
 # -- commands: each gets the namespace, the global options and its settings, built and validated ---------
@@ -188,7 +193,7 @@ def cmd_produce(ns, g: GlobalOptions, cfg: PipelineConfig, opts: ProduceOptions)
 
 
 def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOptions) -> int:
-    from lmpipe.launch import check_tokenizer, first_document, open_corpus
+    from lmpipe.checks import check_tokenizer, first_document, open_corpus
     from lmpipe.progress import Progress, duration, text_bytes
     from lmpipe.shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
 
@@ -230,7 +235,7 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
 
 def check_tokenizer_out(out: str, corpus) -> None:
     """tokenizer train's --out can be written, and is no corpus file it reads (replaced with JSON before)."""
-    from lmpipe.launch import check_writable
+    from lmpipe.checks import check_writable
 
     check_writable("--out", out)  # a directory, a missing or read-only folder
     if not Path(out).exists():
@@ -264,7 +269,7 @@ def _sigterm_exits():
 def _prepare(cfg: PipelineConfig, opts: PrepareOptions) -> int:
     from typing import cast
 
-    from lmpipe.launch import check_tokenizer, check_writable, first_document, open_corpus, say_left_out
+    from lmpipe.checks import check_tokenizer, check_writable, first_document, open_corpus, say_left_out
     from lmpipe.producer.shards import check_out, prepare
     from lmpipe.producer.sources import BadRecords, Corpus
     from lmpipe.producer.stream import DocStream
@@ -355,45 +360,9 @@ def cmd_plot(ns, g: GlobalOptions, opts: PlotOptions) -> int:
 
 
 def cmd_health(ns, g: GlobalOptions, opts: HealthOptions) -> int:
-    import math
-    import urllib.request
+    from lmpipe.health import check
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from lmpipe.consumer.report import duration
-
-    url = f"http://127.0.0.1:{opts.metrics_port}/metrics"
-    try:
-        with urllib.request.urlopen(url, timeout=4) as r:
-            text = r.read().decode()
-        samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
-    except OSError as exc:
-        print(f"unhealthy: {url} does not answer ({exc})")
-        return 1
-    except ValueError as exc:  # not UTF-8, not Prometheus's text format
-        print(f"unhealthy: {url} answers, but not with Prometheus metrics ({exc})")
-        return 1
-    build = samples.get("lmpipe_build_info")
-    if build is None:  # something else holds the port (lmpipe's own server may have failed to bind it)
-        print(f"unhealthy: {url} answers, but not as lmpipe (no lmpipe_build_info)")
-        return 1
-    role = build.labels.get("role", "?")
-    if role != "trainer":
-        print(f"healthy: lmpipe {role} answers at {url}")
-        return 0
-    now = time.time()
-    last = samples["lmpipe_trainer_last_step_timestamp_seconds"].value
-    step = int(samples["lmpipe_trainer_global_step"].value)
-    since, what = (last, "its latest step") if not math.isnan(last) else (
-        samples["process_start_time_seconds"].value, "its start, with no step since")  # fmt: skip
-    age = now - since
-    if age > opts.stalled_after:
-        print(
-            f"unhealthy: trainer at step {step}, {duration(age)} since {what} (--stalled-after {opts.stalled_after:g})"
-        )
-        return 1
-    print(f"healthy: trainer at step {step}, {duration(age)} since {what}")
-    return 0
+    return check(opts)
 
 
 def _role(cmd: str, configs: list) -> str:
@@ -446,6 +415,12 @@ def _main(argv: list[str] | None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a failure that says itself in one line (a torchrun rank lost) carries its code
+        code = getattr(exc, "exit_code", None)
+        if not isinstance(code, int):
+            raise
+        log.error("%s", exc)
+        return code
 
 
 if __name__ == "__main__":

@@ -25,11 +25,12 @@ from prometheus_client import (
     Histogram,
     Info,
     ProcessCollector,
-    start_http_server,
 )
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 from lmpipe.shared import __version__
+from lmpipe.shared.metrics_http import MetricsServer, raise_open_files_limit
 
 log = logging.getLogger(__name__)
 
@@ -85,19 +86,25 @@ def build_info(registry: CollectorRegistry, role: str) -> Info:
     return info
 
 
+_SERVERS: list[MetricsServer] = []  # serving until the process exits
+
+
 def serve(registry: CollectorRegistry, port: int | None, addr: str = "127.0.0.1") -> int | None:
     """Expose `registry` on http://addr:port/metrics; port 0 picks a free one. Returns the bound port.
-    Loopback by default (--metrics-host): the numbers are not secret, but nobody else needs them."""
+    Loopback by default (--metrics-host): the numbers are not secret, but nobody else needs them. The
+    server is bounded (shared/metrics_http.py): whatever connects, it costs this process a few descriptors."""
     if port is None or port < 0:
         return None
+    raise_open_files_limit()
     try:
-        server, _thread = start_http_server(port, addr=addr, registry=registry)
+        server = MetricsServer(lambda: generate_latest(registry), CONTENT_TYPE_LATEST, port, addr)
     except OSError as exc:  # a busy port must not stop training; say so and go on without
+        # `lmpipe health` checks who holds the port, so a squatter's figures are not taken for ours
         log.warning("cannot serve metrics on %s:%d (%s); this process exports no metrics", addr, port, exc)
         return None
-    bound = server.server_port
-    log.info("metrics on http://%s:%d/metrics", addr, bound)
-    return bound
+    _SERVERS.append(server)
+    log.info("metrics on http://%s:%d/metrics", addr, server.port)
+    return server.port
 
 
 class _Bound:
@@ -225,6 +232,16 @@ class TrainerMetrics:
         self.refused_count = 0
         self.build = build_info(r, "trainer")
         self.info = Info("lmpipe_trainer", "Trainer identity and configuration", registry=r)
+        # one method per group of families: a new metric goes into its group
+        self._training(r)
+        self._data(r)
+        self._producers(r)
+        self._optimizer(r)
+        self._checkpoints(r)
+        self._start_values()
+
+    def _training(self, r: CollectorRegistry) -> None:
+        """Progress and speed: tokens, steps, their timing."""
         self.tokens = Counter("lmpipe_trainer_tokens", "Real tokens trained on", registry=r)
         self.padding = Counter("lmpipe_trainer_padding_tokens", "Pad tokens in trained batches", registry=r)
         self.loss_tokens = Counter(  # below tokens by document ends, and by loss-masked tokens (fine-tuning)
@@ -256,6 +273,25 @@ class TrainerMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+        self.mfu = Gauge(
+            "lmpipe_trainer_mfu_ratio",
+            "Model FLOPs utilization against the card's bf16 peak (NaN where the peak is unknown, and on CPU)",
+            registry=r,
+        )
+        self.recompiles = Counter(
+            "lmpipe_trainer_compile_recompiles", "torch.compile graph compilations", registry=r
+        )
+        self.cache_hits = Counter("lmpipe_trainer_cache_hits", "Cache hits", ["cache"], registry=r)
+        self.cache_misses = Counter("lmpipe_trainer_cache_misses", "Cache misses", ["cache"], registry=r)
+        self.gpu_memory = Gauge(
+            "lmpipe_trainer_gpu_memory_bytes",
+            "GPU memory (NaN on CPU and before a reading)",
+            ["kind"],
+            registry=r,
+        )
+
+    def _data(self, r: CollectorRegistry) -> None:
+        """Batches coming in: waits, copies, and what was dropped."""
         self.data_wait = Histogram(
             "lmpipe_trainer_data_wait_seconds",
             "Time a step waited for a ready batch",
@@ -283,6 +319,9 @@ class TrainerMetrics:
         self.ready_slots = Gauge(
             "lmpipe_trainer_ready_slots", "Filled host slots waiting for the step loop", registry=r
         )
+
+    def _producers(self, r: CollectorRegistry) -> None:
+        """Producers joining and leaving, and the shards they hold."""
         self.producers = Gauge(
             "lmpipe_trainer_producers_connected", "Producers heard from in the last 5 s", registry=r
         )
@@ -326,6 +365,15 @@ class TrainerMetrics:
             "Data connections closed: producers that exited, or were cut off for a frame over the size guard",
             registry=r,
         )
+        self.refusals = Counter(
+            "lmpipe_trainer_handshake_refusals",
+            "Hellos turned away, by reason (each makes the producer exit)",
+            ["reason"],
+            registry=r,
+        )
+
+    def _optimizer(self, r: CollectorRegistry) -> None:
+        """The model's training: loss, learning rate, gradients, loss scaling."""
         self.loss = Gauge(
             "lmpipe_trainer_loss", "Training loss at the last logging interval (NaN before it)", registry=r
         )
@@ -346,22 +394,8 @@ class TrainerMetrics:
         self.skipped = Counter(
             "lmpipe_trainer_skipped_steps", "Optimizer steps skipped by the loss scaler", registry=r
         )
-        self.cache_hits = Counter("lmpipe_trainer_cache_hits", "Cache hits", ["cache"], registry=r)
-        self.cache_misses = Counter("lmpipe_trainer_cache_misses", "Cache misses", ["cache"], registry=r)
-        self.recompiles = Counter(
-            "lmpipe_trainer_compile_recompiles", "torch.compile graph compilations", registry=r
-        )
-        self.gpu_memory = Gauge(
-            "lmpipe_trainer_gpu_memory_bytes",
-            "GPU memory (NaN on CPU and before a reading)",
-            ["kind"],
-            registry=r,
-        )
-        self.mfu = Gauge(
-            "lmpipe_trainer_mfu_ratio",
-            "Model FLOPs utilization against the card's bf16 peak (NaN where the peak is unknown, and on CPU)",
-            registry=r,
-        )
+
+    def _checkpoints(self, r: CollectorRegistry) -> None:
         self.checkpoints = Counter("lmpipe_trainer_checkpoints", "Checkpoints written", registry=r)
         self.checkpoint_time = Gauge(
             "lmpipe_trainer_checkpoint_timestamp_seconds",
@@ -373,12 +407,15 @@ class TrainerMetrics:
             "Step of the latest checkpoint written, or resumed from (NaN before either)",
             registry=r,
         )
-        self.refusals = Counter(
-            "lmpipe_trainer_handshake_refusals",
-            "Hellos turned away, by reason (each makes the producer exit)",
-            ["reason"],
+        self.checkpoint_seconds = Histogram(
+            "lmpipe_trainer_checkpoint_seconds",
+            "Time to write one checkpoint",
             registry=r,
+            buckets=LATENCY_BUCKETS,
         )
+
+    def _start_values(self) -> None:
+        """NaN for what has no reading yet; every labelled series created at 0 (module docstring)."""
         self.loss_scale.set(1.0)
         for g in (self.loss, self.lr, self.grad_norm, self.mfu, self.first_step_seconds, self.checkpoint_time,
                   self.checkpoint_step, self.last_step_time):  # fmt: skip
@@ -393,12 +430,6 @@ class TrainerMetrics:
         _init_labels(self.shards_per_producer, ("min", "max"))
         for kind in GPU_MEMORY_KINDS:
             self.gpu_memory.labels(kind).set(NAN)
-        self.checkpoint_seconds = Histogram(
-            "lmpipe_trainer_checkpoint_seconds",
-            "Time to write one checkpoint",
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
 
     def reject(self, reason: str) -> None:
         """A malformed message or refused handshake, dropped."""

@@ -1,0 +1,135 @@
+"""`lmpipe run`'s producer processes, forked from the launcher, and the launcher's handling of signals.
+
+They share the launcher's process group, so Ctrl-C reaches all of them; on SIGTERM, or when training ends,
+the trainer tells them to stop and the launcher reaps them (terminate, then kill) so nothing is left
+behind. `--exit-with-parent` makes them quit if the launcher itself dies without cleaning up.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from lmpipe.options import ProduceOptions
+from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.settings import SettingsError
+
+log = logging.getLogger("lmpipe")
+
+
+def stop_on_signals(trainer) -> None:
+    def handler(signum, _frame):
+        name = signal.Signals(signum).name
+        log.info("%s: finishing the current step, then stopping", name)
+        trainer.request_stop(name)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def linger(seconds: float) -> None:
+    """Sleep after the work, /metrics still served by its daemon thread; a signal cuts it short."""
+    if seconds <= 0:
+        return
+    log.info("work done; serving metrics for %.0f s more", seconds)
+    done = threading.Event()
+    # the trainer's handlers only ask a finished run to stop: here a signal must end the wait itself
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait(seconds)
+
+
+class LocalProducer:
+    """A producer process forked by this launcher, with the parts of subprocess.Popen's interface the
+    launcher uses (pid, poll, returncode, wait, terminate, kill)."""
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess):
+        self.proc = proc
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode  # -N when a signal N ended it, as Popen's
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"producer {self.pid}", timeout or 0.0)
+        return self.proc.exitcode
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def _producer_main(cfg: PipelineConfig, opts: ProduceOptions, log_level: str) -> None:
+    """A forked producer: what `lmpipe produce` does, with its errors as that command reports them."""
+    from lmpipe.launch import produce  # the command this process runs
+    from lmpipe.shared.log import setup
+
+    setup(f"producer {opts.worker}", log_level)
+    try:
+        code = produce(cfg, opts)
+    except (SettingsError, ValueError, OSError) as exc:
+        log.error("%s", exc)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def fork_producers(
+    cfg: PipelineConfig, metrics_base: int | None, linger_s: float, log_level: str
+) -> list[LocalProducer]:
+    """`lmpipe run`'s producers, forked from this process before it imports torch or starts a thread: they
+    begin with lmpipe's modules and the tokenizer the checks loaded (a DataLoader worker's head start),
+    where a new interpreter spends about 0.4 s importing and loading them. They connect to the trainer
+    as any producer does, retrying until it listens."""
+    from lmpipe.producer import manager  # noqa: F401  # imported once here, for every child
+
+    ctx = multiprocessing.get_context("fork")
+    # producers tokenize in threads, as when they were spawned; said outright, the tokenizers library does
+    # not warn about the fork (this process never tokenizes before it)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    procs = []
+    for i in range(cfg.producers):
+        if metrics_base is None or metrics_base < 0:
+            port = -1
+        else:
+            port = 0 if metrics_base == 0 else metrics_base + 1 + i
+        opts = ProduceOptions(worker=i, metrics_port=port, metrics_linger=linger_s, exit_with_parent=True)
+        proc = ctx.Process(target=_producer_main, args=(cfg, opts, log_level), name=f"lmpipe-producer-{i}")
+        proc.start()
+        procs.append(LocalProducer(proc))
+    return procs
+
+
+def reap(procs: list[LocalProducer], grace: float = 5.0) -> None:
+    """Wait for producers that were told to stop; terminate, then kill, the ones that do not."""
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            log.warning("producer pid %d ignored SIGTERM; killing it", p.pid)
+            p.kill()
+            p.wait()
