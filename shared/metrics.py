@@ -43,7 +43,7 @@ NAN = math.nan
 # alerts then see "no problems" instead of "no data".
 BAD_RECORD_REASONS = (
     "invalid_utf8", "binary", "line_too_long", "empty", "bad_json", "missing_text", "bad_ids", "bad_prompt",
-    "bad_mask",
+    "bad_mask", "damaged",
 )  # fmt: skip
 REJECT_REASONS = (
     "bad_header", "bad_version", "bad_kind", "bad_dtype", "bad_shape", "truncated", "bad_length",
