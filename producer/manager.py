@@ -36,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from lmpipe.producer import remote
 from lmpipe.producer.batching import BatchSpec
 from lmpipe.producer.control import ControlChannel, Item
 from lmpipe.producer.held import HeldShard, Holdings
@@ -93,6 +94,11 @@ class Producer:
         self._bad = BadRecords(log, who="this producer")
         self._bad_read: dict[tuple[int, int, str], int] = {}  # (shards, shard, reason) -> most read here
         self.metrics.bind(self.worker)
+        self._stopping = threading.Event()  # set by a stop from anywhere: ends tokenizing and storage waits
+        self.waiting = ""  # what a storage retry waits for (the hellos say so), "" when none does
+        remote.WAITS.spent = lambda seconds: self.metrics.storage_wait.inc(seconds)
+        remote.WAITS.retrying = self._retrying
+        remote.WAITS.sleep = self._storage_sleep
         self.tok = load_tokenizer(cfg.tokenizer, cfg.data)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
         if self.corpus.shards is not None:
@@ -116,7 +122,6 @@ class Producer:
         self._bye_due = False
         self.interrupted = False
         self._held = False  # the control connection dropped: send nothing until welcomed again
-        self._stopping = threading.Event()  # set by a stop from anywhere: ends tokenizing and storage waits
         self._channel: ControlChannel | None = None  # the control connection's thread while run() runs
         # what the hellos (built in that thread) say, as the loop last published it: (session, shards held)
         self._shown: tuple[str, list[int]] = ("", [])
@@ -210,6 +215,7 @@ class Producer:
                 skipped=skipped,
                 data_content=self.data_content,
                 data_versions=self.data_versions,
+                waiting=self.waiting,
             )
         )
 
@@ -217,6 +223,15 @@ class Producer:
         """Between the tokenizer's calls: _Stopping, ending the batch being built, once the producer is to
         stop (the control thread sets the flag when a `stop` or `refuse` comes)."""
         if self._stop or self._stopping.is_set() or self._parent_gone():
+            raise _Stopping
+
+    def _retrying(self, what: str) -> None:
+        self.waiting = what[:200]
+
+    def _storage_sleep(self, seconds: float) -> None:
+        """Between storage retries: the control thread's hellos go on meanwhile; a stop (the trainer's, a
+        signal, the launching process gone) ends the sleep at once, and the batch being built with it."""
+        if self._stopping.wait(seconds) or self._stop:
             raise _Stopping
 
     def request_stop(self, signum=None, _frame=None) -> None:
