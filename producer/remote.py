@@ -12,8 +12,8 @@ protocol, fsspec's configuration (FSSPEC_S3='{"endpoint_url": "..."}', FSSPEC_S3
 
 One retry policy, lmpipe's: s3fs's and botocore's own retries are off, so every retry is one of ours and
 logged. Transient errors (connection refused or reset, timeouts, 5xx, throttling) are retried RETRIES times
-with exponential backoff (31.5 s of sleeps, about 32 s in all against a server that answers at once), each
-retry logged once; the request is then repeated exactly, so a restarted server changes nothing about which
+with exponential backoff (31.5 s of sleeps; with the eight attempts about 35 s against a stopped server),
+each retry logged once; the request is then repeated exactly, so a restarted server changes nothing about which
 bytes are read. Permanent errors (no such bucket or key, access denied or wrong credentials, a bad request,
 TLS against a plain server, an endpoint name that does not resolve) stop at once with one line naming the
 URL. WAITS tells the producer what it waits for (its hellos say so) and for how long (a metric), and lets a

@@ -18,6 +18,7 @@ import pytest
 
 from lmpipe.producer import manager, remote
 from lmpipe.producer.sources import Corpus
+from lmpipe.shared import messages
 from lmpipe.shared.config import PipelineConfig
 from tests.faultproxy import FaultProxy
 from tests.helpers import REPO, free_ports
@@ -148,6 +149,7 @@ def test_a_producer_in_a_retry_says_what_it_waits_for_and_a_stop_ends_the_sleep(
             assert time.monotonic() < deadline and not done.is_set(), errors
             time.sleep(0.02)
         said.append(p.waiting)
+        assert messages.unpack(p._hello()).waiting == said[0], "the hellos say it"
         t0 = time.monotonic()
         p._stopping.set()  # what the control thread does once the launching process is gone
         assert done.wait(5), "the retry's sleep did not end"
