@@ -216,7 +216,23 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
             f"{path} was trained reading a file of --data more than once an epoch, which lmpipe now reads "
             "once: that checkpoint's record ids cannot be followed; start a new run"
         )
-    raise SettingsError(f"{path} was trained on {had!r}, --data gives {now!r}: resume with the same --data")
+    raise SettingsError(
+        f"{path} was trained on other --data ({_corpus_difference(had_list, now_list)}): resume with the same --data"
+    )
+
+
+def _corpus_difference(had: list[str], now: list[str], few: int = 3) -> str:
+    """The files ("name:size") in one corpus and not the other, a few of each named: a changed object in a
+    corpus of thousands reads as one line, not the two lists."""
+
+    def named(items: list[str]) -> str:
+        more = f" and {len(items) - few} more" if len(items) > few else ""
+        return ", ".join(repr(i) for i in items[:few]) + more
+
+    gone, new = [f for f in had if f not in set(now)], [f for f in now if f not in set(had)]
+    out = [f"trained on, not in --data now: {named(gone)}"] if gone else []
+    out += [f"in --data now, not trained on: {named(new)}"] if new else []
+    return "; ".join(out) or "the same files in another order"
 
 
 def check_not_read_back(flag: str, path: str | None, data: list[str]) -> None:

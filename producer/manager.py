@@ -8,40 +8,37 @@ refuses this producer's key, or wants keys it lacks, makes it exit with the reas
 
 The trainer decides which shards of the corpus this producer serves (`assign`, possibly none: it stands
 by) and where each starts (`welcome`, one per shard, with the lease its batches carry); producer/held.py
-keeps them and builds their batches round robin. The loop polls both sockets, so an `assign` or
-`welcome` (a shard moved to or away from this producer, the trainer restarted from a checkpoint) or a
-`stop` is seen even while a batch waits to be sent. The hello is repeated every second, names the shards
-held and doubles as a heartbeat, also while a long document is tokenized: the streams' keepalive sends it
-between the tokenizer's calls, or the trainer would give this producer's shards away. A stop (a signal, the
-trainer's `stop` or `refuse`) is taken there too, abandoning the batch being built (never sent: the trainer's
-cursors say where each shard resumes); other control messages read there wait for the loop, which handles
-them in order once the batch is built (the shards are mid-update until then). When the control connection
-drops (the trainer died), the producer holds its batches until a trainer welcomes it again, instead of
-streaming into a session that is gone; the hello goes out as soon as the connection is back. The keepalive
-reads the connection's events too, so a long document does not hide them: the drop is logged when it
-happens, and the hellos say `rejoin` from then on. An event that comes after a control message the
-keepalive kept for the loop waits behind it, so the two take effect in the order they came.
+keeps them and builds their batches round robin. The control socket lives in a thread of its own
+(producer/control.py): it says hello every second (naming the shards held; a heartbeat, also while a long
+document is tokenized or storage is retried) and hands the trainer's messages and the connection's events to
+the loop, which handles them in the order they came, between batches (the shards are mid-update while one
+is built), so an `assign` or `welcome` (a shard moved to or away from this producer, the trainer restarted
+from a checkpoint) is seen even while a batch waits to be sent. A stop (a signal, the trainer's `stop` or
+`refuse`, the launching process gone) also sets a flag that the tokenizer's calls and the storage retries'
+sleeps check, so it ends the batch being built at once (never sent: the trainer's cursors say where each
+shard resumes). When the control connection drops (the trainer died), the producer holds its batches until
+a trainer welcomes it again, instead of streaming into a session that is gone; the hellos say `rejoin`.
 A producer the trainer refuses (another wire version, another config, a stopped shard) exits 2 with the
 reason at once: a refusal is never retried.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import socket
+import threading
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
+from lmpipe.producer import remote
 from lmpipe.producer.batching import BatchSpec
+from lmpipe.producer.control import ControlChannel, Item
 from lmpipe.producer.held import HeldShard, Holdings
 from lmpipe.producer.scan import SharedScan
 from lmpipe.producer.shards import check_prepared_with
@@ -80,7 +77,7 @@ class Refused(RuntimeError):
 
 
 class _Stopping(Exception):
-    """Raised by Producer._keepalive, inside the tokenizer, once the producer is to stop."""
+    """Raised by Producer._check_stop, between the tokenizer's calls, once the producer is to stop."""
 
 
 class Producer:
@@ -97,6 +94,11 @@ class Producer:
         self._bad = BadRecords(log, who="this producer")
         self._bad_read: dict[tuple[int, int, str], int] = {}  # (shards, shard, reason) -> most read here
         self.metrics.bind(self.worker)
+        self._stopping = threading.Event()  # set by a stop from anywhere: ends tokenizing and storage waits
+        self.waiting = ""  # what a storage retry waits for (the hellos say so), "" when none does
+        remote.WAITS.spent = lambda seconds: self.metrics.storage_wait.inc(seconds)
+        remote.WAITS.retrying = self._retrying
+        remote.WAITS.sleep = self._storage_sleep
         self.tok = load_tokenizer(cfg.tokenizer, cfg.data)
         self.corpus = Corpus.of(cfg, self.tok.vocab_size)
         if self.corpus.shards is not None:
@@ -120,14 +122,12 @@ class Producer:
         self._bye_due = False
         self.interrupted = False
         self._held = False  # the control connection dropped: send nothing until welcomed again
-        self._ctrl: zmq.Socket | None = None  # the control socket while the loop runs (for _keepalive)
-        self._monitor: zmq.Socket | None = None  # its monitor, and what reads the monitor's events (the same)
-        self._watch: HandshakeWatch | None = None
-        # control messages _keepalive read, and the connection's events read after them (event, when): the
-        # loop handles them in order
-        self._deferred: deque[bytes | tuple[Mapping[str, Any], float]] = deque()
+        self._channel: ControlChannel | None = None  # the control connection's thread while run() runs
+        # what the hellos (built in that thread) say, as the loop last published it: (session, shards held)
+        self._shown: tuple[str, list[int]] = ("", [])
+        self._skipped_due: dict[str, int] = {}  # counts for the next hellos (_publish, _hello)
+        self._lock = threading.Lock()  # guards _skipped_due
         self._pending: tuple[HeldShard, list, bool] | None = None  # the next message: shard, frames, is batch
-        self._last_hello = 0.0  # monotonic time of the last hello: the loop's and _keepalive's
         self._parent = os.getppid()
         self.metrics.info.info(
             {
@@ -164,7 +164,7 @@ class Producer:
             shuffle_window=self.cfg.shuffle_window,
             on_bad=bad_record,
             on_tokenize=self.metrics.tokenize.observe,
-            keepalive=self._keepalive,
+            keepalive=self._check_stop,
             scan=self._scan,
         )
 
@@ -186,56 +186,52 @@ class Producer:
                     out[key] = self._skipped_sent[key] = n
         return out
 
+    def _publish(self) -> None:
+        """What the control thread's hellos say, from the loop (the only thread that changes it)."""
+        self._shown = (self.session, self.holdings.held() if self.session else [])
+        counts = self._skipped_counts()
+        if counts:
+            with self._lock:
+                self._skipped_due.update(counts)
+
     def _hello(self, skipped: dict[str, int] | None = None) -> bytes:
+        """A hello (the control thread's, or run()'s last ones with `skipped`), from what _publish left."""
+        if skipped is None:
+            with self._lock:
+                keys = list(self._skipped_due)[: messages.SKIPPED_PER_MESSAGE]
+                skipped = {k: self._skipped_due.pop(k) for k in keys}
+        session, holding = self._shown
+        channel = self._channel
         return messages.pack(
             messages.Hello(
                 worker=self.worker,
                 fingerprint=self.fingerprint,
                 pid=os.getpid(),
                 host=socket.gethostname(),
-                session=self.session,
-                rejoin=self._held,
-                holding=self.holdings.held() if self.session else [],
+                session=session,
+                rejoin=self._held or (channel is not None and channel.dropped),
+                holding=holding,
                 wire=WIRE_VERSION,
-                skipped=self._skipped_counts() if skipped is None else skipped,
+                skipped=skipped,
                 data_content=self.data_content,
                 data_versions=self.data_versions,
+                waiting=self.waiting,
             )
         )
 
-    def _send_hello(self, ctrl: zmq.Socket, now: float) -> None:
-        with contextlib.suppress(zmq.Again):  # no trainer connected yet
-            ctrl.send(self._hello(), zmq.NOBLOCK)
-        self._last_hello = now
+    def _check_stop(self) -> None:
+        """Between the tokenizer's calls: _Stopping, ending the batch being built, once the producer is to
+        stop (the control thread sets the flag when a `stop` or `refuse` comes)."""
+        if self._stop or self._stopping.is_set() or self._parent_gone():
+            raise _Stopping
 
-    def _keepalive(self) -> None:
-        """Between a stream's encode calls, which run inside the loop (same thread, same socket): the hello
-        when one is due, so a long tokenization does not look like a producer gone, and a stop taken at once:
-        _Stopping ends the batch being built (the loop stops). The trainer's `stop` and `refuse` are handled
-        here; any other control message is kept for the loop, which handles it after the batch, in order.
-        The connection's events are handled here as the loop handles them: a trainer gone is logged when it
-        goes, and the batch being built is held; a trainer back gets a hello at once (saying `rejoin`);
-        refusals make the producer give up. One read after a control message kept for the loop is kept too,
-        behind it (_monitor_event)."""
-        ctrl, monitor = self._ctrl, self._monitor
-        if ctrl is not None:
-            while monitor is not None and monitor.poll(0):
-                self._monitor_event(monitor)
-            now = time.monotonic()
-            if now - self._last_hello >= HELLO_EVERY:
-                self._send_hello(ctrl, now)
-            while ctrl.poll(0):
-                raw = ctrl.recv()
-                try:
-                    final = isinstance(messages.unpack(raw), (messages.Stop, messages.Refuse))
-                except WireError:
-                    final = False  # the loop's _control says so
-                if final:
-                    self._control(raw)  # sets _stop, or raises Refused
-                    break  # (a stop repeated to the hellos meanwhile is not said twice)
-                else:
-                    self._deferred.append(raw)
-        if self._stop or self._parent_gone():
+    def _retrying(self, what: str) -> None:
+        self.waiting = what[:200]
+
+    def _storage_sleep(self, seconds: float) -> None:
+        """Between storage retries: the control thread's hellos go on meanwhile; a stop (the trainer's, a
+        signal, the launching process gone) ends the sleep at once, and the batch being built with it."""
+        if self._stopping.wait(seconds) or self._stop:
             raise _Stopping
 
     def request_stop(self, signum=None, _frame=None) -> None:
@@ -243,6 +239,7 @@ class Producer:
             log.info("%s: stopping", signal.Signals(signum).name)
             self.interrupted = True
         self._stop = True
+        self._stopping.set()
 
     def _parent_gone(self) -> bool:
         return self.opts.exit_with_parent and os.getppid() != self._parent
@@ -263,8 +260,21 @@ class Producer:
         # connection at the same moment, and the bye is what lets the trainer close.
         data_ctx = zmq.Context()
         data = open_socket(data_ctx, PRODUCER_DATA, self.cfg, ep)
+        self._publish()
+        channel = self._channel = ControlChannel(
+            ctrl,
+            monitor,
+            HandshakeWatch(ep),
+            hello=lambda: self._hello(),  # looked up at each call (tests wrap it)
+            serving=lambda: bool(self.session) and not self._held,
+            parent_gone=self._parent_gone,
+            stopping=self._stopping,
+            every=HELLO_EVERY,
+            waiting_for=ep.control,
+        )
+        channel.start()
         try:
-            return self._loop(ctrl, data, monitor)
+            return self._loop(channel, data)
         except Refused as exc:
             log.error("trainer refused this producer: %s", exc)
             return 2
@@ -272,94 +282,51 @@ class Producer:
             log.error("cannot connect: %s", exc)
             return 2
         finally:
-            self._ctrl = self._monitor = None  # no stream sends on it (or reads its monitor) from here on
             data.close(0)
             data_ctx.term()  # returns once the data connection is torn down
-            if self._bye_due:  # the trainer waits for this before it closes its sockets
-                # counts not yet told go first, in hellos (one connection: they arrive before the bye)
-                counts = self._skipped_counts()
-                with contextlib.suppress(zmq.Again):
-                    while len(counts) == messages.SKIPPED_PER_MESSAGE:
-                        ctrl.send(self._hello(counts), zmq.NOBLOCK)
-                        counts = self._skipped_counts()
-                with contextlib.suppress(zmq.Again):
-                    ctrl.send(messages.pack(messages.Bye(skipped=counts)), zmq.NOBLOCK)
-            ctrl.disable_monitor()
-            monitor.close(0)
-            ctrl.close(linger=1000)  # the bye just queued still goes out
+            channel.finish(self._last_words() if self._bye_due else [])
             ctx.term()
 
-    def _loop(self, ctrl: zmq.Socket, data: zmq.Socket, monitor: zmq.Socket) -> int:
-        poller = zmq.Poller()
-        poller.register(ctrl, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        watch = HandshakeWatch(self.endpoints)
+    def _last_words(self) -> list[bytes]:
+        """The counts not yet told, in hellos, then the bye the trainer waits for before it closes its
+        sockets (one connection: they arrive in order)."""
+        self._publish()
+        with self._lock:
+            due, self._skipped_due = list(self._skipped_due.items()), {}
+        k = messages.SKIPPED_PER_MESSAGE
+        out = [self._hello(dict(due[i : i + k])) for i in range(0, len(due) - k, k)]
+        last = due[len(out) * k :]
+        return out + [messages.pack(messages.Bye(skipped=dict(last)))]
+
+    def _loop(self, channel: ControlChannel, data: zmq.Socket) -> int:
         self._pending = None
-        self._ctrl, self._last_hello = ctrl, 0.0
-        self._monitor, self._watch = monitor, watch  # read by the loop, and by _keepalive mid-document
-        waiting_logged = 0.0
-        started = time.monotonic()
+        blocked: float | None = None  # when the last poll for the data socket found it full
         while not self._stop and not self._parent_gone():
-            now = time.monotonic()
-            if now - self._last_hello >= HELLO_EVERY:
-                self._send_hello(ctrl, now)
-                watch.stalled(now)  # connected, never authenticated: say why instead of waiting
-                waiting = not self.session or self._held
-                if waiting and now - waiting_logged > 10:
-                    log.info("waiting for the trainer at %s (%.0f s)", self.endpoints.control, now - started)
-                    waiting_logged = now
-            if self.session and self._pending is None and not self._held and not self._deferred:
-                t0 = time.perf_counter()
+            if self._stopping.is_set():  # a stop or refusal the control thread read waits in its queue
+                self._handle_all(channel)
+                break
+            self._publish()
+            if self.session and self._pending is None and not self._held and channel.inbox.empty():
                 try:
-                    nxt = self.holdings.next_message(self.session)
+                    self._build()
                 except _Stopping:  # the batch being built is dropped: nothing of it was sent
+                    self._handle_all(channel)
                     break
-                if nxt is not None:
-                    h, frames, batch = nxt
-                    self._pending = (h, frames, batch is not None)
-                    if batch is not None:
-                        self._count(h, batch)
-                    elif all(x.finished for x in self.holdings.shards.values()):
-                        log.info(
-                            "finished %s on shard(s) %s%s",
-                            # --epochs 0 (until stopped) ends early only where the shards own no documents
-                            f"its {self.cfg.epochs} epoch(s)"
-                            if self.cfg.epochs
-                            else "(its shards own no documents)",
-                            ",".join(map(str, self.holdings.held())),
-                            # this process's count; the run's is the trainer's summary
-                            f"; {self._bad.summary()} in the shards it read (the trainer's summary "
-                            "counts the run's)"
-                            if self._bad.total
-                            else "",
-                        )
-                    log.debug(
-                        "shard %d message %d built in %.1f ms",
-                        h.shard,
-                        h.seq,
-                        1e3 * (time.perf_counter() - t0),
-                    )
-            busy = self._deferred or (self._pending is not None and not self._held)
-            flags = dict(poller.poll(timeout=0 if busy else 50))
-            if monitor in flags:
-                self._monitor_event(monitor)
-                continue
-            if self._deferred:  # read while the last batch was built: before any newer one, in order
-                item = self._deferred.popleft()
-                if isinstance(item, bytes):
-                    self._control(item)
-                else:
-                    self._connection(*item)
-                continue
-            if ctrl in flags:
-                self._control(ctrl.recv())
+            busy = not channel.inbox.empty() or (self._pending is not None and not self._held)
+            item = channel.get(0 if busy else 0.05)
+            if item is not None:
+                self._handle(item)
                 continue
             if self._pending is None or self._held:
+                blocked = None
                 continue
-            # Counted as it accrues, so a stall shows in /metrics while it lasts, not when it ends.
+            # Counted as it accrues, so a stall shows in /metrics while it lasts, not when it ends; from the
+            # end of the last poll on, so the loop's own turns between polls count too.
             t0 = time.perf_counter()
             writable = data.poll(timeout=50, flags=zmq.POLLOUT)
-            self.metrics.send_blocked.inc(time.perf_counter() - t0)
+            now = time.perf_counter()
+            self.metrics.send_blocked.inc(now - (t0 if blocked is None else blocked))
+            blocked = None if writable else now
             if writable:
                 _, frames, is_batch = self._pending
                 try:
@@ -369,9 +336,46 @@ class Producer:
                 self._pending = None
                 if is_batch:
                     self.metrics.batches.inc()
-        if self._parent_gone():
+        if self._parent_gone() or (self._channel is not None and self._channel.parent_lost):
             log.warning("the launching process is gone; stopping")
         return 0
+
+    def _build(self) -> None:
+        """Build the next message to send (the holdings' next batch or end) into _pending."""
+        t0 = time.perf_counter()
+        nxt = self.holdings.next_message(self.session)
+        if nxt is None:
+            return
+        h, frames, batch = nxt
+        self._pending = (h, frames, batch is not None)
+        if batch is not None:
+            self._count(h, batch)
+        elif all(x.finished for x in self.holdings.shards.values()):
+            log.info(
+                "finished %s on shard(s) %s%s",
+                # --epochs 0 (until stopped) ends early only where the shards own no documents
+                f"its {self.cfg.epochs} epoch(s)" if self.cfg.epochs else "(its shards own no documents)",
+                ",".join(map(str, self.holdings.held())),
+                # this process's count; the run's is the trainer's summary
+                f"; {self._bad.summary()} in the shards it read (the trainer's summary counts the run's)"
+                if self._bad.total
+                else "",
+            )
+        log.debug("shard %d message %d built in %.1f ms", h.shard, h.seq, 1e3 * (time.perf_counter() - t0))
+
+    def _handle_all(self, channel: ControlChannel) -> None:
+        """Everything the control thread read so far, in order (a stop or refusal among it takes effect)."""
+        while (item := channel.get(0)) is not None:
+            self._handle(item)
+
+    def _handle(self, item: Item) -> None:
+        kind, what = item
+        if kind == "error":
+            raise what
+        if kind == "msg":
+            self._control(what)
+        else:
+            self._connection(what)
 
     def _drop_pending(self, shards: list[int] | None = None) -> None:
         """Forget the message waiting to be sent if it belongs to one of `shards` (None: any)."""
@@ -387,34 +391,14 @@ class Producer:
         m.cursor_pos.set(batch.cursor.pos)
         m.epoch.set(batch.cursor.epoch)
 
-    def _monitor_event(self, monitor: zmq.Socket) -> None:
-        """Read one event of the control connection's monitor (the loop, and _keepalive mid-document): handled
-        now, or, when control messages read before it wait in _deferred (a welcome read mid-document), kept
-        behind them, so that the trainer's messages and the connection's events take effect in the order they
-        came (a welcome from before a drop does not end the hold the drop began)."""
-        event = parse_monitor_message(monitor.recv_multipart())
-        if self._deferred:
-            self._deferred.append((event, time.monotonic()))
-        else:
-            self._connection(event)
-
-    def _connection(self, event: Mapping[str, Any], seen: float | None = None) -> None:
-        """Handle one event of the control connection's monitor (`seen`: when it was read, if kept since)."""
-        assert self._watch is not None  # set with the monitor
-        self._watch(event)  # raises HandshakeFailed once the trainer keeps refusing this producer
-        if self._connection_event(event, seen):
-            self._last_hello = 0.0  # (re)connected: say hello now, not at the next tick
-            self._skipped_sent.clear()  # a restarted trainer knows none of the counts
-
-    def _connection_event(self, event: Mapping[str, Any], seen: float | None = None) -> bool:
-        """Track the control connection; True when it is (back) up and a hello should go out now."""
-        if event["event"] == zmq.EVENT_DISCONNECTED and self.session and not self._held:
+    def _connection(self, event: Mapping[str, Any]) -> None:
+        """One event of the control connection, in its place among the trainer's messages (the control
+        thread logged a drop when it happened): a drop holds the batches until the trainer welcomes this
+        producer again; a trainer (re)connected knows none of the counts."""
+        if event["event"] == zmq.EVENT_DISCONNECTED and self.session:
             self._held = True
-            ago = "" if seen is None else f" {time.monotonic() - seen:.1f} s ago, while a batch was built"
-            log.info(
-                "lost the connection to the trainer%s; holding batches until it welcomes this producer", ago
-            )
-        return event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._skipped_sent.clear()
 
     def _control(self, raw: bytes) -> None:
         """Handle one control message from the trainer."""

@@ -10,10 +10,14 @@ AWS_SESSION_TOKEN, AWS_PROFILE, AWS_REGION, AWS_ENDPOINT_URL for MinIO/Ceph/R2/m
 protocol, fsspec's configuration (FSSPEC_S3='{"endpoint_url": "..."}', FSSPEC_S3_ANON=true,
 ~/.config/fsspec/*.json), which wins over lmpipe's defaults.
 
-Transient errors (connection refused or reset, timeouts, 5xx, throttling) are retried RETRIES times with
-exponential backoff (about 30 s in all), each retry logged; the request is then repeated exactly, so a
-restarted server changes nothing about which bytes are read. Permanent errors (no such bucket or key,
-access denied, a bad request) stop at once with one line naming the URL.
+One retry policy, lmpipe's: s3fs's and botocore's own retries are off, so every retry is one of ours and
+logged. Transient errors (connection refused or reset, timeouts, 5xx, throttling) are retried RETRIES times
+with exponential backoff (31.5 s of sleeps; with the eight attempts about 35 s against a stopped server),
+each retry logged once; the request is then repeated exactly, so a restarted server changes nothing about which
+bytes are read. Permanent errors (no such bucket or key, access denied or wrong credentials, a bad request,
+TLS against a plain server, an endpoint name that does not resolve) stop at once with one line naming the
+URL. WAITS tells the producer what it waits for (its hellos say so) and for how long (a metric), and lets a
+producer that stops end a retry's sleep at once.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import errno
 import io
 import logging
 import os
+import socket
+import ssl
 import time
 from collections.abc import Callable
 from functools import cache
@@ -71,6 +77,20 @@ _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestT
                     "ThrottlingException", "RequestTimeTooSkewed"}  # fmt: skip
 
 
+class StorageWaits:
+    """What retry() tells the process it runs in (a producer sets these): `spent(seconds)` as time goes to
+    storage calls and the sleeps between their retries; `retrying(text)` while a call is retried ("" once it
+    is over); `sleep(seconds)` between retries (a producer's ends early, raising, once it stops)."""
+
+    def __init__(self) -> None:
+        self.spent: Callable[[float], None] = lambda seconds: None
+        self.retrying: Callable[[str], None] = lambda text: None
+        self.sleep: Callable[[float], None] = time.sleep
+
+
+WAITS = StorageWaits()
+
+
 class RemoteError(OSError):
     """A remote read that kept failing with transient errors after every retry."""
 
@@ -89,8 +109,26 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) < 300 else text[:300] + "..."
 
 
+def _hopeless(exc: BaseException) -> str | None:
+    """What makes a connection error permanent (no retry helps), or None: TLS spoken to a server that does
+    not speak it (an https:// endpoint on a plain one), or an endpoint name that does not resolve."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        names = {c.__name__ for c in type(e).__mro__}
+        if isinstance(e, ssl.SSLError) or "SSLError" in names or "WRONG_VERSION_NUMBER" in str(e):
+            return "TLS failed (an https:// endpoint on a plain-HTTP server, or a certificate not trusted)"
+        if isinstance(e, socket.gaierror) or "ClientConnectorDNSError" in names:
+            return "the endpoint's host name does not resolve"
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def is_transient(exc: BaseException) -> bool:
     """Worth trying again: the network or the server, not the request."""
+    if _hopeless(exc) is not None:
+        return False
     if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None and is_transient(exc.__cause__):
         return True  # fsspec's HTTP info() turns a failed GET into "not found", a 503's too
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
@@ -114,6 +152,9 @@ def is_transient(exc: BaseException) -> bool:
 def _permanent(what: str, exc: BaseException) -> Exception:
     """One line naming the URL; the type keeps FileNotFoundError/PermissionError for callers."""
     detail = _one_line(exc)
+    hopeless = _hopeless(exc)
+    if hopeless is not None:
+        return OSError(f"{what}: {hopeless}: {type(exc).__name__}: {detail}")
     if isinstance(exc, FileNotFoundError):
         return FileNotFoundError(f"{what}: not found ({detail})")
     if isinstance(exc, PermissionError) or type(exc).__name__ in (
@@ -130,40 +171,61 @@ def _permanent(what: str, exc: BaseException) -> Exception:
 
 
 def retry(what: str, fn: Callable[[], T]) -> T:
-    """fn(), again after each transient error (RETRIES times, backing off); permanent errors at once."""
+    """fn(), again after each transient error (RETRIES times, backing off); permanent errors at once. The
+    time it takes goes to WAITS.spent as it accrues; while it retries, WAITS.retrying says what."""
     retries, delay, t0 = RETRIES, BACKOFF, time.monotonic()
-    for attempt in range(retries + 1):
-        try:
-            return fn()
-        except Exception as exc:
-            if isinstance(exc, RemoteError):
-                raise
-            if not is_transient(exc):
-                raise _permanent(what, exc) from None
-            if attempt == retries:
-                raise RemoteError(
-                    f"{what}: still failing after {retries} retries over {time.monotonic() - t0:.0f} s: "
-                    f"{type(exc).__name__}: {_one_line(exc)}"
-                ) from None
-            log.warning(
-                "%s: %s: %s; retry %d/%d in %.1f s",
-                what,
-                type(exc).__name__,
-                _one_line(exc),
-                attempt + 1,
-                retries,
-                delay,
-            )
-            time.sleep(delay)
-            delay = min(2 * delay, MAX_BACKOFF)
-    raise AssertionError("unreachable")
+    mark, retried = t0, False
+
+    def spent() -> None:
+        nonlocal mark
+        now = time.monotonic()
+        WAITS.spent(now - mark)
+        mark = now
+
+    try:
+        for attempt in range(retries + 1):
+            try:
+                return fn()
+            except Exception as exc:
+                spent()
+                if isinstance(exc, RemoteError):
+                    raise
+                if not is_transient(exc):
+                    raise _permanent(what, exc) from None
+                if attempt == retries:
+                    raise RemoteError(
+                        f"{what}: still failing after {retries} retries over {time.monotonic() - t0:.0f} s: "
+                        f"{type(exc).__name__}: {_one_line(exc)}"
+                    ) from None
+                log.warning(
+                    "%s: %s: %s; retry %d/%d in %.1f s",
+                    what,
+                    type(exc).__name__,
+                    _one_line(exc),
+                    attempt + 1,
+                    retries,
+                    delay,
+                )
+                retried = True
+                WAITS.retrying(f"{what} (retry {attempt + 1} of {retries})")
+                WAITS.sleep(delay)
+                spent()
+                delay = min(2 * delay, MAX_BACKOFF)
+        raise AssertionError("unreachable")
+    finally:
+        spent()
+        if retried:
+            WAITS.retrying("")
 
 
 def _defaults(proto: str) -> dict[str, Any]:
     # One retry layer, ours (logged, bounded, whole requests): botocore's own would hide an outage for up
-    # to ~10 s per request before ours saw it. fsspec's configuration for the protocol wins over this.
+    # to ~10 s per request before ours saw it. Its `max_attempts` counts retries (1 still retried a 503
+    # once), `total_max_attempts` the first attempt too. fsspec's configuration for the protocol wins.
     if proto in ("s3", "s3a"):
-        return {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 10, "read_timeout": 60}}
+        return {
+            "config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 10, "read_timeout": 60}
+        }
     return {}
 
 
@@ -182,12 +244,17 @@ def filesystem(proto: str) -> Any:
     for name in ("aiobotocore", "botocore"):  # "found credentials in ..." in every producer's log
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        return fsspec.filesystem(proto, **opts)
+        fs = fsspec.filesystem(proto, **opts)
     except ImportError as exc:
         extra = "pip install 'lmpipe[s3]'" if proto in ("s3", "s3a") else "install its fsspec driver"
         raise MissingExtra(f"reading {proto}:// URLs: {_one_line(exc)} ({extra})") from None
     except ValueError as exc:
         raise ValueError(f"{proto}:// is not a protocol fsspec knows ({_one_line(exc)})") from None
+    if proto in ("s3", "s3a") and "retries" not in fsspec.config.conf.get(proto, {}):
+        # s3fs retries throttling (503 SlowDown) and some network errors 5 times itself, unlogged, beneath
+        # ours (s3fs/core.py, _error_wrapper): one attempt each, so every retry is one of ours
+        fs.retries = 1
+    return fs
 
 
 # A forked process (`lmpipe run`'s producers) makes its own: fsspec's async filesystems refuse to be used

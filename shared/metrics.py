@@ -155,6 +155,12 @@ class ProducerMetrics:
             w,
             registry=r,
         )
+        self._storage_wait = Counter(
+            "lmpipe_producer_storage_wait_seconds",
+            "Time spent in object-storage calls and the sleeps between their retries; grows while it waits",
+            w,
+            registry=r,
+        )
         self._connected = Gauge(
             "lmpipe_producer_connected", "1 while the trainer has welcomed this producer", w, registry=r
         )
@@ -208,6 +214,7 @@ class ProducerMetrics:
         self.batches = self._batches.labels(label)
         self.tokenize = self._tokenize.labels(label)
         self.send_blocked = self._send_blocked.labels(label)
+        self.storage_wait = self._storage_wait.labels(label)
         self.resets = self._resets.labels(label)
         self.connected = self._connected.labels(label)  # 0 until the trainer welcomes it as this worker
         self.cursor_pos = self._cursor_pos.labels(label)

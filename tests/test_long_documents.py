@@ -215,39 +215,35 @@ def stand_in_trainer(tmp_path, port, text: str, prepare=lambda p: None):
         ctx.term()
 
 
-def test_a_producer_says_hello_between_the_encode_calls_of_one_long_document(
-    tmp_path, port, spy, small_pieces, monkeypatch
+def test_the_hellos_go_on_while_one_long_document_is_tokenized(
+    tmp_path, port, cue, small_pieces, monkeypatch
 ):
-    """A real producer loop and a stand-in trainer on real sockets: assign, welcome, one batch, stop. Every
-    keepalive is due (HELLO_EVERY 0), so the test asks nothing of the clock: while the loop is inside the
-    tokenizer, the only hellos that can go out are the keepalive's, one after each encode call."""
-    monkeypatch.setattr(manager, "HELLO_EVERY", 0.0)
+    """A real producer loop and a stand-in trainer on real sockets. The control connection has a thread of
+    its own: the producer's main thread held inside the tokenizer (an encode call that returns only once the
+    trainer has heard three more hellos) does not silence the heartbeat, and the hellos name the shard."""
+    monkeypatch.setattr(manager, "HELLO_EVERY", 0.2)
+    inside, release = threading.Event(), threading.Event()
 
-    def spied_hello(p: manager.Producer) -> None:
-        build = p._hello
+    def hold() -> None:  # in the producer's main thread, inside the tokenizer's loop
+        inside.set()
+        assert release.wait(120), "the trainer heard no hellos meanwhile"
 
-        def hello(skipped=None):
-            spy.events.append("hello")
-            return build(skipped)
-
-        monkeypatch.setattr(p, "_hello", hello)
-
-    with stand_in_trainer(tmp_path, port, prose(30_000), spied_hello) as t:
+    cue.at[STOP_AT] = hold
+    with stand_in_trainer(tmp_path, port, prose(200_000)) as t:
+        assert inside.wait(60), "the tokenizer was not reached"
+        t.drain()
+        before = len(t.heard)
         deadline = time.monotonic() + 60
-        while not t.pull.poll(100):
-            assert time.monotonic() < deadline, "no batch from the producer"
-            t.drain()
+        while sum(isinstance(m, messages.Hello) and m.holding == [0] for m in t.heard[before:]) < 3:
+            assert time.monotonic() < deadline, t.heard[before:]
+            t.drain(100)
+        release.set()
         t.send(messages.Stop("test over"))
         t.thread.join(20)
         assert t.exits == [0]
-        t.drain()
-    heard = t.heard
-    encodes = [i for i, e in enumerate(spy.events) if e == "encode"]
-    assert len(encodes) >= 5
-    assert spy.events[encodes[0] : encodes[-1] + 1] == ["encode", "hello"] * (len(encodes) - 1) + ["encode"]
-    serving = [m for m in heard if isinstance(m, messages.Hello) and m.session == "s" and m.holding == [0]]
-    assert len(serving) >= len(encodes), "every keepalive's hello reached the trainer"
-    assert isinstance(heard[-1], messages.Bye)
+        t.drain(1000)
+    assert len(cue.calls) < 100, "stopped mid-document"
+    assert isinstance(t.heard[-1], messages.Bye)
 
 
 # -- a tiny corpus's notices -------------------------------------------------------------------------------
@@ -271,7 +267,8 @@ STOP_AT = 3  # the encode call after which a stop comes
 class Cue(Spy):
     """The spy, and at chosen encode calls (counted from 1) an action in the producer's thread: a control
     message from the stand-in trainer (`sends`), waited for until it is readable at the producer's control
-    socket before the call returns, so the keepalive after the call can see it (nothing left to the clock);
+    socket and queued by its control thread before the call returns, so the check after the call can see it
+    (nothing left to the clock);
     a stop as the signal handler makes it; or a function to call. `events` also records each control message
     the producer handles."""
 
@@ -290,9 +287,13 @@ class Cue(Spy):
         elif callable(what):
             what()
         elif what is not None:
-            assert p is not None and p._ctrl is not None
+            assert p is not None and p._channel is not None
+            before = p._channel.inbox.qsize()  # nothing takes from it meanwhile: its reader is this thread
             self.sends.put(what)
-            assert p._ctrl.poll(20_000), "the message did not arrive"
+            deadline = time.monotonic() + 20
+            while p._channel.inbox.qsize() == before:
+                assert time.monotonic() < deadline, "the message did not arrive"
+                time.sleep(0.01)
         return out
 
 
@@ -385,7 +386,7 @@ def test_a_signal_ends_a_long_tokenization_at_the_next_encode_call(
 def test_other_control_messages_read_mid_document_wait_for_the_batch_then_come_in_order(
     tmp_path, port, cue, small_pieces, monkeypatch, tok
 ):
-    """A welcome that restarts the shard, read by the keepalive mid-document, is handled only once the
+    """A welcome that restarts the shard, read by the control thread mid-document, is handled only once the
     batch is built (the holdings are mid-update until then), before it is sent: the document is tokenized
     again from the shard's start, and a stop read during that second pass still ends it at once."""
     text = prose(200_000)
@@ -440,27 +441,31 @@ def calls_per_document(tmp_path, tok, cue: Cue, text: str) -> int:
 
 
 def serve_through_a_drop(
-    tmp_path, port, cue: Cue, monkeypatch, caplog, text: str, per_document: int, hellos: bool
+    tmp_path,
+    port,
+    cue: Cue,
+    monkeypatch,
+    caplog,
+    text: str,
+    per_document: int,
+    hellos: bool,
+    before_stop=None,
 ) -> bool:
     """stand_in_trainer on `text`, with `cue`'s actions; "trainer gone" closes the stand-in trainer's control
-    socket, and the cue waits until the producer's monitor has the event (nothing is left to the clock).
+    socket, and the cue waits until the producer's control thread has logged the drop (nothing is left to the
+    clock).
     Runs until the producer has logged the drop and made the `per_document` encode calls of the document,
     then stops it. `hellos`: each hello the producer builds is an event ("hello", or "hello rejoin").
     Whether a batch reached the trainer."""
-    monitors: list[zmq.Socket] = []  # the producer's monitor of its control socket, however it is kept
-    real_monitor = zmq.Socket.get_monitor_socket
-
-    def get_monitor_socket(self, *args, **kwargs):
-        monitors.append(real_monitor(self, *args, **kwargs))
-        return monitors[-1]
-
-    monkeypatch.setattr(zmq.Socket, "get_monitor_socket", get_monitor_socket)
     gone = threading.Event()
 
     def trainer_gone() -> None:  # in the producer's thread, after the encode call cued
         cue.sends.put("trainer gone")
         assert gone.wait(20), "the stand-in trainer did not close its socket"
-        assert monitors[-1].poll(20_000), "the producer's monitor saw nothing"
+        deadline = time.monotonic() + 20
+        while f"log {LOST}" not in cue.events:
+            assert time.monotonic() < deadline, "the producer's control thread saw nothing"
+            time.sleep(0.01)
 
     for k, what in cue.at.items():
         if what == "trainer gone":
@@ -502,6 +507,8 @@ def serve_through_a_drop(
                         gone.set()
                     else:
                         t.send(what)
+            if before_stop is not None:
+                before_stop()
             batch = bool(t.pull.poll(200))
     finally:
         logger.removeHandler(said)
@@ -509,15 +516,14 @@ def serve_through_a_drop(
     return batch
 
 
-def test_a_trainer_gone_mid_document_is_noticed_at_the_next_encode_call(
+def test_a_trainer_gone_mid_document_is_noticed_while_it_is_tokenized(
     tmp_path, port, cue, small_pieces, monkeypatch, tok, caplog
 ):
     """The trainer's control socket closes after encode call STOP_AT of a document that takes dozens. The
-    loop read the monitor only once the batch was built: the producer said "lost the connection" after the
-    whole document, and its hellos meanwhile said it was serving, not rejoining. The keepalive now handles
-    the event at the next encode call, as the loop would: logged then, the hellos from there on say
-    `rejoin`, and the batch built is held, not sent."""
-    monkeypatch.setattr(manager, "HELLO_EVERY", 0.0)  # a hello after every encode call: no clock
+    control thread notices at once, while the main thread is still inside the tokenizer: logged then (the cue
+    waits for the line before the next encode call), the hellos from there on say `rejoin`, and the batch
+    built is held, not sent."""
+    monkeypatch.setattr(manager, "HELLO_EVERY", 0.05)
     text = prose(200_000)
     per_document = calls_per_document(tmp_path, tok, cue, text)
     assert per_document > 2 * STOP_AT
@@ -525,10 +531,8 @@ def test_a_trainer_gone_mid_document_is_noticed_at_the_next_encode_call(
     batch = serve_through_a_drop(tmp_path, port, cue, monkeypatch, caplog, text, per_document, hellos=True)
     events = [e for e in cue.events if not e.startswith("control")]
     lost = events.index(f"log {LOST}")
-    assert events[:lost].count("encode") == STOP_AT, handled(cue)  # noticed at the next encode call's end
-    assert events[lost:].count("encode") == per_document - STOP_AT  # while the document was tokenized
-    assert set(events[:lost]) == {"encode", "hello"} and "hello" not in events[lost:]
-    assert events[lost + 1 : lost + 3] == ["hello rejoin", "encode"]
+    assert events[:lost].count("encode") == STOP_AT, handled(cue)  # noticed before the next encode call
+    assert "hello" not in events[lost:], "a hello after the drop did not say rejoin"
     assert not batch, "a batch went to the trainer that was gone"
 
 
@@ -536,22 +540,34 @@ def test_a_drop_after_a_message_kept_for_the_loop_takes_effect_after_it(
     tmp_path, port, cue, small_pieces, monkeypatch, tok, caplog
 ):
     """A welcome that restarts the shard is read mid-document (kept for the loop: the holdings are mid-update),
-    then the trainer goes away. Handled as they came: the welcome once the batch is built, then the drop,
-    which holds the restarted shard. The drop taken at once, before the welcome, would have been undone by
-    it ("the trainer welcomed this producer back"), and the producer would have gone on tokenizing."""
+    then the trainer goes away (logged by the control thread when it happens). Handled as they came: the
+    welcome once the batch is built, then the drop, which holds the restarted shard. The drop taken before
+    the welcome would have been undone by it ("the trainer welcomed this producer back"), and the producer
+    would have gone on tokenizing."""
     text = prose(200_000)
     per_document = calls_per_document(tmp_path, tok, cue, text)
     assert per_document > 2 * STOP_AT
     cue.at[STOP_AT] = messages.Welcome("s", 0, lease="L", shards=1, force=True)
     cue.at[STOP_AT + 1] = "trainer gone"
-    batch = serve_through_a_drop(tmp_path, port, cue, monkeypatch, caplog, text, per_document, hellos=False)
+
+    def held_then_stop() -> bool:
+        p = cue.producer
+        assert p is not None
+        deadline = time.monotonic() + 20
+        while not p._held:
+            assert time.monotonic() < deadline, "the drop did not hold the batches"
+            time.sleep(0.01)
+        return True
+
+    batch = serve_through_a_drop(
+        tmp_path, port, cue, monkeypatch, caplog, text, per_document, hellos=False, before_stop=held_then_stop
+    )
     assert handled(cue) == [
         "control Assign",
         "control Welcome",
-        f"{per_document} encode",
-        "control Welcome",
+        f"{STOP_AT + 1} encode",
         f"log {LOST}",
+        f"{per_document - STOP_AT - 1} encode",
+        "control Welcome",
     ]
-    (said,) = [r.getMessage() for r in caplog.records if LOST in r.getMessage()]
-    assert " s ago, while a batch was built; holding batches" in said, said
     assert not batch

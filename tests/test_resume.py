@@ -495,7 +495,9 @@ def test_a_resume_on_another_corpus_is_refused_before_anything_starts(procs, tmp
     assert p.wait(timeout=60) == 2, procs.log(p)
     lines = procs.log(p).strip().splitlines()
     assert (
-        len(lines) == 1 and "was trained on 'blank|" in lines[0] and "resume with the same --data" in lines[0]
+        len(lines) == 1
+        and "was trained on other --data (trained on, not in --data now: 'a.txt:" in lines[0]
+        and "resume with the same --data" in lines[0]
     )
     # the same files with another --doc-split: that is what differs, not --data
     split = procs.start("run", *base, "--data", str(a), "--doc-split", "line", "--steps", "8", "--resume", "auto",

@@ -95,6 +95,7 @@ def test_every_metric_the_dashboard_uses_is_exported():
         "sum by (reason) (rate(lmpipe_trainer_stale_batches_total",
         "lmpipe_trainer_producers_connected",
         "rate(lmpipe_producer_send_blocked_seconds_total",
+        "rate(lmpipe_producer_storage_wait_seconds_total",
         "sum by (kind) (lmpipe_trainer_gpu_memory_bytes)",
         "lmpipe_trainer_mfu_ratio",
         "max(lmpipe_trainer_global_step)",  # survives resume, unlike steps_total
