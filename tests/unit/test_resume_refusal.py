@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from lmpipe.consumer.config import TrainConfig
 from lmpipe.checks import check_resume_corpus
+from lmpipe.consumer.config import TrainConfig
 from lmpipe.producer.sources import Corpus
 from lmpipe.shared.settings import SettingsError
 
