@@ -53,7 +53,7 @@ test_args=()  # `tests -k loss_kernel` selects tests; `all`'s extra arguments ar
 
 case $stage in
     # every cuda-marked test, from the files that hold them (others may import CPU-only dev extras)
-    tests|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m cuda $(grep -l "mark.cuda" tests/test_*.py) "${test_args[@]}" ;;&
+    tests|all) run cuda-tests python3 -m pytest -q -p no:cacheprovider --durations=8 -m cuda $(grep -rl --include="test_*.py" "mark.cuda" tests/unit tests/e2e) "${test_args[@]}" ;;&
     ceiling|all) run ceiling python3 -m bench.ceiling --out "$OUT" "$@" ;;&
     kernels|all) run kernels python3 -m bench.kernels --out "$OUT" "$@" ;;&
     attention|all) run attention python3 -m bench.attention --out "$OUT" "$@" ;;&
