@@ -1,19 +1,22 @@
 """Every usage mistake is one line on stderr naming the flag or variable, exit status 2, no traceback.
 
-Each case starts the real command (`python -m lmpipe ...`). The checks run before a model is built or a
-process started, so most cases take a fraction of a second. A mistake only a running producer can see (a
+Each case runs the real command line in this process: `lmpipe.cli.main(argv)`, the console script's own
+entry (its parser, its checks, its messages), with the environment a fresh process would see. The checks
+run before a model is built or a process started. tests/e2e/test_cli_errors.py proves that the console
+script itself prints the same one line and exits 2, and that a mistake only a running producer can see (a
 corpus file changed under it) stops the run with one line too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
+import signal
 import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +25,63 @@ from typing import Any
 import pytest
 import torch
 
+from lmpipe import cli
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.sockets import endpoints
-from tests.helpers import REPO, lmpipe_env
+from tests.helpers import REPO
+
+
+@dataclass
+class Result:
+    """What a command line gave: its exit status and what it wrote."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@contextlib.contextmanager
+def process_state():
+    """What main() sets up for the process it runs in and a fresh process never gets back: the root logger
+    (shared/log.py's setup) and the SIGINT/SIGTERM handlers (the launcher's). Put back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for s, h in signals.items():
+            signal.signal(s, h)
+
+
+def _exit(code: int) -> None:
+    raise SystemExit(code)  # main() leaves a torchrun rank by os._exit, which would end pytest
+
+
+@pytest.fixture
+def lmpipe(monkeypatch, capsys):
+    """`lmpipe ARGS` as the console script runs it, in this process, with only `env` of LMPIPE_ variables."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> Result:
+        with monkeypatch.context() as m:
+            for k in [k for k in os.environ if k.startswith("LMPIPE_")]:
+                m.delenv(k)
+            for k, v in (env or {}).items():
+                m.setenv(k, v)
+            m.chdir(REPO)
+            m.setattr(os, "_exit", _exit)
+            capsys.readouterr()
+            with process_state():
+                try:
+                    code = cli.main(list(args))
+                except SystemExit as exc:  # argparse: a usage mistake (2) or --help (0)
+                    code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return run
 
 
 @dataclass
@@ -482,30 +539,23 @@ def shards(tmp_path_factory) -> Path:
 
     d = tmp_path_factory.mktemp("shards")
     (d / "c.txt").write_text("\n\n".join(builtin_corpus.document(3, i) for i in range(40)) + "\n")
-    out = subprocess.run([sys.executable, "-m", "lmpipe", "prepare", "--data", str(d / "c.txt"), "--out",
-                          str(d / "shards")], env=lmpipe_env(), cwd=REPO, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    with process_state():
+        assert cli.main(["prepare", "--data", str(d / "c.txt"), "--out", str(d / "shards")]) == 0
     return d / "shards"
 
 
 @pytest.mark.parametrize("name,argv,expect", CASES)
-def test_usage_mistake_is_one_line_and_status_2(tmp_path, port, checkpoint, shards, name, argv, expect):
+def test_usage_mistake_is_one_line_and_status_2(
+    lmpipe, tmp_path, port, checkpoint, shards, name, argv, expect
+):
     c = Ctx(tmp_path, port, checkpoint, shards)
     args = argv(c) if callable(argv) else argv
     if args[0] in ("run", "train", "produce") and "--port" not in args:
         args += ["--port", str(port)]  # never a port another test is using
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "lmpipe", *args, "--metrics-port", "-1"]
-            if args[0] in ("run", "train", "produce")
-            else [sys.executable, "-m", "lmpipe", *args],
-            env={**lmpipe_env(), **c.env},
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        if args[0] in ("run", "train", "produce"):
+            args += ["--metrics-port", "-1"]
+        out = lmpipe(*args, env=c.env)
     finally:
         for held in c.hold:
             if isinstance(held, socket.socket):
@@ -519,12 +569,9 @@ def test_usage_mistake_is_one_line_and_status_2(tmp_path, port, checkpoint, shar
     assert expect in lines[0], lines[0]
 
 
-def lmpipe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lmpipe", *args], env=lmpipe_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-
-
-def test_export_over_an_earlier_export_says_so_and_a_failed_one_keeps_it(tmp_path, checkpoint, monkeypatch):
+def test_export_over_an_earlier_export_says_so_and_a_failed_one_keeps_it(
+    lmpipe, tmp_path, checkpoint, monkeypatch
+):
     """export --out replaced a file without a word, and a failed write (a full disk) left a truncated one."""
     out = tmp_path / "m.safetensors"
     first = lmpipe("export", str(checkpoint), "--out", str(out))
@@ -549,7 +596,7 @@ def test_export_over_an_earlier_export_says_so_and_a_failed_one_keeps_it(tmp_pat
 
 
 @pytest.mark.parametrize("given", ["itself", "a-link-to-it", "its-folder-as-data"])
-def test_tokenizer_train_refuses_to_write_over_its_corpus(tmp_path, given):
+def test_tokenizer_train_refuses_to_write_over_its_corpus(lmpipe, tmp_path, given):
     """`tokenizer train --data X.txt --out X.txt` replaced the corpus with the tokenizer's JSON."""
     corpus = tmp_path / "c.txt"
     corpus.write_text("A first document.\n\nA second one.\n")
@@ -568,7 +615,7 @@ def test_tokenizer_train_refuses_to_write_over_its_corpus(tmp_path, given):
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
-def test_tokenizer_train_that_cannot_save_says_so_in_one_line(tmp_path):
+def test_tokenizer_train_that_cannot_save_says_so_in_one_line(lmpipe, tmp_path):
     """Refused before the training (not writable by this user), or, where root may write /proc, by its
     save after it: one line either way, not a traceback from tok.save."""
     (tmp_path / "c.txt").write_text("A first document.\n\nA second one.\n")
@@ -579,7 +626,7 @@ def test_tokenizer_train_that_cannot_save_says_so_in_one_line(tmp_path):
     assert res.stderr.splitlines()[-1].startswith(f"lmpipe tokenizer: --out {out}: "), res.stderr
 
 
-def test_an_existing_tokenizer_file_may_be_replaced(tmp_path):
+def test_an_existing_tokenizer_file_may_be_replaced(lmpipe, tmp_path):
     (tmp_path / "c.txt").write_text("A first document.\n\nA second one.\n")
     out = tmp_path / "t.json"
     out.write_text("an older tokenizer")
@@ -591,7 +638,7 @@ def test_an_existing_tokenizer_file_may_be_replaced(tmp_path):
 
 
 @pytest.mark.parametrize("cmd", ["prepare", "tokenizer"])
-def test_corpus_only_commands_do_not_offer_shards_in_help(cmd):
+def test_corpus_only_commands_do_not_offer_shards_in_help(lmpipe, cmd):
     """prepare and tokenizer train said --data took "a prepared shard directory; none: the built-in corpus"."""
     text = " ".join(lmpipe(cmd, "--help").stdout.split())
     assert "corpus files (text, JSONL" in text and "prepared shard directory" not in text
@@ -667,15 +714,8 @@ FROM_THE_ENVIRONMENT = [
 
 
 @pytest.mark.parametrize("name,variables,argv,start", FROM_THE_ENVIRONMENT)
-def test_a_value_from_the_environment_is_named_as_its_variable(port, name, variables, argv, start):
-    out = subprocess.run(
-        [sys.executable, "-m", "lmpipe", *argv, "--port", str(port), "--metrics-port", "-1"],
-        env={**lmpipe_env(), **variables},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_a_value_from_the_environment_is_named_as_its_variable(lmpipe, port, name, variables, argv, start):
+    out = lmpipe(*argv, "--port", str(port), "--metrics-port", "-1", env=variables)
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert out.stderr.count("\n") == 1 and out.stderr.startswith(start), out.stderr
 
@@ -761,63 +801,28 @@ LATER_CHECKS = [
     "make", LATER_CHECKS, ids=["doc-log-in-one-data-folder", "doc-log-in-the-data-folder", "shard-set-in-data",
                                "rank-and-world-size", "rank-flag-and-world-size", "resume-doc-split"]
 )  # fmt: skip
-def test_a_later_checks_message_names_the_variable_that_gave_the_value(tmp_path, port, make):
+def test_a_later_checks_message_names_the_variable_that_gave_the_value(lmpipe, tmp_path, port, make):
     """Said by a check after the settings were built (and by the producer's corpus, or consumer/config.py's
     per_rank under torchrun): the value the environment gave is named as its variable there too."""
     c = Ctx(tmp_path, port, tmp_path, tmp_path)
     argv, said = make(c)
-    out = subprocess.run(
-        [sys.executable, "-m", "lmpipe", *argv, "--port", str(port), "--metrics-port", "-1"],
-        env={**lmpipe_env(), **c.env},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = lmpipe(*argv, "--port", str(port), "--metrics-port", "-1", env=c.env)
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
     assert said in out.stderr, out.stderr
 
 
-@pytest.mark.slow
-def test_a_corpus_file_changed_during_the_run_stops_it_in_one_line(procs, tmp_path, port):
-    """A corpus file emptied under --epochs 0 (train until stopped): the producer took the empty pass for the
-    end of its data, and the run ended with exit 0 as if complete. The producer now stops at the pass that
-    finds the file changed, with one line naming it and what changed; the run fails (not retried)."""
-    from lmpipe.producer import builtin_corpus
-
-    data = tmp_path / "c.txt"
-    data.write_text("\n\n".join(builtin_corpus.document(3, i) for i in range(40)) + "\n")
-    size = data.stat().st_size
-    p = procs.start(
-        "run", "--data", str(data), "--epochs", "0", "--steps", "0", "--consume-only", "--producers", "1",
-        "--port", str(port), "--metrics-port", "-1", "--log-every", "5", name="run",
-    )  # fmt: skip
-    procs.wait_for(p, "step 10")  # the producer started: the file it found is the run's
-    data.write_bytes(b"")
-    assert procs.wait(p, timeout=60) == 1, procs.log(p)
-    text = procs.log(p)
-    said = [line for line in text.splitlines() if "changed during the run" in line]
-    assert len(said) == 1, text
-    assert said[0].endswith(
-        f"[producer 0] corpus file {data} changed during the run ({size:,} -> 0 bytes); the run cannot go on "
-        "reading it as it was: restore it or start a new run"
-    ), said[0]
-    assert "producer 0 exited with code 2" in text and "Traceback" not in text
-
-
-def test_producer_metrics_ports_past_65535_are_refused_up_front(port):
+def test_producer_metrics_ports_past_65535_are_refused_up_front(lmpipe, port):
     """Producer i serves metrics on --metrics-port + 1 + i: each failed in bind() with a traceback, and the
     run stopped with 'producer 0 exited with code 1'."""
-    out = subprocess.run([sys.executable, "-m", "lmpipe", "run", "--metrics-port", "65535", "--port", str(port)],
-                         env=lmpipe_env(), cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = lmpipe("run", "--metrics-port", "65535", "--port", str(port))
     assert out.returncode == 2 and out.stderr.splitlines() == [
         "lmpipe run: --metrics-port 65535: its 2 producers would serve on ports up to 65537, past 65535; give a "
         "lower --metrics-port (0: any free port, -1: off)"
     ], out.stderr
 
 
-def test_a_vocabulary_smaller_than_asked_is_said(tmp_path):
+def test_a_vocabulary_smaller_than_asked_is_said(lmpipe, tmp_path):
     """Without --data the built-in corpus gave 1,101 tokens of the 4,096 asked for, and nothing said so."""
     (tmp_path / "c.txt").write_text("A first document.\n\nA second one.\n")
     out = tmp_path / "t.json"
