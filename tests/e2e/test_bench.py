@@ -50,48 +50,16 @@ def test_precision_names_its_modes_when_none_matches():
     assert "--only nothing: no such mode here; the modes: fp32; fp16, no scaling;" in last, last
 
 
-HOST_TIMERS = """
-import argparse, sys, time
-import torch
-import bench.trainbench
-from bench.host import PARTS, timed_parts
-from bench.trainbench import common_args, warm_synthetic_steps
-
-p = argparse.ArgumentParser()
-common_args(p)
-args = bench.trainbench.apply_smoke(p.parse_args(["--smoke", "--work", sys.argv[1], "--out", sys.argv[2]]))
-args.warmup = 1
-step = warm_synthetic_steps(args)
-runner = step.trainer.runner
-model, mask_builder, backward = runner.model, bench.trainbench.build_inputs, torch.autograd.backward
-t0 = time.perf_counter()
-with timed_parts(step) as spent:
-    for i in range(3):
-        step(i)
-wall = time.perf_counter() - t0
-outer = [part for part, inner in PARTS if not inner]
-assert all(spent[part] > 0 for part in outer), dict(spent)
-assert sum(spent[part] for part in outer) <= wall
-assert spent["nvmath GEMM calls"] == 0  # a CPU step makes none
-assert runner.model is model and bench.trainbench.build_inputs is mask_builder
-assert torch.autograd.backward is backward and "step" not in vars(runner.optimizer)
-step(3)  # and it still trains
-print("ok")
-"""
-
-
-def test_bench_host_times_each_part_of_a_step_and_puts_the_step_back(tmp_path):
-    """bench.host's timers wrap the functions a step calls: each part is timed, the parts fit inside the
-    steps' wall time, and afterwards the step runs its own functions again (no timer left behind). The probe
-    needs a GPU, so its timers run here on a CPU step, in a process of their own as the benchmarks run."""
-    wikitext = tmp_path / "wt2"
-    wikitext.mkdir()
-    text = "".join(f" = Heading {i} = \n\n Sentence {i} about item {i % 7} .\n\n" for i in range(300))
-    (wikitext / "valid.txt").write_text(text)
-    (wikitext / "test.txt").write_text(text)
-    out = subprocess.run(
-        [sys.executable, "-c", HOST_TIMERS, str(tmp_path / "work"), str(tmp_path / "out")],
-        cwd=REPO, env={**lmpipe_env(), "LMPIPE_WIKITEXT": str(wikitext)}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+@pytest.mark.cuda
+def test_bench_host_times_each_part_of_a_step_and_writes_outside_bench_results(tmp_path):
+    """bench.host as users run it (its probe needs a GPU): each part of a step is timed and listed, and a
+    smoke run leaves bench/results alone. Run through its command line: tests import nothing of bench/."""
+    before = digest()
+    out = bench("bench.host", "--smoke", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+                env={"TMPDIR": str(tmp_path)})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    parts = out.stdout.split("Host ms a step by part", 1)
+    assert len(parts) == 2, out.stdout[-3000:]
+    rows = [line for line in parts[1].split("\n\n")[1].splitlines() if line.startswith("|")][2:]
+    assert rows and all(float(r.split("|")[2].replace(",", "")) >= 0 for r in rows), parts[1][:2000]
+    assert digest() == before, "a smoke run changed bench/results"
