@@ -19,6 +19,7 @@ from tests.helpers import (
     builtin_lengths,
     push_garbage,
     read_doc_log,
+    small_run,
     write_bad_corpus,
 )
 
@@ -29,9 +30,8 @@ pytestmark = pytest.mark.slow
 def test_run_trains_every_document_exactly_once(procs, tmp_path, port, tok, strategy, docs):
     log, summary = tmp_path / "docs.jsonl", tmp_path / "summary.json"
     p = procs.start(
-        "run", "--strategy", strategy, "--builtin-docs", str(docs), "--epochs", "1", "--steps", "0",
-        "--bucket-window", "64", "--port", str(port), "--metrics-port", "-1", "--log-every", "5",
-        "--doc-log", str(log), "--summary-json", str(summary), "--threads", "1",
+        "run", *small_run(port, strategy=strategy, builtin_docs=docs, epochs=1, steps=0, bucket_window=64,
+                          log_every=5, doc_log=log, summary_json=summary, threads=1),
         name="run",
     )  # fmt: skip
     assert p.wait(timeout=180) == 0, procs.log(p)
@@ -46,12 +46,14 @@ def test_run_trains_every_document_exactly_once(procs, tmp_path, port, tok, stra
         assert out["padding_efficiency"] > 0.99
         assert out["first_loss"] - out["last_loss"] > 1.5, "the model learns"
     text = procs.log(p)
-    assert "summary:" in text and "tok/s" in text and "data wait" in text
+    said = [line for line in text.splitlines() if line.split("] ", 1)[-1].startswith("summary: ")]
+    assert len(said) == 1 and "(end of data)" in said[0], said  # the summary line is the JSON's run
+    assert f"{out['tokens']:,} tokens trained" in said[0] and f"{out['steps']} steps in" in said[0], said
     assert "all 16 shards finished their data" in text
 
 
 def test_producer_started_first_waits_for_the_trainer(procs, tmp_path, port):
-    common = ["--port", str(port), "--producers", "1", "--builtin-docs", "200", "--metrics-port", "-1"]
+    common = small_run(port, producers=1, builtin_docs=200)
     prod = procs.start("produce", *common, name="producer")
     procs.wait_for(prod, "waiting for the trainer")
     time.sleep(1.5)
@@ -66,9 +68,9 @@ def test_producer_started_first_waits_for_the_trainer(procs, tmp_path, port):
 def test_a_diverged_run_stops_loudly_and_checkpoints_nothing_of_it(procs, tmp_path, port):
     """It showed `loss n/a`, summed up the last finite loss, exited 0 and checkpointed NaN weights."""
     ck, summary = tmp_path / "ck", tmp_path / "summary.json"
-    p = procs.start("run", "--port", str(port), "--producers", "1", "--builtin-docs", "200", "--metrics-port", "-1",
-                    "--steps", "20", "--lr", "1e6", "--warmup", "0", "--log-every", "5", "--checkpoint-dir", str(ck),
-                    "--checkpoint-every", "5", "--summary-json", str(summary), name="diverged")  # fmt: skip
+    p = procs.start("run", *small_run(port, producers=1, builtin_docs=200, steps=20, lr="1e6", warmup=0, log_every=5,
+                                      checkpoint_dir=ck, checkpoint_every=5, summary_json=summary),
+                    name="diverged")  # fmt: skip
     assert p.wait(timeout=120) == 2, procs.log(p)
     text = procs.log(p)
     said = [line for line in text.splitlines() if "training diverged" in line]
@@ -82,7 +84,7 @@ def test_a_diverged_run_stops_loudly_and_checkpoints_nothing_of_it(procs, tmp_pa
 def test_mismatched_tokenizer_is_refused_on_both_sides(procs, tmp_path, port):
     other = tmp_path / "other.json"
     train_tokenizer((builtin_corpus.document(7, i) for i in range(300)), 500).save(str(other))
-    common = ["--port", str(port), "--producers", "1", "--metrics-port", "-1"]
+    common = small_run(port, producers=1)
     train = procs.start("train", *common, "--steps", "5", name="trainer")
     prod = procs.start("produce", *common, "--tokenizer", str(other), name="producer")
     assert prod.wait(timeout=60) == 2
@@ -94,10 +96,9 @@ def test_mismatched_tokenizer_is_refused_on_both_sides(procs, tmp_path, port):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_every_process_quickly(procs, port, sig):
-    p = procs.start(
-        "run", "--steps", "0", "--port", str(port), "--metrics-port", "-1", "--log-every", "5", name="run"
-    )
+def test_a_run_without_an_end_says_so_and_a_signal_stops_every_process_quickly(procs, port, sig):
+    p = procs.start("run", *small_run(port, steps=0, log_every=5), name="run")
+    procs.wait_for(p, "this run trains until it is stopped (Ctrl-C or SIGTERM)")
     procs.wait_for(p, "step 10")
     children = [int(pid) for pid in procs.log(p).split("pids ")[1].split("\n")[0].split()]
     t0 = time.monotonic()
@@ -111,15 +112,15 @@ def test_signal_stops_every_process_quickly(procs, port, sig):
     for pid in children:
         status = Path(f"/proc/{pid}/status")
         assert not status.exists() or "zombie" in status.read_text().lower(), f"orphan producer {pid}"
-    assert "summary:" in procs.log(p)
+    said = [line for line in procs.log(p).splitlines() if line.split("] ", 1)[-1].startswith("summary: ")]
+    assert len(said) == 1 and f"({sig.name})" in said[0], said  # stopped by that signal, and said so
 
 
 def test_run_stops_loudly_when_its_producer_is_killed(procs, port):
     """`lmpipe run`'s producers are processes it forked: one killed by a signal is named with its exit
     status and the run fails, instead of waiting for data that cannot come."""
     p = procs.start(
-        "run", "--steps", "0", "--producers", "1", "--port", str(port), "--metrics-port", "-1",
-        "--log-every", "5", name="run",
+        "run", *small_run(port, steps=0, producers=1, log_every=5), name="run",
     )  # fmt: skip
     procs.wait_for(p, "step 10")
     pid = int(procs.log(p).split("pids ")[1].split("\n")[0].split()[0])
@@ -134,8 +135,8 @@ def test_a_dead_producer_stops_the_run_while_another_keeps_it_fed(procs, port):
     the queue full (a trainer slower than its producers), one that stopped (a changed corpus file, exit 2)
     went unnoticed while its shards moved. Now the run stops within a step."""
     p = procs.start(
-        "run", "--steps", "400", "--producers", "2", "--model", "small", "--seq-len", "256", "--batch-size",
-        "8", "--port", str(port), "--metrics-port", "-1", "--log-every", "1", name="run",
+        "run", *small_run(port, steps=400, producers=2, model="small", seq_len=256, batch_size=8, log_every=1),
+        name="run",
     )  # fmt: skip
     procs.wait_for(p, "step 3/", timeout=120)
     pid = int(procs.log(p).split("pids ")[1].split()[0])
@@ -151,9 +152,8 @@ def test_bad_corpus_records_are_skipped_and_the_run_goes_on(procs, tmp_path, por
     txt, jl = write_bad_corpus(tmp_path)
     summary = tmp_path / "s.json"
     p = procs.start(
-        "run", "--data", str(txt), str(jl), "--epochs", "1", "--steps", "0", "--port", str(port),
-        "--metrics-port", "-1", "--seq-len", "16", "--batch-size", "2", "--summary-json", str(summary),
-        name="run",
+        "run", "--data", str(txt), str(jl),
+        *small_run(port, epochs=1, steps=0, seq_len=16, batch_size=2, summary_json=summary), name="run",
     )  # fmt: skip
     assert p.wait(timeout=120) == 0, procs.log(p)
     text = procs.log(p)
@@ -185,9 +185,8 @@ def test_many_shards_with_many_kinds_of_bad_input_are_all_counted(procs, tmp_pat
     corpus.write_bytes(b"".join(kinds[i % 5] % i if i % 5 == 0 else kinds[i % 5] for i in range(5 * 2048)))
     summary = tmp_path / "s.json"
     p = procs.start(
-        "run", "--data", str(corpus), "--shards", "128", "--producers", "1", "--epochs", "1", "--steps", "0",
-        "--port", str(port), "--metrics-port", "-1", "--seq-len", "32", "--batch-size", "4",
-        "--summary-json", str(summary), name="run",
+        "run", "--data", str(corpus), *small_run(port, shards=128, producers=1, epochs=1, steps=0, seq_len=32,
+                                                 batch_size=4, summary_json=summary), name="run",
     )  # fmt: skip
     assert p.wait(timeout=120) == 0, procs.log(p)[-2000:]
     out = json.loads(summary.read_text())
@@ -202,8 +201,8 @@ def test_a_folder_of_1200_files_trains(procs, tmp_path, port):
     for i in range(1200):
         (data / f"c4-train.{i:05d}-of-01200.json.txt").write_text(f"tiny file {i} says hello\n")
     summary = tmp_path / "s.json"
-    p = procs.start("run", "--data", str(data), "--epochs", "1", "--steps", "0", "--port", str(port),
-                    "--metrics-port", "-1", "--summary-json", str(summary), name="run")  # fmt: skip
+    p = procs.start("run", "--data", str(data), *small_run(port, epochs=1, steps=0, summary_json=summary),
+                    name="run")  # fmt: skip
     assert p.wait(timeout=120) == 0, procs.log(p)[-2000:]
     assert json.loads(summary.read_text())["stopped_by"] == "end of data"
 
@@ -213,8 +212,8 @@ def test_a_producer_whose_shards_own_no_documents_says_so_not_that_it_finished_0
 ):
     one = tmp_path / "one.txt"
     one.write_text("a single document, no blank line in it, " * 50 + "\n")
-    p = procs.start("run", "--data", str(one), "--producers", "2", "--steps", "20", "--port", str(port),
-                    "--metrics-port", "-1", "--seq-len", "32", "--batch-size", "2", name="run")  # fmt: skip
+    p = procs.start("run", "--data", str(one), *small_run(port, producers=2, steps=20, seq_len=32, batch_size=2),
+                    name="run")  # fmt: skip
     assert p.wait(timeout=120) == 0, procs.log(p)[-2000:]
     text = procs.log(p)
     assert "finished (its shards own no documents) on shard(s)" in text
@@ -223,18 +222,7 @@ def test_a_producer_whose_shards_own_no_documents_says_so_not_that_it_finished_0
 
 def test_hostile_messages_are_counted_and_training_goes_on(procs, tmp_path, port):
     summary = tmp_path / "s.json"
-    common = [
-        "--port",
-        str(port),
-        "--producers",
-        "1",
-        "--builtin-docs",
-        "300",
-        "--metrics-port",
-        "-1",
-        "--epochs",
-        "1",
-    ]
+    common = small_run(port, producers=1, builtin_docs=300, epochs=1)
     train = procs.start("train", *common, "--steps", "0", "--summary-json", str(summary), "--log-every", "2",
                         name="trainer")  # fmt: skip
     procs.wait_for(train, "listening on")
@@ -251,8 +239,7 @@ def test_a_run_too_short_for_a_steady_state_reports_none(procs, tmp_path, port):
     """Every step in the first logging interval: its tokens/s are start-up, so no steady figure (null in
     the JSON), not 0 tok/s and not the overall rate passed off as steady."""
     summary = tmp_path / "s.json"
-    p = procs.start("run", "--steps", "4", "--log-every", "10", "--port", str(port), "--metrics-port", "-1",
-                    "--summary-json", str(summary), name="run")  # fmt: skip
+    p = procs.start("run", *small_run(port, steps=4, log_every=10, summary_json=summary), name="run")
     assert p.wait(timeout=120) == 0, procs.log(p)
     out = json.loads(summary.read_text())
     assert out["steps"] == 4 and out["tokens"] > 0
@@ -264,8 +251,7 @@ def test_a_run_too_short_for_a_steady_state_reports_none(procs, tmp_path, port):
 
 def test_a_trainer_stopped_before_its_first_step_says_so(procs, tmp_path, port):
     summary = tmp_path / "s.json"
-    train = procs.start("train", "--port", str(port), "--metrics-port", "-1", "--steps", "5",
-                        "--summary-json", str(summary), name="trainer")  # fmt: skip
+    train = procs.start("train", *small_run(port, steps=5, summary_json=summary), name="trainer")
     procs.wait_for(train, "listening on")
     train.send_signal(signal.SIGTERM)
     assert train.wait(timeout=60) == 0, procs.log(train)
@@ -280,20 +266,10 @@ def test_a_trainer_stopped_before_its_first_step_says_so(procs, tmp_path, port):
     assert out["seconds"] > 0  # the wait it was stopped in (0.0 before)
 
 
-def test_a_run_without_an_end_says_so_and_stops_cleanly(procs, port):
-    p = procs.start("run", "--steps", "0", "--port", str(port), "--metrics-port", "-1", name="run")
-    procs.wait_for(p, "this run trains until it is stopped (Ctrl-C or SIGTERM)")
-    procs.wait_for(p, "step ")
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=60) == 0, procs.log(p)
-    assert "(SIGTERM)" in procs.log(p)
-
-
 def test_wait_timeout_is_kept_to_the_second(procs, tmp_path, port):
     """--wait-timeout 1 stopped after 10 s: the check ran only with the every-10-s 'waiting' line. A stop on
     a problem exits 1 (it exited 0, as a run that reached its end does)."""
-    train = procs.start("train", "--port", str(port), "--metrics-port", "-1", "--steps", "5",
-                        "--wait-timeout", "1", name="trainer")  # fmt: skip
+    train = procs.start("train", *small_run(port, steps=5, wait_timeout=1), name="trainer")
     assert train.wait(timeout=60) == 1, procs.log(train)
     found = re.search(r"no data for (\d+) s \(--wait-timeout 1\)", procs.log(train))
     assert found and int(found.group(1)) < 5, procs.log(train)
