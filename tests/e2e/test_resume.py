@@ -55,9 +55,10 @@ def resumed_step(text: str) -> int:
     return int(text.split("resumed from ")[1].split(": step ")[1].split(",")[0])
 
 
+# One kill a strategy (a kill point of its own for each, 6 to 25): a second seed of the same strategy ran the
+# same three processes to check the same property at another step.
 @pytest.mark.parametrize("strategy", ["pack", "pad", "pad-batch", "bucket"])
-@pytest.mark.parametrize("seed", [1, 2])
-def test_kill_trainer_at_a_random_step(procs, tmp_path, port, tok, strategy, seed):
+def test_kill_trainer_at_a_random_step(procs, tmp_path, port, tok, strategy):
     common = ["--port", str(port), "--strategy", strategy, "--epochs", "1", "--producers", "2", *SMALL]
     log, ck = tmp_path / "docs.jsonl", tmp_path / "ck"
     train_args = ["train", *common, "--steps", "0", "--checkpoint-dir", str(ck), "--checkpoint-every", "4",
@@ -65,7 +66,7 @@ def test_kill_trainer_at_a_random_step(procs, tmp_path, port, tok, strategy, see
     t1 = procs.start(*train_args, name="trainer1")
     for w in range(2):
         procs.start("produce", *common, "--worker", str(w), name=f"producer{w}")
-    kill_at = random.Random(seed * 100 + len(strategy)).randint(6, 25)
+    kill_at = random.Random(100 + len(strategy)).randint(6, 25)
     wait_until(lambda: steps_logged(log) >= kill_at, 90, f"step {kill_at}")
     os.kill(t1.pid, signal.SIGKILL)
     t1.wait()
@@ -74,9 +75,10 @@ def test_kill_trainer_at_a_random_step(procs, tmp_path, port, tok, strategy, see
     t2 = procs.start(*train_args, name="trainer2")
     assert t2.wait(timeout=120) == 0, procs.log(t2)
     text = procs.log(t2)
-    assert "summary:" in text and "(end of data)" in text
     s = resumed_step(text)
     assert 4 <= s <= len(first) and s % 4 == 0  # the last checkpoint before the kill
+    said = [line for line in text.splitlines() if line.split("] ", 1)[-1].startswith("summary: ")]
+    assert len(said) == 1 and f": resumed at {s}) in " in said[0] and "(end of data)" in said[0], said
     entries = doc_log_entries(log)
     assert_exactly_once(trained_pieces(entries, first_session, s), builtin_lengths(tok, 240))
     # the batches lost with the killed trainer came back identical
