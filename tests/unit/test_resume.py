@@ -22,8 +22,6 @@ from lmpipe.producer.shards import ShardError, ShardSet, prepare
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 
-pytestmark = pytest.mark.slow
-
 
 def test_shards_round_trip_the_tokenizer_exactly(tmp_path, tok):
     src = tmp_path / "c.jsonl"
