@@ -14,11 +14,11 @@ import pytest
 
 from lmpipe.consumer.checkpoint import CheckpointManager
 from lmpipe.producer import builtin_corpus
-from tests.helpers import doc_log_entries, doc_pieces
+from tests.helpers import doc_log_entries, doc_pieces, small_run
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--seq-len", "64", "--batch-size", "4", "--metrics-port", "-1", "--producers", "1"]
+SMALL = small_run(None, seq_len=64, batch_size=4, producers=1)
 T = ["--threads", "1"]  # the trainer's
 
 

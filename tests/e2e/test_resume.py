@@ -31,24 +31,14 @@ from tests.helpers import (
     builtin_lengths,
     doc_log_entries,
     doc_pieces,
+    small_run,
     steps_logged,
     trained_pieces,
     wait_until,
 )
 
 pytestmark = pytest.mark.slow
-SMALL = [
-    "--builtin-docs",
-    "240",
-    "--seq-len",
-    "64",
-    "--batch-size",
-    "4",
-    "--bucket-window",
-    "32",
-    "--metrics-port",
-    "-1",
-]
+SMALL = small_run(None, builtin_docs=240, seq_len=64, batch_size=4, bucket_window=32)
 
 
 def resumed_step(text: str) -> int:
