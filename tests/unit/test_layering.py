@@ -9,6 +9,7 @@ those inside functions too, and relative ones are resolved.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,11 +51,16 @@ def sources() -> dict[str, Path]:
 SOURCES = sources()
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
 def imports(module: str) -> Iterator[str]:
     """Every module `module` imports: absolute names, `from X import submodule` as X.submodule."""
     path = SOURCES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -168,7 +174,7 @@ def test_no_module_over_500_lines():
 def test_no_function_over_80_lines():
     long = {}
     for module, path in SOURCES.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1  # type: ignore[operator]
                 if n > LONGEST_FUNCTION:
