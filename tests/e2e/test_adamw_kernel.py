@@ -1,6 +1,6 @@
 """The Triton AdamW (consumer/adamw.py) on CPU, through Triton's interpreter: the same weights, moments and
 step counters as torch's AdamW over several steps, with a clip's grad_scale, a changing lr (a tensor in the
-last step), gradients that move between steps and two parameter groups; the state loads into torch's AdamW. tests/test_cuda.py runs it
+last step), gradients that move between steps and two parameter groups; the state loads into torch's AdamW. tests/unit/test_cuda.py runs it
 on a GPU."""
 
 from __future__ import annotations

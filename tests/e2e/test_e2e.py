@@ -161,7 +161,7 @@ def test_bad_corpus_records_are_skipped_and_the_run_goes_on(procs, tmp_path, por
     assert "line_too_long" in text
     out = json.loads(summary.read_text())
     assert out["tokens"] > 0
-    # the 8 of tests/test_sources.py, each counted by the one producer that read it, in the summary too
+    # the 8 of tests/unit/test_sources.py, each counted by the one producer that read it, in the summary too
     assert out["skipped"] == {"bad_ids": 1, "bad_json": 2, "empty": 1, "invalid_utf8": 2, "line_too_long": 1,
                               "missing_text": 1}  # fmt: skip
     assert "bad input skipped: 8 (1 bad_ids, 2 bad_json, 1 empty, 2 invalid_utf8, 1 line_too_long, " in text

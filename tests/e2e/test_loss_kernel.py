@@ -1,5 +1,5 @@
 """The one-pass loss kernel (consumer/loss.py) on CPU, through Triton's interpreter: the loss and both
-gradients equal torch's cross-entropy. tests/test_cuda.py runs it compiled, in bf16, on a GPU."""
+gradients equal torch's cross-entropy. tests/unit/test_cuda.py runs it compiled, in bf16, on a GPU."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Network safety: private Unix sockets by default, CURVE keys admit only authorized producers.
 
-The attacks of issue 10, run by a hostile client against real processes, are in tests/test_hostile.py.
+The attacks of issue 10, run by a hostile client against real processes, are in tests/e2e/test_hostile.py.
 """
 
 from __future__ import annotations

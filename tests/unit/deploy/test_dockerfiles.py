@@ -46,7 +46,7 @@ def test_dockerfile_structure(role):
     assert users and users[-1].split(":")[0] not in ("root", "0"), "runs as a non-root user"
     health = [rest for op, rest in final if op == "HEALTHCHECK"]
     port = {"producer": 9401, "trainer": 9400}[role]
-    # `lmpipe health`: the trainer must also be stepping (tests/deploy/test_health.py)
+    # `lmpipe health`: the trainer must also be stepping (tests/e2e/deploy/test_health.py)
     assert health and f'lmpipe health --metrics-port \\"${{LMPIPE_METRICS_PORT:-{port}}}\\"' in health[0]
     assert not [rest for op, rest in ins if op == "ADD"], "COPY, not ADD (no remote URLs, no tar magic)"
     (entry,) = [json.loads(rest) for op, rest in final if op == "ENTRYPOINT"]
