@@ -5,6 +5,8 @@ The helpers they are built on live in tests/helpers.py, which is where tests imp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,7 +16,13 @@ from tests.helpers import Procs, free_port_pair
 torch.set_num_threads(2)
 
 
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # the end-to-end tier is the slow one: `-m "not slow"` is tests/unit
+        if E2E in Path(item.path).parents:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the device)")

@@ -120,6 +120,23 @@ class Procs:
                 p.wait()
 
 
+def small_run(port: int | None, **settings: object) -> list[str]:
+    """The flags of a small real run or process on `port` (a free pair from the `port` fixture; None: the
+    caller gives --port): the tiny model (the default preset), no metrics server, and `settings` as flags:
+    steps=0 is `--steps 0`, doc_log=path `--doc-log path`, consume_only=True `--consume-only`; None or False
+    leaves a flag out. A test names what its property needs (few steps, few documents, its tmp paths) and
+    nothing else."""
+    settings = {"metrics_port": -1, **settings}
+    flags = [] if port is None else ["--port", str(port)]
+    for name, value in settings.items():
+        if value is None or value is False:
+            continue
+        flags.append("--" + name.replace("_", "-"))
+        if value is not True:
+            flags.append(str(value))
+    return flags
+
+
 def run_lmpipe(tmp: Path, name: str, *args: str, nproc: int = 0, timeout: float = 240) -> tuple[int, str]:
     """`lmpipe ARGS` as a process, under torchrun with `nproc` ranks when nproc > 0: (exit code, output)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]

@@ -1,6 +1,6 @@
-"""A hostile local client for tests/test_hostile.py: the attacks of issue 10, with real pyzmq sockets.
+"""A hostile local client for tests/e2e/test_hostile.py: the attacks of issue 10, with real pyzmq sockets.
 
-tests/test_hostile.py runs `serve` in a child process, as another user for the default deployment (or
+tests/e2e/test_hostile.py runs `serve` in a child process, as another user for the default deployment (or
 `python tests/hostile.py TARGETS_JSON` by hand). It reads one JSON command per line and answers each with
 one JSON line of figures, so that the test can interleave attacks with its own measurements. It knows everything a local attacker could: the port, the runtime
 directory of the trainer's user, the trainer's public CURVE key and the full pipeline configuration; it

@@ -9,7 +9,7 @@ Compose v2, or podman with podman-compose), check it, tear it down. Run by deplo
    volume, the producers rejoin, and the epoch ends with every token of every document trained exactly once.
 
 Grafana is not started: its image cannot be pulled or installed on this project's machines; its
-provisioning and dashboard are checked statically (tests/deploy/test_grafana.py).
+provisioning and dashboard are checked statically (tests/unit/deploy/test_grafana.py).
 
 Exit status: 0 passed, 1 a check failed, 77 skipped (no container engine can run containers here: the reason
 is printed).
@@ -555,13 +555,13 @@ def main(argv: list[str] | None = None) -> int:
         stack.write_override([], {})
         stack.compose("down", "-v", "--remove-orphans", "-t", "5", check=False)  # a previous run's leftovers
         port_9090_is_free()
-        # one after the other: producer and trainer share their layers (tests/deploy/test_dockerfiles.py)
+        # one after the other: producer and trainer share their layers (tests/unit/deploy/test_dockerfiles.py)
         stack.compose("build", "trainer")
         stack.compose("build", "producer", "prometheus")
         timings["base and images"] = time.monotonic() - t0
         say(f"images built in {timings['base and images']:.0f} s")
         say("Grafana: not started (no image of it can be pulled or installed here); its provisioning and "
-            "dashboard are checked statically by tests/deploy/test_grafana.py")  # fmt: skip
+            "dashboard are checked statically by tests/unit/deploy/test_grafana.py")  # fmt: skip
 
         for producers in (2, 3):
             t0 = time.monotonic()
