@@ -46,6 +46,7 @@ class Built:
     precision: str  # resolved: fp32, bf16, fp16 or fp8
     autocast_dtype: torch.dtype | None
     fast: list[str] = field(default_factory=list)  # the fast paths applied, in order (consumer/fast/)
+    fast_line: str = ""  # what ran and why the rest did not, one line; the trainer logs it once resumed
 
 
 def available_memory(device: torch.device) -> int | None:

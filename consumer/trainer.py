@@ -122,6 +122,8 @@ class Trainer:
             self._restore(load(resume_path, self._identity()))
         elif tcfg.resume:
             log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
+        if not tcfg.consume_only:
+            log.info("%s", built.fast_line)
         self._stop_reason = ""
         self.failure: str | None = None  # why the run stopped on a problem (the command then exits 1)
         self.health_check: Callable[[], str | None] | None = (

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lmpipe.consumer.build import Built
-
-log = logging.getLogger("lmpipe.trainer")
 
 
 @dataclass(frozen=True)
@@ -127,7 +124,10 @@ def apply_all(spec: str, built: Built) -> list[str]:
         built.fast.append(path.name)
     if unnamed:
         off.append(f"{', '.join(unnamed)} (not asked for)")
-    log.info("fast paths (--fast %s): %s; off: %s", spec, ", ".join(ran) or "none", "; ".join(off) or "none")
+    # logged by the trainer after a resume's checks, so that a refused checkpoint stays one line
+    built.fast_line = (
+        f"fast paths (--fast {spec}): {', '.join(ran) or 'none'}; off: {'; '.join(off) or 'none'}"
+    )
     return ran
 
 

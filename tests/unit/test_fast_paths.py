@@ -4,7 +4,6 @@ reasons for not running, and --fast none building the plain model, optimizer and
 from __future__ import annotations
 
 import importlib.util
-import logging
 from types import SimpleNamespace
 
 import pytest
@@ -58,23 +57,23 @@ def test_a_bad_setting_is_one_line_naming_the_flag(spec, says):
     assert str(e.value).startswith("--fast") and says in str(e.value) and "\n" not in str(e.value)
 
 
-def test_none_builds_the_plain_model_optimizer_and_step(caplog):
-    with caplog.at_level(logging.INFO, logger="lmpipe.trainer"):
-        built = _build("none")
+def test_none_builds_the_plain_model_optimizer_and_step():
+    built = _build("none")
     assert type(built.model) is GPT and type(built.runner) is StepRunner and built.fast == []
     assert all(
         type(m) in (MLP, CausalSelfAttention) for b in built.model.transformer.h for m in (b.mlp, b.attn)
     )
     assert type(built.optimizer) is torch.optim.AdamW and not built.runner.clip_in_step
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fast paths")]
-    assert lines == ["fast paths (--fast none): none; off: " + ", ".join(fast.NAMES) + " (not asked for)"]
+    assert (
+        built.fast_line
+        == "fast paths (--fast none): none; off: " + ", ".join(fast.NAMES) + " (not asked for)"
+    )
 
 
-def test_auto_on_a_cpu_runs_what_can_and_says_why_not_in_one_line(caplog):
-    with caplog.at_level(logging.INFO, logger="lmpipe.trainer"):
-        built = _build("auto")
+def test_auto_on_a_cpu_runs_what_can_and_says_why_not_in_one_line():
+    built = _build("auto")
     assert built.fast == ["clip-in-step"] and built.runner.clip_in_step
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fast paths")]
+    line = built.fast_line
     assert line.startswith(
         "fast paths (--fast auto): clip-in-step; off: loss-kernel (it needs CUDA, not cpu);"
     )
