@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from lmpipe.consumer.coordinator import EndOfStream, Receiver, WorkerTable
 from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
-from lmpipe.consumer.receiver import EndOfStream, Receiver, WorkerTable
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.shared.metrics import TrainerMetrics
 

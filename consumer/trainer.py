@@ -32,11 +32,11 @@ from lmpipe.consumer.checkpoint import (
     resolve_resume,
 )
 from lmpipe.consumer.config import TrainConfig, per_rank
+from lmpipe.consumer.coordinator import Receiver, WorkerTable
 from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache, empty_inputs
 from lmpipe.consumer.model import GPT
-from lmpipe.consumer.receiver import Receiver, WorkerTable
 from lmpipe.consumer.report import Announce, DocLog, Summary
 from lmpipe.consumer.runstats import CompiledGraphs, Progress, RunStats, TrainingDiverged
 from lmpipe.consumer.scaler import LossScaler

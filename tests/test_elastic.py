@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from lmpipe.consumer.assign import balance
 from lmpipe.consumer.checkpoint import CheckpointManager
-from lmpipe.consumer.receiver import SkippedRecords
+from lmpipe.consumer.coordinator import SkippedRecords
 from tests.helpers import (
     assert_exactly_once,
     builtin_lengths,

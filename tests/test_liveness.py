@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmpipe.consumer.receiver import PipelineError, Receiver, WorkerTable
+from lmpipe.consumer.coordinator import PipelineError, Receiver, WorkerTable
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages

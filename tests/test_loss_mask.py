@@ -22,10 +22,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.coordinator import Receiver, WorkerTable
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache
 from lmpipe.consumer.model import IGNORE
-from lmpipe.consumer.receiver import Receiver, WorkerTable
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.consumer.step import StepRunner
 from lmpipe.producer import batching

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmpipe.consumer.receiver import Receiver, WorkerTable
+from lmpipe.consumer.coordinator import Receiver, WorkerTable
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.shared.batch import Batch, batch_from_message
 from lmpipe.shared.config import PipelineConfig
