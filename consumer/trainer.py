@@ -32,11 +32,12 @@ from lmpipe.consumer.checkpoint import (
     resolve_resume,
 )
 from lmpipe.consumer.config import TrainConfig, per_rank
-from lmpipe.consumer.coordinator import Receiver, WorkerTable
 from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache, empty_inputs
+from lmpipe.consumer.ledger import Ledger
 from lmpipe.consumer.model import GPT
+from lmpipe.consumer.receiver import Receiver
 from lmpipe.consumer.report import Announce, DocLog, Summary
 from lmpipe.consumer.runstats import CompiledGraphs, Progress, RunStats, TrainingDiverged
 from lmpipe.consumer.scaler import LossScaler
@@ -99,7 +100,7 @@ class Trainer:
             on_miss=self.metrics.cache_misses.labels(MaskCache.name).inc,
         )
         self.session = uuid.uuid4().hex[:12]
-        self.table = WorkerTable(tcfg.shards)
+        self.table = Ledger(tcfg.shards, self.session)
         self.step = 0
         n_slots = tcfg.slots or 2 * tcfg.accum + 2
         pin = self.device.type == "cuda"
@@ -293,7 +294,6 @@ class Trainer:
             self.slots,
             self.table,
             self.metrics,
-            self.session,
             self.tok.vocab_size,
             data_content=self.data_content,
             data_versions=self.data_versions,
@@ -306,7 +306,6 @@ class Trainer:
         self.feed = DeviceFeed(
             self.receiver,
             self.table,
-            self.session,
             self.metrics,
             self.device,
             copy_stream=self.cfg.copy_stream,

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lmpipe.consumer.admission import SkippedRecords
 from lmpipe.consumer.assign import balance
 from lmpipe.consumer.checkpoint import CheckpointManager
-from lmpipe.consumer.coordinator import SkippedRecords
 from tests.helpers import (
     assert_exactly_once,
     builtin_lengths,

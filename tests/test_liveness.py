@@ -26,7 +26,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmpipe.consumer.coordinator import PipelineError, Receiver, WorkerTable
+from lmpipe.consumer.coordinator import Coordinator
+from lmpipe.consumer.ledger import Ledger
+from lmpipe.consumer.receiver import PipelineError, Receiver
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
@@ -146,13 +148,13 @@ def test_a_binary_file_is_refused_by_name(tmp_path):
         Corpus([str(junk)])
 
 
-def test_a_receive_task_that_dies_ends_the_run_with_an_error(port):
-    class Broken(Receiver):
-        async def _control_loop(self, router):
-            raise RuntimeError("boom")
+def test_a_receive_task_that_dies_ends_the_run_with_an_error(port, monkeypatch):
+    async def boom(self, router):
+        raise RuntimeError("boom")
 
+    monkeypatch.setattr(Coordinator, "control_loop", boom)
     cfg = PipelineConfig(port=port, producers=1)
-    r = Broken(cfg, {}, [], WorkerTable(1), TrainerMetrics(), "s", 100)
+    r = Receiver(cfg, {}, [], Ledger(1, "s"), TrainerMetrics(), 100)
     r.start()
     r.join(timeout=10)
     assert not r.is_alive(), "the thread ends instead of running deaf"

@@ -49,7 +49,7 @@ def test_a_decoy_shared_package_in_the_working_directory_changes_nothing(tmp_pat
     for name in ("shared", "producer", "consumer"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("raise ImportError('the decoy was imported')\n")
-    code = "import lmpipe.producer.manager, lmpipe.consumer.coordinator, lmpipe.shared.wire, lmpipe; print(lmpipe.__version__)"
+    code = "import lmpipe.producer.manager, lmpipe.consumer.receiver, lmpipe.shared.wire, lmpipe; print(lmpipe.__version__)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmpipe.consumer.coordinator import Receiver, WorkerTable
+from lmpipe.consumer.ledger import Ledger
+from lmpipe.consumer.receiver import Receiver
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.shared.batch import Batch, batch_from_message
 from lmpipe.shared.config import PipelineConfig
@@ -29,7 +30,7 @@ VOCAB = 50_000
 def receiver_limits(batch_size: int, seq_len: int):
     """The limits a real trainer's receiver enforces for this geometry (the receiver is not started)."""
     cfg = PipelineConfig(batch_size=batch_size, seq_len=seq_len, producers=1)
-    return Receiver(cfg, {}, [], WorkerTable(1), TrainerMetrics(), "s", VOCAB).limits
+    return Receiver(cfg, {}, [], Ledger(1, "s"), TrainerMetrics(), VOCAB).limits
 
 
 def as_bytes(frames: list[Any]) -> list[bytes]:
