@@ -99,11 +99,11 @@ class Coordinator:
 
     def no_progress(self) -> PipelineError | None:
         """Why the run cannot go on: every shard finished or stopped, and some stopped."""
-        failed = [w for w in self.ledger.workers if w.failed]
-        if failed and all(w.finished or w.failed for w in self.ledger.workers):
+        failed = [w for w in self.ledger.shards if w.failed]
+        if failed and all(w.finished or w.failed for w in self.ledger.shards):
             return PipelineError(
                 "no producer can make progress: "
-                + "; ".join(f"shard {w.worker}: {w.failed}" for w in failed)
+                + "; ".join(f"shard {w.shard}: {w.failed}" for w in failed)
                 + f". {ADVICE}"
             )
         return None
@@ -188,7 +188,7 @@ class Coordinator:
         if hello.wire != WIRE_VERSION:  # its batches would all be rejected: say so now, not after the first
             return self._refuse(identity, where, version_skew(hello.wire), "wire_version")
         if identity in self._stopped:
-            failed = [w for w in self.ledger.workers if w.failed]
+            failed = [w for w in self.ledger.shards if w.failed]
             why = failed[0].failed if failed else "stopped"
             return self._refuse(identity, where, f"this producer was stopped: {why}", "worker_stopped")
         p = self.producers.get(identity)
@@ -201,7 +201,7 @@ class Coordinator:
         refusal = self.admission.admit(hello)
         if refusal is not None:
             return self._refuse(identity, where, *refusal)
-        p = Producer(identity, f"p{self._joined}", where, hello.worker, fd, now)
+        p = Producer(identity, f"p{self._joined}", where, hello.producer, fd, now)
         self._count_skipped(hello.skipped)
         self._joined += 1
         self.producers[identity] = p
@@ -294,7 +294,7 @@ class Coordinator:
         """Re-divide the open shards over the producers (consumer/assign.py); tell every producer whose
         set changed, and welcome each shard at its new holder with a new lease. Returns, for the shards
         that changed hands, shard -> (new holder, old holder's name or "")."""
-        open_shards = {w.worker for w in self.ledger.workers if w.open()}
+        open_shards = {w.shard for w in self.ledger.shards if w.open()}
         new = balance({k: p.shards for k, p in self.producers.items()}, open_shards)
         before = {s: p.name for p in self.producers.values() for s in p.shards}
         moved: dict[int, tuple[Producer, str]] = {}
@@ -322,26 +322,26 @@ class Coordinator:
         self.metrics.shards_per_producer.labels("min").set(min(loads, default=0))
         self.metrics.shards_per_producer.labels("max").set(max(loads, default=0))
         self.metrics.shards_unserved.set(
-            sum(1 for w in self.ledger.workers if w.identity is None and w.open())
+            sum(1 for w in self.ledger.shards if w.identity is None and w.open())
         )
 
-    def fail(self, worker: int, reason: str) -> None:
+    def fail(self, shard: int, reason: str) -> None:
         """Stop a shard for good. Its producer is refused (it exits 2 with the reason) and never let back
         in this session; its other shards go to the other producers."""
-        w = self.ledger[worker]
+        w = self.ledger[shard]
         if w.failed:
             return
         w.failed = reason
-        self.metrics.workers_failed.set(sum(1 for x in self.ledger.workers if x.failed))
-        log.error("stopped shard %d: %s. %s", worker, reason, ADVICE)
+        self.metrics.workers_failed.set(sum(1 for x in self.ledger.shards if x.failed))
+        log.error("stopped shard %d: %s. %s", shard, reason, ADVICE)
         p = self.producers.get(w.identity) if w.identity is not None else None
         if p is not None:
             self._stopped.add(p.identity)
             self._send(
                 p.identity,
-                messages.Refuse(f"the trainer stopped shard {worker}: {reason}. {ADVICE}"),
+                messages.Refuse(f"the trainer stopped shard {shard}: {reason}. {ADVICE}"),
             )
-            self._leave(p, f"stopped with shard {worker}")
+            self._leave(p, f"stopped with shard {shard}")
 
     # -- sending ------------------------------------------------------------------------------------
 
@@ -356,14 +356,14 @@ class Coordinator:
                 "control send failed: %s", fut.exception()
             )  # the producer went away; it says hello again
 
-    def _send_welcome(self, worker: int, force: bool = False) -> None:
-        w = self.ledger[worker]
+    def _send_welcome(self, shard: int, force: bool = False) -> None:
+        w = self.ledger[shard]
         if w.identity is None:
             return
         with self.ledger.lock:
             welcome = messages.Welcome(
                 self.session,
-                worker,
+                shard,
                 w.cursor.to_dict(),
                 w.last_seq + 1,
                 force,

@@ -37,7 +37,7 @@ log = logging.getLogger("lmpipe.trainer")
 
 @dataclass
 class EndOfStream:
-    worker: int
+    shard: int
     seq: int
     cursor: Cursor
     session: str
@@ -69,12 +69,12 @@ class DataReceiver:
         that shard's current lease (only then may a rejected batch ask for a resend)."""
         if not isinstance(hdr, dict) or hdr.get("session") != self.ledger.session:
             return None
-        worker, seq = hdr.get("worker"), hdr.get("seq")
-        if type(worker) is not int or type(seq) is not int or not 0 <= worker < len(self.ledger):
+        shard, seq = hdr.get("shard"), hdr.get("seq")
+        if type(shard) is not int or type(seq) is not int or not 0 <= shard < len(self.ledger):
             return None
-        if hdr.get("lease") != self.ledger[worker].lease:
+        if hdr.get("lease") != self.ledger[shard].lease:
             return None
-        return worker, seq
+        return shard, seq
 
     def _rejected(self, exc: WireError, hdr: Any) -> None:
         """Drop a message and, when it is a batch of this session still wanted, get it sent again;
@@ -83,10 +83,10 @@ class DataReceiver:
         if origin is None:
             self._reject(exc.reason, exc.detail)
             return
-        worker, seq = origin
-        self._reject(exc.reason, f"worker {worker} seq {seq}: {exc.detail}")
-        self.resends.arrived(worker, seq, time.monotonic())
-        self.resends.rejected(worker, seq, f"{exc.reason}: {exc.detail}")
+        shard, seq = origin
+        self._reject(exc.reason, f"shard {shard} seq {seq}: {exc.detail}")
+        self.resends.arrived(shard, seq, time.monotonic())
+        self.resends.rejected(shard, seq, f"{exc.reason}: {exc.detail}")
 
     async def recv_loop(self, pull: zmq.asyncio.Socket, free: asyncio.Queue, stopping: asyncio.Event) -> None:
         while True:
@@ -101,18 +101,18 @@ class DataReceiver:
                 self._rejected(exc, exc.header)
                 continue
             hdr = msg.header
-            worker = hdr["worker"]
-            if worker >= len(self.ledger):
-                self._reject("bad_worker", f"shard {worker} but this run has {len(self.ledger)} shards")
+            shard = hdr["shard"]
+            if shard >= len(self.ledger):
+                self._reject("bad_worker", f"shard {shard} but this run has {len(self.ledger)} shards")
                 continue
-            why = self.ledger.classify(worker, hdr["session"], hdr["seq"], hdr.get("lease"))
+            why = self.ledger.classify(shard, hdr["session"], hdr["seq"], hdr.get("lease"))
             if why in (verdicts.OLD_SESSION, verdicts.NOT_HOLDER):
                 self.metrics.drop_stale(why)
                 continue
-            self.resends.arrived(worker, hdr["seq"], now)
+            self.resends.arrived(shard, hdr["seq"], now)
             if msg.kind == "end":
                 self.ready.put(
-                    EndOfStream(worker, hdr["seq"], Cursor.from_dict(hdr["cursor"]), hdr["session"], now)
+                    EndOfStream(shard, hdr["seq"], Cursor.from_dict(hdr["cursor"]), hdr["session"], now)
                 )
                 continue
             try:
@@ -129,11 +129,11 @@ class DataReceiver:
             ):  # a gap is the device feed's to judge: the missing batch may be queued
                 self.metrics.drop_stale(why)
                 continue
-            self.metrics.received.labels(str(worker)).inc()
+            self.metrics.received.labels(str(shard)).inc()
             slot = await _free_slot(free, stopping)
             if slot is None:  # the run is over: nothing more is trained
                 continue
-            slot.fill(batch, worker, hdr["seq"], hdr["session"], now)
+            slot.fill(batch, shard, hdr["seq"], hdr["session"], now)
             del msg, batch, frames  # release the ZeroMQ buffers before waiting again
             self.ready.put(slot)
             self.metrics.ready_slots.set(self.ready.qsize())

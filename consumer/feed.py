@@ -103,23 +103,23 @@ class DeviceFeed:
         """Consume a slot if it is the next batch of its shard; drop it otherwise."""
         m = slot.meta
         assert m is not None
-        why = self.table.accept(m.worker, m.session, m.seq, m.cursor)
+        why = self.table.accept(m.shard, m.session, m.seq, m.cursor)
         if why == verdicts.NEXT:
             return True
         self.metrics.drop_stale(why)
         if why == verdicts.GAP:  # the receiver asks for a resend, one request at a time, and logs it
-            self.receiver.force_reset(m.worker, m.seq, m.received_at)
+            self.receiver.force_reset(m.shard, m.seq, m.received_at)
         self.receiver.release(slot)
         return False
 
     def _consume_end(self, end: EndOfStream) -> None:
-        why = self.table.accept(end.worker, end.session, end.seq, end.cursor, end=True)
+        why = self.table.accept(end.shard, end.session, end.seq, end.cursor, end=True)
         if why == verdicts.NEXT:
-            log.debug("shard %d finished its data", end.worker)
+            log.debug("shard %d finished its data", end.shard)
             if self.table.all_finished():
                 log.info("all %d shards finished their data", len(self.table))
         elif why == verdicts.GAP:  # batches before it went missing: without a resend, a hang
-            self.receiver.force_reset(end.worker, end.seq, end.received_at)
+            self.receiver.force_reset(end.shard, end.seq, end.received_at)
 
     def check_receiver(self) -> None:
         err = self.receiver.error

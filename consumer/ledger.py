@@ -1,6 +1,6 @@
 """The exactly-once ledger: what the trainer consumed of each shard, and the one verdict on a batch.
 
-A batch is identified by (session, worker, seq) and carries the cursor after it; a shard's stream is
+A batch is identified by (session, shard, seq) and carries the cursor after it; a shard's stream is
 deterministic, so its batches must be trained in seq order, each once. `classify` is the only place that
 says whether a batch is the next one of its shard or why not:
 
@@ -34,7 +34,7 @@ OLD_SESSION, NOT_HOLDER, DUPLICATE, GAP = "old_session", "not_holder", "duplicat
 class ShardState:
     """One shard: what the trainer consumed of it, and who serves it now."""
 
-    worker: int  # the shard
+    shard: int
     cursor: Cursor = field(default_factory=Cursor)  # after the last consumed batch
     last_seq: int = 0  # last consumed sequence number
     finished: bool = False
@@ -59,57 +59,57 @@ class Ledger:
     def __init__(self, n: int, session: str):
         self.lock = threading.Lock()
         self.session = session
-        self.workers = [ShardState(i) for i in range(n)]
+        self.shards = [ShardState(i) for i in range(n)]
 
     def __getitem__(self, i: int) -> ShardState:
-        return self.workers[i]
+        return self.shards[i]
 
     def __len__(self) -> int:
-        return len(self.workers)
+        return len(self.shards)
 
-    def classify(self, worker: int, session: str, seq: int, lease: str | None = None) -> str:
-        """The verdict on a batch (or end) of shard `worker` (in range): NEXT, or why it is not the next
+    def classify(self, shard: int, session: str, seq: int, lease: str | None = None) -> str:
+        """The verdict on a batch (or end) of shard `shard` (in range): NEXT, or why it is not the next
         one to train on. `lease`: the batch's lease, checked against the current holder's; None: not
         checked (the step loop: the receive thread checked it when the batch arrived)."""
         if session != self.session:
             return OLD_SESSION
-        w = self.workers[worker]
+        w = self.shards[shard]
         if lease is not None and lease != w.lease:
             return NOT_HOLDER
         last = w.last_seq
         return DUPLICATE if seq <= last else GAP if seq > last + 1 else NEXT
 
-    def accept(self, worker: int, session: str, seq: int, cursor: Cursor, end: bool = False) -> str:
+    def accept(self, shard: int, session: str, seq: int, cursor: Cursor, end: bool = False) -> str:
         """Classify and, when it is the next, record it consumed (an `end` also finishes its shard)."""
         with self.lock:
-            why = self.classify(worker, session, seq)
+            why = self.classify(shard, session, seq)
             if why == NEXT:
-                w = self.workers[worker]
+                w = self.shards[shard]
                 w.last_seq, w.cursor = seq, cursor
                 w.finished = w.finished or end
             return why
 
     def all_finished(self) -> bool:
-        return all(w.finished for w in self.workers)
+        return all(w.finished for w in self.shards)
 
     def missing(self, now: float) -> list[int]:
         """Shards with no live producer that still have data to send."""
-        return [w.worker for w in self.workers if not (w.alive(now) or w.finished or w.failed)]
+        return [w.shard for w in self.shards if not (w.alive(now) or w.finished or w.failed)]
 
     def state_dict(self) -> list[dict[str, Any]]:
         with self.lock:
             return [
                 {"cursor": w.cursor.to_dict(), "last_seq": w.last_seq, "finished": w.finished}
-                for w in self.workers
+                for w in self.shards
             ]
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
-        if len(state) != len(self.workers):
+        if len(state) != len(self.shards):
             raise ValueError(
-                f"checkpoint has {len(state)} shard cursors, this run has {len(self.workers)} shards"
+                f"checkpoint has {len(state)} shard cursors, this run has {len(self.shards)} shards"
             )
         with self.lock:
-            for w, s in zip(self.workers, state):
+            for w, s in zip(self.shards, state):
                 w.cursor, w.last_seq, w.finished = (
                     Cursor.from_dict(s["cursor"]),
                     int(s["last_seq"]),

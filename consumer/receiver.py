@@ -100,12 +100,12 @@ class Receiver(threading.Thread):
         assert self._loop is not None and self._free is not None  # the thread is running
         self._loop.call_soon_threadsafe(self._free.put_nowait, slot)
 
-    def force_reset(self, worker: int, seq: int | None = None, arrived: float | None = None) -> None:
-        """A message of `worker` came out of order (seq `seq`, received at `arrived`): ask its producer to
+    def force_reset(self, shard: int, seq: int | None = None, arrived: float | None = None) -> None:
+        """A message of `shard` came out of order (seq `seq`, received at `arrived`): ask its producer to
         resend from its consumed cursor (consumer/resends.py)."""
         why = f"sent seq {seq}" if seq is not None else "is out of order"
         assert self._loop is not None  # the thread is running
-        self._loop.call_soon_threadsafe(self.coordinator.resends.request, worker, why, arrived)
+        self._loop.call_soon_threadsafe(self.coordinator.resends.request, shard, why, arrived)
 
     def connected(self, now: float) -> int:
         """Producers heard from lately (any thread: reads a snapshot)."""

@@ -49,30 +49,30 @@ class Resends:
         self.state = [ResendState() for _ in range(len(ledger))]
         self.loop: asyncio.AbstractEventLoop | None = None  # the receive thread's, once it runs
 
-    def arrived(self, worker: int, seq: int, now: float) -> None:
-        """A batch of `worker`'s current holder arrived, accepted or not."""
-        r = self.state[worker]
+    def arrived(self, shard: int, seq: int, now: float) -> None:
+        """A batch of `shard`'s current holder arrived, accepted or not."""
+        r = self.state[shard]
         if r.sent and not r.answered_at and seq == r.at + 1:
             r.answered_at = now
 
-    def rejected(self, worker: int, seq: int, why: str) -> None:
+    def rejected(self, shard: int, seq: int, why: str) -> None:
         """The current holder's batch `seq` was rejected: ask again, or stop the shard if it was already."""
-        w, r = self.ledger[worker], self.state[worker]
+        w, r = self.ledger[shard], self.state[shard]
         if seq <= w.last_seq or w.failed:
             return
         if seq in r.rejected:
-            self._fail(worker, f"its batch seq {seq} is rejected every time it is sent ({why})")
+            self._fail(shard, f"its batch seq {seq} is rejected every time it is sent ({why})")
             return
         for s in [s for s in r.rejected if s <= w.last_seq]:
             del r.rejected[s]
         if len(r.rejected) < 256:
             r.rejected[seq] = why
-        self.request(worker, f"batch seq {seq} was rejected ({why})")
+        self.request(shard, f"batch seq {seq} was rejected ({why})")
 
-    def request(self, worker: int, why: str, arrived: float | None = None) -> None:
-        """Ask `worker`'s holder to resend from the consumed cursor, within the limits above; `arrived`:
+    def request(self, shard: int, why: str, arrived: float | None = None) -> None:
+        """Ask `shard`'s holder to resend from the consumed cursor, within the limits above; `arrived`:
         when the message that showed the problem arrived (one sent before the last rewind is ignored)."""
-        w, r = self.ledger[worker], self.state[worker]
+        w, r = self.ledger[shard], self.state[shard]
         now = time.monotonic()
         if w.failed or w.finished or not w.alive(now):
             return  # nothing more is wanted, or a producer that (re)joins is sent to the cursor anyway
@@ -85,30 +85,30 @@ class Resends:
         elif not r.answered_at and now - r.sent < RESEND_TIMEOUT:
             if not r.due:  # look again when the outstanding request times out
                 assert self.loop is not None
-                self.loop.call_later(r.sent + RESEND_TIMEOUT - now, self._timeout, worker)
+                self.loop.call_later(r.sent + RESEND_TIMEOUT - now, self._timeout, shard)
             r.due = why
             return
         if r.count >= MAX_RESENDS:
             self._fail(
-                worker,
+                shard,
                 f"batch seq {last + 1} never arrived intact after {MAX_RESENDS} resend requests ({why})",
             )
             return
         r.count += 1
         r.sent, r.answered_at, r.due = now, 0.0, ""
-        self.metrics.stream_resets.labels(str(worker)).inc()
+        self.metrics.stream_resets.labels(str(shard)).inc()
         log.warning(
             "shard %d %s, expected %d: asking it to resend (%d/%d)",
-            worker,
+            shard,
             why,
             last + 1,
             r.count,
             MAX_RESENDS,
         )
-        self._welcome(worker)
+        self._welcome(shard)
 
-    def _timeout(self, worker: int) -> None:
-        r = self.state[worker]
+    def _timeout(self, shard: int) -> None:
+        r = self.state[shard]
         why, r.due = r.due, ""
         if why:
-            self.request(worker, why)
+            self.request(shard, why)

@@ -231,7 +231,7 @@ class Trainer:
         self.step = int(st["step"])
         self.table.load_state_dict(by_rank[self.dist.rank])
         if more:
-            for w in self.table.workers:
+            for w in self.table.shards:
                 w.finished = False  # its producer starts it again at its cursor: the next epoch
             log.info("--epochs %s after the checkpoint's %d: shards go on into epoch %d", epochs or "0 (until stopped)",
                      before, before + 1)  # fmt: skip
@@ -250,7 +250,7 @@ class Trainer:
                 self.data_versions = list(
                     dict.fromkeys(self.data_versions + [str(v) for v in ck.header["data_versions"]])
                 )
-        cursors = ", ".join(f"s{w.worker}@seq{w.last_seq}" for w in self.table.workers)
+        cursors = ", ".join(f"s{w.shard}@seq{w.last_seq}" for w in self.table.shards)
         log.info("resumed from %s: step %d, shard cursors %s", ck.path, self.step, cursors)
         self.metrics.global_step.set(self.step)
         self.metrics.checkpointed(self.step, Path(ck.path).stat().st_mtime)

@@ -312,7 +312,7 @@ def test_a_bad_loss_mask_is_rejected(change, reason):
     )  # fmt: skip
     arrays = b.arrays()
     change(arrays)
-    hdr = {"kind": "batch", "session": "s", "worker": 0, "seq": 1, "cursor": b.cursor.to_dict(),
+    hdr = {"kind": "batch", "session": "s", "shard": 0, "seq": 1, "cursor": b.cursor.to_dict(),
            "strategy": "pack", "counts": {"tokens": b.real_tokens, "pad": b.pad_tokens, "docs": 2}}  # fmt: skip
     msg = decode(as_bytes(encode(hdr, arrays)), batch_limits(1, 8))
     with pytest.raises(WireError, match=reason):
