@@ -32,6 +32,7 @@ class Producer:
     fd: int = -1  # its control connection (consumer/connections.py)
     last_seen: float = 0.0
     shards: set[int] = field(default_factory=set)
+    waiting: str = ""  # what it says it waits on (messages.Hello.waiting), for the trainer's wait line
 
     def label(self) -> str:
         return f"{self.name} ({self.where})"

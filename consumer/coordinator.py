@@ -97,6 +97,20 @@ class Coordinator:
         """Producers heard from in the last ALIVE_SECONDS (any thread: reads a snapshot)."""
         return sum(1 for p in list(self.producers.values()) if now - p.last_seen < ALIVE_SECONDS)
 
+    def wait_line(self, now: float) -> str:
+        """What the step loop waits on, for its log line: who is connected, what connected producers say
+        they wait on (storage retries: they send nothing meanwhile), and which shards nobody serves."""
+        live = [p for p in list(self.producers.values()) if now - p.last_seen < ALIVE_SECONDS]
+        parts = [f"{len(live)} producer(s) connected"]
+        waiting = [f"{p.name} waiting on {p.waiting}" for p in live if p.waiting]
+        if waiting:
+            more = len(waiting) - 3
+            parts.append("; ".join(waiting[:3]) + (f"; {more} more waiting" if more > 0 else ""))
+        missing = self.ledger.missing(now)
+        if missing:
+            parts.append(f"shard(s) {','.join(map(str, missing))} wait for a producer")
+        return "; ".join(parts)
+
     def no_progress(self) -> PipelineError | None:
         """Why the run cannot go on: every shard finished or stopped, and some stopped."""
         failed = [w for w in self.ledger.shards if w.failed]
@@ -193,7 +207,7 @@ class Coordinator:
             return self._refuse(identity, where, f"this producer was stopped: {why}", "worker_stopped")
         p = self.producers.get(identity)
         if p is not None:  # a heartbeat, or a known producer that lost and regained its connection
-            p.last_seen, p.fd = now, fd
+            p.last_seen, p.fd, p.waiting = now, fd, printable(hello.waiting, 200)
             self._count_skipped(hello.skipped)
             for s in p.shards:
                 self.ledger[s].last_seen = now
@@ -202,6 +216,7 @@ class Coordinator:
         if refusal is not None:
             return self._refuse(identity, where, *refusal)
         p = Producer(identity, f"p{self._joined}", where, hello.producer, fd, now)
+        p.waiting = printable(hello.waiting, 200)
         self._count_skipped(hello.skipped)
         self._joined += 1
         self.producers[identity] = p

@@ -80,12 +80,7 @@ class DeviceFeed:
                 self.check_receiver()
                 now = time.monotonic()
                 if now - last_news > 10:
-                    missing = self.table.missing(now)
-                    log.info(
-                        "waiting for batches: %d producer(s) connected%s",
-                        self.receiver.connected(now),
-                        f"; shard(s) {','.join(map(str, missing))} wait for a producer" if missing else "",
-                    )
+                    log.info("waiting for batches: %s", self.receiver.wait_line(now))
                     last_news = now
                 if self.wait_timeout and waited > self.wait_timeout:  # checked every poll, not every 10 s
                     return got, waited, f"no data for {waited:.0f} s (--wait-timeout {self.wait_timeout:g})"

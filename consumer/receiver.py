@@ -111,6 +111,10 @@ class Receiver(threading.Thread):
         """Producers heard from lately (any thread: reads a snapshot)."""
         return self.coordinator.connected(now)
 
+    def wait_line(self, now: float) -> str:
+        """What the step loop is waiting on, in words (any thread: reads a snapshot)."""
+        return self.coordinator.wait_line(now)
+
     def stop(self, reason: str = "") -> None:
         """Tell every producer to stop (when `reason` is given), close the sockets, end the thread."""
         if self._loop is None or self._loop.is_closed():

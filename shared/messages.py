@@ -73,6 +73,7 @@ class Hello:
     # bucket may carry other ETags for the same bytes); "": none (local files, local and remote mixed, a
     # store that reports no version, an older producer). An older trainer ignores it.
     data_versions: str = ""
+    waiting: str = ""  # what the producer waits on while it sends nothing (e.g. storage retries); "" when not
 
 
 @dataclass
