@@ -23,6 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from lmpipe.consumer import ledger as verdicts
+from lmpipe.consumer.connections import ControlConnections, DataPeers
 from lmpipe.consumer.ledger import Ledger
 from lmpipe.consumer.quiet import Quiet, Rejects
 from lmpipe.consumer.resends import Resends
@@ -63,6 +64,7 @@ class DataReceiver:
         # Frames between the exact limit and this are read, then rejected and counted as oversized.
         self.max_frame = 4 * self.limits.max_frame_bytes + (1 << 20)
         self._quiet = Quiet()
+        self.peers = DataPeers()  # which data connections are authenticated producers
 
     def _origin(self, hdr: Any) -> tuple[int, int] | None:
         """The shard of this session and the seq a message's header names, if it names them and carries
@@ -95,6 +97,7 @@ class DataReceiver:
             except zmq.Again:  # woken with nothing to read (seen while a CURVE handshake fails): go on
                 continue
             now = time.monotonic()
+            self.peers.delivered(ControlConnections.fd(frames[-1]))
             try:
                 msg = decode(frames, self.limits)
             except WireError as exc:
@@ -139,14 +142,15 @@ class DataReceiver:
             self.metrics.ready_slots.set(self.ready.qsize())
 
     async def monitor_loop(self, monitor: zmq.asyncio.Socket, stopping: asyncio.Event) -> None:
-        """Counts data connections that close: a producer that exited, or one ZeroMQ cut off for a frame
-        over the size guard (the frame itself never reaches `decode`)."""
+        """Counts authenticated producers' data connections that close: a producer that exited, or one
+        ZeroMQ cut off for a frame over the size guard (the frame itself never reaches `decode`). A peer
+        that never completed the handshake (a scanner, a client without the run's keys) is not counted."""
         while True:
             try:
                 event = parse_monitor_message(await monitor.recv_multipart())
             except zmq.Again:
                 continue
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if self.peers.event(event["event"], int(event["value"])):
                 self.metrics.data_disconnects.inc()
                 if stopping.is_set():
                     continue  # producers leave because the run ends: nothing to report

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from lmpipe.consumer.admission import Admission
+from lmpipe.consumer.connections import DATA_EVENTS
 from lmpipe.consumer.coordinator import Coordinator, PipelineError
 from lmpipe.consumer.datarecv import DataReceiver
 from lmpipe.consumer.ledger import Ledger
@@ -164,7 +165,7 @@ class Receiver(threading.Thread):
             ctx.destroy(0)
             ep.release()
             return
-        monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = pull.get_monitor_socket(DATA_EVENTS)
         self.bound.set()
         try:
             await self._serve(pull, router, monitor)
