@@ -212,6 +212,14 @@ class Coordinator:
             for s in p.shards:
                 self.ledger[s].last_seen = now
             return self._reconcile(p, hello)
+        twin = self._twin(where, hello)
+        if twin is not None and hello.session == self.session:
+            if not hello.rejoin:  # queued on a connection it has replaced since: nothing to answer
+                log.debug("dropped a stale hello of producer %s from a replaced connection", twin.label())
+                return
+            return self._rekey(twin, identity, fd, now, hello)
+        if twin is not None:  # the same host and pid in another session: a new process; the old is gone
+            self._leave(twin, "restarted")
         refusal = self.admission.admit(hello)
         if refusal is not None:
             return self._refuse(identity, where, *refusal)
@@ -238,6 +246,32 @@ class Coordinator:
             len(self.producers),
             len(self.ledger),
         )
+
+    def _twin(self, where: str, hello: messages.Hello) -> Producer | None:
+        """The registered producer with the same host and pid as a hello from an unknown routing id.
+
+        A producer keeps its routing id for life (shared/sockets.py), but when it reconnects while its old
+        connection is still open on this side (a trainer paused past the heartbeat timeout), ROUTER_HANDOVER
+        gives its id to the new connection and a random one to the old, whose queued hellos then arrive
+        from a stranger: each would register a phantom holding shards until HOLDER_SILENCE."""
+        if hello.pid <= 0 or not hello.host:
+            return None
+        return next((p for p in self.producers.values() if p.where == where), None)
+
+    def _rekey(self, p: Producer, identity: bytes, fd: int, now: float, hello: messages.Hello) -> None:
+        """A reconnected producer's rejoin replaces its registration at once: same name, shards and leases
+        (its streams go on), under the routing id it speaks from now."""
+        old = p.identity
+        del self.producers[old]
+        p.identity, p.fd, p.last_seen = identity, fd, now
+        self.producers[identity] = p
+        for s in p.shards:
+            w = self.ledger[s]
+            if w.identity == old:
+                w.identity, w.last_seen = identity, now
+        log.info("producer %s reconnected; it keeps shards %s", p.label(), shard_list(p.shards))
+        self._count_skipped(hello.skipped)
+        self._reconcile(p, hello)
 
     def _count_skipped(self, skipped: dict[str, int]) -> None:
         if self._skipped.update(skipped, len(self.ledger)):
