@@ -62,7 +62,7 @@ class Hello:
     # older). The trainer refuses any version but its own here, before a batch is built.
     wire: int = 0
     # bad records skipped so far, "<shard>:<reason>" -> n, each shard counted from its epoch's start by the
-    # stream this producer reads it with; the trainer keeps each shard's highest count (receiver.py)
+    # stream this producer reads it with; the trainer keeps each shard's highest count (consumer/admission.py)
     skipped: dict[str, int] = field(default_factory=dict)
     # a digest of the corpus files' names, sizes and contents (Corpus.content_digest) beside the fingerprint's
     # `data` (names and sizes); "": none (the built-in corpus, shards, a remote file, or an older producer).
