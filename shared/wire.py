@@ -21,8 +21,8 @@ import numpy as np
 # 3: the producer's hello names its version (messages.Hello.wire) and the trainer refuses any other at the
 # handshake, before a batch is sent; a hello without it comes from version 2 or older.
 # 4: "shard" where a shard is meant: the batch header's and Welcome's `worker` became `shard`, Hello's
-# `worker` (the producer's own number) became `producer`; the hello's `wire` still comes first, so an older
-# producer is refused by version, not as malformed.
+# `worker` (the producer's own number) became `producer`, optional, so an older producer's hello still
+# decodes and is refused by its version, not as malformed.
 WIRE_VERSION = 4
 
 # name -> little-endian numpy dtype. Anything else is refused before it is read.
