@@ -218,8 +218,6 @@ class Coordinator:
                 log.debug("dropped a stale hello of producer %s from a replaced connection", twin.label())
                 return
             return self._rekey(twin, identity, fd, now, hello)
-        if twin is not None:  # the same host and pid in another session: a new process; the old is gone
-            self._leave(twin, "restarted")
         refusal = self.admission.admit(hello)
         if refusal is not None:
             return self._refuse(identity, where, *refusal)
@@ -248,7 +246,8 @@ class Coordinator:
         )
 
     def _twin(self, where: str, hello: messages.Hello) -> Producer | None:
-        """The registered producer with the same host and pid as a hello from an unknown routing id.
+        """The registered producer with the same host and pid as a hello from an unknown routing id. Only
+        a hello naming this session (a secret of the trainer and its producers) may act on it.
 
         A producer keeps its routing id for life (shared/sockets.py), but when it reconnects while its old
         connection is still open on this side (a trainer paused past the heartbeat timeout), ROUTER_HANDOVER
