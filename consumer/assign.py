@@ -1,7 +1,7 @@
 """Which connected producer holds which shard: the trainer's assignment policy, and its bookkeeping.
 
 The run's corpus is split into a fixed number of shards (--shards; shard s owns records with id % S == s).
-Shards, not producers, carry the exactly-once state (cursor, sequence number, lease: consumer/receiver.py),
+Shards, not producers, carry the exactly-once state (cursor, sequence number, lease: consumer/ledger.py),
 so any producer can serve any shard from where the trainer left it. This module only decides who serves
 what: on every join and every leave the open shards (not finished, not failed) are spread as evenly as
 possible over the live producers, in join order, moving as few shards as it can:
@@ -32,6 +32,7 @@ class Producer:
     fd: int = -1  # its control connection (consumer/connections.py)
     last_seen: float = 0.0
     shards: set[int] = field(default_factory=set)
+    waiting: str = ""  # what it says it waits on (messages.Hello.waiting), for the trainer's wait line
 
     def label(self) -> str:
         return f"{self.name} ({self.where})"

@@ -1,7 +1,7 @@
 """The device feed: ready host slots in, model inputs on the device out.
 
-take     ready slots in consumption order (the wait is data-wait time); a slot that is not its worker's next
-         batch is dropped and counted, an `end` marks its worker finished
+take     ready slots in consumption order (the wait is data-wait time); the ledger (consumer/ledger.py) accepts
+         each slot that is its shard's next batch; any other is dropped and counted, an `end` finishes its shard
 copy     copy a slot's arrays to the device on a dedicated copy stream; the compute stream waits on the
          copy's event, never the host (to_device: the copy, then the model's inputs built from it)
 release  hand a slot back to the receiver once its copy has completed (polled through the event, no sync)
@@ -16,8 +16,11 @@ from collections.abc import Callable
 
 import torch
 
+from lmpipe.consumer import ledger as verdicts
+from lmpipe.consumer.datarecv import EndOfStream
 from lmpipe.consumer.inputs import MaskCache, ModelInputs, build_inputs
-from lmpipe.consumer.receiver import EndOfStream, Receiver, WorkerTable
+from lmpipe.consumer.ledger import Ledger
+from lmpipe.consumer.receiver import Receiver
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.shared.metrics import TrainerMetrics
 
@@ -29,8 +32,7 @@ class DeviceFeed:
     def __init__(
         self,
         receiver: Receiver,
-        table: WorkerTable,
-        session: str,
+        table: Ledger,
         metrics: TrainerMetrics,
         device: torch.device,
         *,
@@ -40,7 +42,7 @@ class DeviceFeed:
         mask_cache: MaskCache,
         wait_timeout: float = 0.0,
     ):
-        self.receiver, self.table, self.session, self.metrics = receiver, table, session, metrics
+        self.receiver, self.table, self.metrics = receiver, table, metrics
         self.device, self.rows, self.attention, self.mask_cache = device, rows, attention, mask_cache
         self.wait_timeout = wait_timeout
         cuda = device.type == "cuda"
@@ -78,12 +80,7 @@ class DeviceFeed:
                 self.check_receiver()
                 now = time.monotonic()
                 if now - last_news > 10:
-                    missing = self.table.missing(now)
-                    log.info(
-                        "waiting for batches: %d producer(s) connected%s",
-                        self.receiver.connected(now),
-                        f"; shard(s) {','.join(map(str, missing))} wait for a producer" if missing else "",
-                    )
+                    log.info("waiting for batches: %s", self.receiver.wait_line(now))
                     last_news = now
                 if self.wait_timeout and waited > self.wait_timeout:  # checked every poll, not every 10 s
                     return got, waited, f"no data for {waited:.0f} s (--wait-timeout {self.wait_timeout:g})"
@@ -98,30 +95,26 @@ class DeviceFeed:
         return got, waited, None
 
     def _accept(self, slot: HostSlot) -> bool:
-        """Consume a slot if it is the next batch of its worker; drop it otherwise."""
+        """Consume a slot if it is the next batch of its shard; drop it otherwise."""
         m = slot.meta
         assert m is not None
-        why = self.table.stale(m.worker, m.session, m.seq, self.session)
-        if why is None:
-            self.table.consumed(m.worker, m.seq, m.cursor)
+        why = self.table.accept(m.shard, m.session, m.seq, m.cursor)
+        if why == verdicts.NEXT:
             return True
         self.metrics.drop_stale(why)
-        if why == "gap":  # the receiver asks for a resend, one request at a time, and logs it
-            self.receiver.force_reset(m.worker, m.seq, m.received_at)
+        if why == verdicts.GAP:  # the receiver asks for a resend, one request at a time, and logs it
+            self.receiver.force_reset(m.shard, m.seq, m.received_at)
         self.receiver.release(slot)
         return False
 
     def _consume_end(self, end: EndOfStream) -> None:
-        w = self.table[end.worker]
-        if end.session != self.session:
-            return
-        if end.seq == w.last_seq + 1:
-            self.table.consumed(end.worker, end.seq, end.cursor, finished=True)
-            log.debug("shard %d finished its data", end.worker)
+        why = self.table.accept(end.shard, end.session, end.seq, end.cursor, end=True)
+        if why == verdicts.NEXT:
+            log.debug("shard %d finished its data", end.shard)
             if self.table.all_finished():
                 log.info("all %d shards finished their data", len(self.table))
-        elif end.seq > w.last_seq + 1:  # batches before it went missing: without a resend, a hang
-            self.receiver.force_reset(end.worker, end.seq, end.received_at)
+        elif why == verdicts.GAP:  # batches before it went missing: without a resend, a hang
+            self.receiver.force_reset(end.shard, end.seq, end.received_at)
 
     def check_receiver(self) -> None:
         err = self.receiver.error

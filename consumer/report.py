@@ -269,7 +269,7 @@ class DocLog:
             pieces = [[int(a), int(b), int(c)] for a, b, c in zip(m.doc_id, m.doc_start, m.doc_len)]
             rows.append(
                 {
-                    "worker": m.worker,
+                    "worker": m.shard,
                     "seq": m.seq,
                     "session": m.session,
                     "docs": pieces,

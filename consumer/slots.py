@@ -18,7 +18,7 @@ from lmpipe.shared.batch import Batch, Cursor
 
 @dataclass
 class SlotMeta:
-    worker: int
+    shard: int
     seq: int
     session: str
     cursor: Cursor
@@ -50,7 +50,7 @@ class HostSlot:
         self.has_loss_mask = False
         self.meta: SlotMeta | None = None
 
-    def fill(self, batch: Batch, worker: int, seq: int, session: str, received_at: float) -> None:
+    def fill(self, batch: Batch, shard: int, seq: int, session: str, received_at: float) -> None:
         """Copy a validated batch out of the receive buffers (the ZeroMQ frames) into this slot."""
         B, L = batch.tokens.shape
         self._np_tokens[: B * L] = batch.tokens.reshape(-1)
@@ -62,7 +62,7 @@ class HostSlot:
         if batch.loss_mask is not None:
             self._np_loss_mask[: B * L] = batch.loss_mask.reshape(-1)
         self.meta = SlotMeta(
-            worker=worker,
+            shard=shard,
             seq=seq,
             session=session,
             cursor=batch.cursor,

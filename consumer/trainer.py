@@ -35,8 +35,9 @@ from lmpipe.consumer.config import TrainConfig, per_rank
 from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache, empty_inputs
+from lmpipe.consumer.ledger import Ledger
 from lmpipe.consumer.model import GPT
-from lmpipe.consumer.receiver import Receiver, WorkerTable
+from lmpipe.consumer.receiver import Receiver
 from lmpipe.consumer.report import Announce, DocLog, Summary
 from lmpipe.consumer.runstats import (
     CompiledGraphs,
@@ -105,7 +106,7 @@ class Trainer:
             on_miss=self.metrics.cache_misses.labels(MaskCache.name).inc,
         )
         self.session = uuid.uuid4().hex[:12]
-        self.table = WorkerTable(tcfg.shards)
+        self.table = Ledger(tcfg.shards, self.session)
         self.step = 0
         n_slots = tcfg.slots or 2 * tcfg.accum + 2
         pin = self.device.type == "cuda"
@@ -238,7 +239,7 @@ class Trainer:
         self.step = int(st["step"])
         self.table.load_state_dict(by_rank[self.dist.rank])
         if more:
-            for w in self.table.workers:
+            for w in self.table.shards:
                 w.finished = False  # its producer starts it again at its cursor: the next epoch
             log.info("--epochs %s after the checkpoint's %d: shards go on into epoch %d", epochs or "0 (until stopped)",
                      before, before + 1)  # fmt: skip
@@ -257,7 +258,7 @@ class Trainer:
                 self.data_versions = list(
                     dict.fromkeys(self.data_versions + [str(v) for v in ck.header["data_versions"]])
                 )
-        cursors = ", ".join(f"s{w.worker}@seq{w.last_seq}" for w in self.table.workers)
+        cursors = ", ".join(f"s{w.shard}@seq{w.last_seq}" for w in self.table.shards)
         log.info("resumed from %s: step %d, shard cursors %s", ck.path, self.step, cursors)
         self.metrics.global_step.set(self.step)
         self.metrics.checkpointed(self.step, Path(ck.path).stat().st_mtime)
@@ -301,7 +302,6 @@ class Trainer:
             self.slots,
             self.table,
             self.metrics,
-            self.session,
             self.tok.vocab_size,
             data_content=self.data_content,
             data_versions=self.data_versions,
@@ -314,7 +314,6 @@ class Trainer:
         self.feed = DeviceFeed(
             self.receiver,
             self.table,
-            self.session,
             self.metrics,
             self.device,
             copy_stream=self.cfg.copy_stream,

@@ -204,7 +204,7 @@ class Producer:
         channel = self._channel
         return messages.pack(
             messages.Hello(
-                worker=self.worker,
+                producer=self.worker,
                 fingerprint=self.fingerprint,
                 pid=os.getpid(),
                 host=socket.gethostname(),
@@ -450,7 +450,7 @@ class Producer:
             )
 
     def _welcomed(self, msg: messages.Welcome) -> None:
-        h = self.holdings.shards.get(msg.worker)
+        h = self.holdings.shards.get(msg.shard)
         if h is not None and h.lease == msg.lease and not msg.force and self.holdings.total == msg.shards:
             return  # already serving it as told (a repeated welcome)
         cursor = Cursor.from_dict(msg.cursor)
@@ -461,15 +461,15 @@ class Producer:
             if h is None
             else "restarting"
         )
-        self._drop_pending([msg.worker])
-        self.holdings.start(msg.worker, msg.shards, msg.lease, cursor, msg.next_seq)
+        self._drop_pending([msg.shard])
+        self.holdings.start(msg.shard, msg.shards, msg.lease, cursor, msg.next_seq)
         self.metrics.shards_held.set(len(self.holdings))
         if h is not None:
             self.metrics.resets.inc()
         log.log(
             logging.INFO if how == "resending" else logging.DEBUG,
             "shard %d: %s at epoch %d doc %d offset %d skip %d, seq %d",
-            msg.worker,
+            msg.shard,
             "the trainer asked for a resend" if how == "resending" else how,
             cursor.epoch,
             cursor.pos,

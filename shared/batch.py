@@ -4,7 +4,7 @@ A batch is `tokens` [B, L] with right padding (`lengths` [B] real tokens per row
 `seg` [B, L]: the index of the document each token belongs to within its row, so attention and targets
 never cross documents. Three small arrays account for every document piece in the batch (`doc_id`,
 `doc_start`, `doc_len`, row-major), which is what lets a test, or a user, prove that nothing was lost or
-repeated. The header carries (session, worker, seq) and the cursor after this batch.
+repeated. The header carries (session, shard, seq) and the cursor after this batch.
 
 A batch of a corpus with loss masks (prompt/completion or ids + loss_mask records) also carries
 `loss_mask` [B, L] uint8: 1 where the token is trained as a target (predicted from the tokens before it),
@@ -24,7 +24,7 @@ from lmpipe.shared.wire import CURSOR_KEYS, Limits, Message, WireError, encode
 
 @dataclass(frozen=True, order=True)
 class Cursor:
-    """Where a worker's deterministic stream stands: epoch, document position in the worker's order,
+    """Where a shard's deterministic stream stands: epoch, document position in the shard's order,
     token offset inside that document, and batches to skip in the window that starts there (bucket)."""
 
     epoch: int = 0
@@ -125,13 +125,13 @@ class Batch:
         out.update(doc_id=self.doc_id, doc_start=self.doc_start, doc_len=self.doc_len)
         return out
 
-    def to_frames(self, session: str, worker: int, seq: int, lease: str = "") -> list[Any]:
-        """`lease`: the trainer's token for this holder of `worker` (its welcome's), checked on receipt."""
+    def to_frames(self, session: str, shard: int, seq: int, lease: str = "") -> list[Any]:
+        """`lease`: the trainer's token for this holder of `shard` (its welcome's), checked on receipt."""
         header = {
             "kind": "batch",
             "session": session,
             "lease": lease,
-            "worker": worker,
+            "shard": shard,
             "seq": seq,
             "cursor": self.cursor.to_dict(),
             "strategy": self.strategy,
@@ -140,14 +140,14 @@ class Batch:
         return encode(header, self.arrays())
 
 
-def end_frames(session: str, worker: int, seq: int, cursor: Cursor, lease: str = "") -> list[Any]:
-    """The message a worker sends after its last batch of a finite run."""
+def end_frames(session: str, shard: int, seq: int, cursor: Cursor, lease: str = "") -> list[Any]:
+    """The message a shard's holder sends after the shard's last batch of a finite run."""
     return encode(
         {
             "kind": "end",
             "session": session,
             "lease": lease,
-            "worker": worker,
+            "shard": shard,
             "seq": seq,
             "cursor": cursor.to_dict(),
         }

@@ -28,7 +28,7 @@ MAX_CONTROL_BYTES = 16 * 1024
 SKIPPED_PER_MESSAGE = 128  # Hello.skipped's entries at most: msgpack maps are limited to 256 (wire.py)
 HELLO_EVERY = 1.0  # seconds between a producer's hellos (its heartbeat)
 ALIVE_SECONDS = 5.0  # a producer not heard from for this long no longer counts as connected
-# A worker id stays with its holder until its control connection closes, which ZMTP heartbeats force
+# A shard stays with its holder until its control connection closes, which ZMTP heartbeats force
 # 30-32 s after a peer falls silent (shared/sockets.py); a holder silent this long loses it in any case.
 HOLDER_SILENCE = 40.0
 # How long a stopping trainer waits for every live producer's `bye`; a hello that arrives meanwhile is
@@ -51,8 +51,8 @@ def version_location(data_versions: str) -> str:
 
 @dataclass
 class Hello:
-    worker: int  # the producer's own number (--worker; -1: none), for logs only
     fingerprint: dict[str, Any]
+    producer: int = -1  # the producer's own number (--worker; -1: none), for logs only
     pid: int = 0
     host: str = ""
     session: str = ""
@@ -62,7 +62,7 @@ class Hello:
     # older). The trainer refuses any version but its own here, before a batch is built.
     wire: int = 0
     # bad records skipped so far, "<shard>:<reason>" -> n, each shard counted from its epoch's start by the
-    # stream this producer reads it with; the trainer keeps each shard's highest count (receiver.py)
+    # stream this producer reads it with; the trainer keeps each shard's highest count (consumer/admission.py)
     skipped: dict[str, int] = field(default_factory=dict)
     # a digest of the corpus files' names, sizes and contents (Corpus.content_digest) beside the fingerprint's
     # `data` (names and sizes); "": none (the built-in corpus, shards, a remote file, or an older producer).
@@ -90,11 +90,11 @@ class Assign:
 @dataclass
 class Welcome:
     session: str
-    worker: int  # the shard to (re)start
+    shard: int  # the shard to (re)start
     cursor: dict[str, int] = field(default_factory=lambda: Cursor().to_dict())
     next_seq: int = 1
     force: bool = False  # restart the stream even if the session is unchanged
-    # The trainer's token for this holder of the worker id, stamped on each of its batches: a message
+    # The trainer's token for this holder of the shard, stamped on each of its batches: a message
     # without it (another peer's, or a previous holder's still in flight) is never trained on and cannot
     # make this producer rewind. Sent only on this producer's control connection.
     lease: str = ""
@@ -183,8 +183,8 @@ def unpack(raw: bytes | memoryview) -> Any:
     total = cast(int, kwargs.get("shards" if cls is Welcome else "total", 1))
     if cls in (Welcome, Assign) and not 0 < total <= MAX_SHARDS:
         raise WireError("bad_control", f"{name} names an impossible number of shards")
-    if cls is Welcome and not 0 <= cast(int, kwargs["worker"]) < total:
-        raise WireError("bad_control", f"welcome.worker {kwargs['worker']} is not one of its shards")
+    if cls is Welcome and not 0 <= cast(int, kwargs["shard"]) < total:
+        raise WireError("bad_control", f"welcome.shard {kwargs['shard']} is not one of its shards")
     if (
         cls is Hello
         and kwargs.get("data_versions")

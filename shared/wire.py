@@ -20,7 +20,10 @@ import numpy as np
 # trainer would train on masked tokens, so it must refuse them rather than ignore the array.
 # 3: the producer's hello names its version (messages.Hello.wire) and the trainer refuses any other at the
 # handshake, before a batch is sent; a hello without it comes from version 2 or older.
-WIRE_VERSION = 3
+# 4: "shard" where a shard is meant: the batch header's and Welcome's `worker` became `shard`, Hello's
+# `worker` (the producer's own number) became `producer`, optional, so an older producer's hello still
+# decodes and is refused by its version, not as malformed.
+WIRE_VERSION = 4
 
 # name -> little-endian numpy dtype. Anything else is refused before it is read.
 DTYPES: dict[str, np.dtype] = {
@@ -151,7 +154,7 @@ def _check_header(hdr: dict[str, Any]) -> None:
     if kind not in KINDS:
         raise WireError("bad_kind", f"unknown kind {kind!r}")
     _require(hdr, "session", str)
-    for key in ("worker", "seq"):
+    for key in ("shard", "seq"):
         if _require(hdr, key, int) < 0:
             raise WireError("bad_header", f"field {key!r} is negative")
     cursor = _require(hdr, "cursor", dict)

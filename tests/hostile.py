@@ -135,7 +135,7 @@ class Hostile:
         socks = self.sockets(zmq.DEALER, self.t["control"])
         hello = messages.pack(
             messages.Hello(
-                worker=worker,
+                producer=worker,
                 fingerprint=fingerprint,
                 pid=os.getpid(),
                 host="attacker",

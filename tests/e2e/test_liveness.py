@@ -113,7 +113,7 @@ values = st.recursive(
     ),
     max_leaves=12,
 )
-HELLO_FIELDS = ["worker", "fingerprint", "pid", "host", "session", "rejoin", "holding", "wire"]
+HELLO_FIELDS = ["producer", "fingerprint", "pid", "host", "session", "rejoin", "holding", "wire"]
 control_maps = st.fixed_dictionaries(
     {"type": st.sampled_from([*messages.TYPES, "bogus"])},
     optional={
@@ -334,7 +334,7 @@ control_frames = st.one_of(
     st.lists(st.binary(max_size=64), min_size=1, max_size=4),
     st.builds(lambda m: [msgpack.packb(m, use_bin_type=True)], control_maps),
     st.builds(
-        lambda w, fp: [messages.pack(messages.Hello(worker=w, fingerprint=fp, wire=WIRE_VERSION))],
+        lambda w, fp: [messages.pack(messages.Hello(producer=w, fingerprint=fp, wire=WIRE_VERSION))],
         st.integers(-5, 5),
         st.dictionaries(
             st.text(max_size=10),
@@ -371,7 +371,7 @@ def test_a_fuzzed_control_channel_leaves_the_handshake_alive(procs, tmp_path, po
     try:
         fuzz()
         # the hello: a bytes key in the fingerprint
-        dealers[0].send(msgpack.packb({"type": "hello", "worker": 0,
+        dealers[0].send(msgpack.packb({"type": "hello", "producer": 0,
                                        "fingerprint": {b"tokenizer": "x", "vocab_size": 1}}))  # fmt: skip
         sent += 1
 
@@ -388,7 +388,7 @@ def test_a_fuzzed_control_channel_leaves_the_handshake_alive(procs, tmp_path, po
         # a disconnect beyond it
         push = ctx.socket(zmq.PUSH)
         push.connect(endpoints(PipelineConfig(port=port)).data)
-        hdr = {"v": WIRE_VERSION, "kind": "end", "session": "x", "worker": 0, "seq": 1,
+        hdr = {"v": WIRE_VERSION, "kind": "end", "session": "x", "shard": 0, "seq": 1,
                "cursor": {"epoch": 0, "pos": 0, "offset": 0, "skip": 0}, "arrays": [["doc_id", "int64", [8]]]}  # fmt: skip
         push.send_multipart([msgpack.packb(hdr), b"\0" * 100_000])
         wait_until(lambda: metric(mport, "lmpipe_trainer_batches_rejected_total", reason="bad_length") == 1, 30,

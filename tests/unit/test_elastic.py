@@ -12,8 +12,8 @@ from itertools import combinations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lmpipe.consumer.admission import SkippedRecords
 from lmpipe.consumer.assign import balance
-from lmpipe.consumer.receiver import SkippedRecords
 
 
 @given(

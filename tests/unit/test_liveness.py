@@ -16,7 +16,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lmpipe.consumer.receiver import PipelineError, Receiver, WorkerTable
+from lmpipe.consumer.coordinator import Coordinator
+from lmpipe.consumer.ledger import Ledger
+from lmpipe.consumer.receiver import PipelineError, Receiver
 from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
@@ -94,13 +96,13 @@ def test_a_binary_file_is_refused_by_name(tmp_path):
         Corpus([str(junk)])
 
 
-def test_a_receive_task_that_dies_ends_the_run_with_an_error(port):
-    class Broken(Receiver):
-        async def _control_loop(self, router):
-            raise RuntimeError("boom")
+def test_a_receive_task_that_dies_ends_the_run_with_an_error(port, monkeypatch):
+    async def boom(self, router):
+        raise RuntimeError("boom")
 
+    monkeypatch.setattr(Coordinator, "control_loop", boom)
     cfg = PipelineConfig(port=port, producers=1)
-    r = Broken(cfg, {}, [], WorkerTable(1), TrainerMetrics(), "s", 100)
+    r = Receiver(cfg, {}, [], Ledger(1, "s"), TrainerMetrics(), 100)
     r.start()
     r.join(timeout=10)
     assert not r.is_alive(), "the thread ends instead of running deaf"
@@ -119,7 +121,7 @@ values = st.recursive(
     ),
     max_leaves=12,
 )
-HELLO_FIELDS = ["worker", "fingerprint", "pid", "host", "session", "rejoin", "holding", "wire"]
+HELLO_FIELDS = ["producer", "fingerprint", "pid", "host", "session", "rejoin", "holding", "wire"]
 control_maps = st.fixed_dictionaries(
     {"type": st.sampled_from([*messages.TYPES, "bogus"])},
     optional={
@@ -131,11 +133,11 @@ control_maps = st.fixed_dictionaries(
 
 @settings(max_examples=200, deadline=None)
 @given(obj=control_maps)
-@example(obj={"type": "hello", "worker": 0, "fingerprint": {b"tokenizer": "x"}})
-@example(obj={"type": "hello", "worker": 0, "fingerprint": {"seq_len": [1]}})
-@example(obj={"type": "hello", "worker": 0, "fingerprint": {}, "holding": [0, [1]]})
+@example(obj={"type": "hello", "producer": 0, "fingerprint": {b"tokenizer": "x"}})
+@example(obj={"type": "hello", "producer": 0, "fingerprint": {"seq_len": [1]}})
+@example(obj={"type": "hello", "producer": 0, "fingerprint": {}, "holding": [0, [1]]})
 @example(obj={"type": "assign", "session": "s", "shards": [3], "total": 2**64 - 1})
-@example(obj={"type": "welcome", "session": "s", "worker": 0, "cursor": {"epoch": 0}})
+@example(obj={"type": "welcome", "session": "s", "shard": 0, "cursor": {"epoch": 0}})
 def test_control_messages_decode_to_well_typed_messages_or_are_rejected(obj):
     raw = msgpack.packb(obj, use_bin_type=True)
     try:
@@ -149,7 +151,7 @@ def test_control_messages_decode_to_well_typed_messages_or_are_rejected(obj):
         assert all(isinstance(k, str) for k in msg.fingerprint)
     if isinstance(msg, messages.Welcome):
         assert {"epoch", "pos", "offset", "skip"} <= set(msg.cursor)
-        assert 0 <= msg.worker < msg.shards
+        assert 0 <= msg.shard < msg.shards
     if isinstance(msg, (messages.Hello, messages.Assign)):
         shards = msg.holding if isinstance(msg, messages.Hello) else msg.shards
         assert all(type(x) is int and x >= 0 for x in shards)

@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache
+from lmpipe.consumer.ledger import Ledger
 from lmpipe.consumer.model import IGNORE
-from lmpipe.consumer.receiver import Receiver, WorkerTable
+from lmpipe.consumer.receiver import Receiver
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.consumer.step import StepRunner
 from lmpipe.producer import batching
@@ -293,7 +294,7 @@ def test_a_bad_loss_mask_is_rejected(change, reason):
     )  # fmt: skip
     arrays = b.arrays()
     change(arrays)
-    hdr = {"kind": "batch", "session": "s", "worker": 0, "seq": 1, "cursor": b.cursor.to_dict(),
+    hdr = {"kind": "batch", "session": "s", "shard": 0, "seq": 1, "cursor": b.cursor.to_dict(),
            "strategy": "pack", "counts": {"tokens": b.real_tokens, "pad": b.pad_tokens, "docs": 2}}  # fmt: skip
     msg = decode(as_bytes(encode(hdr, arrays)), batch_limits(1, 8))
     with pytest.raises(WireError, match=reason):
@@ -311,12 +312,12 @@ def trainer_feed(rows: int, seq_len: int, strategy: str, device: str = "cpu"):
         batch_size=rows, seq_len=seq_len, strategy=strategy, producers=1, port=free_port_pair()
     )
     slots = [HostSlot(rows, seq_len, np.dtype("<u2"), pin=device == "cuda") for _ in range(2)]
-    table, metrics = WorkerTable(1), TrainerMetrics(CollectorRegistry())
-    receiver = Receiver(cfg, {}, slots, table, metrics, "s", 600)
+    table, metrics = Ledger(1, "s"), TrainerMetrics(CollectorRegistry())
+    receiver = Receiver(cfg, {}, slots, table, metrics, 600)
     receiver.start()
     receiver.bound.wait()
     assert receiver.error is None, receiver.error
-    feed = DeviceFeed(receiver, table, "s", metrics, torch.device(device), copy_stream=device == "cuda",
+    feed = DeviceFeed(receiver, table, metrics, torch.device(device), copy_stream=device == "cuda",
                       rows=None, attention="dense", mask_cache=MaskCache())  # fmt: skip
     free = list(slots)
 

@@ -12,7 +12,7 @@ from lmpipe.shared.batch import Cursor, batch_from_message, end_frames
 from lmpipe.shared.wire import DTYPES, WIRE_VERSION, Limits, WireError, decode, encode
 from tests.helpers import ListStream
 
-HDR = {"kind": "batch", "session": "s", "worker": 0, "seq": 1, "cursor": Cursor().to_dict(), "strategy": "pack",
+HDR = {"kind": "batch", "session": "s", "shard": 0, "seq": 1, "cursor": Cursor().to_dict(), "strategy": "pack",
        "counts": {"tokens": 0, "pad": 0, "docs": 0}}  # fmt: skip
 
 
@@ -50,7 +50,7 @@ def test_round_trip_every_strategy(strategy, dtype):
             np.testing.assert_array_equal(got.arrays()[name], arr)
         assert got.cursor == b.cursor and got.strategy == strategy
         assert got.num_targets() == b.num_targets()
-        assert msg.header["seq"] == 7 and msg.header["worker"] == 1
+        assert msg.header["seq"] == 7 and msg.header["shard"] == 1
 
 
 def _valid_frames():
@@ -78,7 +78,7 @@ MALFORMED = {
     "wrong version": (_with_header(v=99), "bad_version"),
     "unknown kind": (_with_header(kind="exec"), "bad_kind"),
     "negative seq": (_with_header(seq=-1), "bad_header"),
-    "bool as int": (_with_header(worker=True), "bad_header"),
+    "bool as int": (_with_header(shard=True), "bad_header"),
     "unknown dtype": (_one_array(["tokens", "object", [1, 4]], b"x" * 32), "bad_dtype"),
     "bad shape": (_one_array(["tokens", "uint16", [-1, 4]], b"x" * 8), "bad_shape"),
     "too many dims": (_one_array(["tokens", "uint16", [1, 1, 1, 1]], b"x" * 2), "bad_shape"),
@@ -144,7 +144,7 @@ def test_end_message_round_trip():
 
 def test_control_messages_round_trip_and_reject_garbage():
     hello = messages.Hello(
-        worker=1, fingerprint={"tokenizer": "abc", "seq_len": 128}, pid=7, host="h", holding=[0, 5],
+        producer=1, fingerprint={"tokenizer": "abc", "seq_len": 128}, pid=7, host="h", holding=[0, 5],
         wire=WIRE_VERSION, skipped={"bad_json": 3}, data_content="0123abcd",
     )  # fmt: skip
     assert messages.unpack(messages.pack(hello)) == hello
@@ -157,35 +157,38 @@ def test_control_messages_round_trip_and_reject_garbage():
     assert old.data_content == "", "a hello without `data_content` (an older producer): nothing to check"
     # and a key a trainer does not know (a newer producer's, as `data_content` is to an older trainer) is
     # passed over, not refused
-    newer = messages.unpack(msgpack.packb({"type": "hello", "worker": 1, "fingerprint": {}, "later": "x"}))
-    assert isinstance(newer, messages.Hello) and newer.worker == 1
+    newer = messages.unpack(msgpack.packb({"type": "hello", "producer": 1, "fingerprint": {}, "later": "x"}))
+    assert isinstance(newer, messages.Hello) and newer.producer == 1
     w = messages.Welcome("sess", 1, Cursor(0, 5, 3, 0).to_dict(), 12, shards=16)
     assert messages.unpack(messages.pack(w)) == w
     a = messages.Assign("sess", [1, 4], 16, 3)
     assert messages.unpack(messages.pack(a)) == a
     for raw, match in [
         (msgpack.packb({"type": "shell", "cmd": "rm"}), "unknown control message"),
-        (msgpack.packb({"type": "hello", "worker": "0", "fingerprint": {}}), "type str"),
+        (msgpack.packb({"type": "hello", "producer": "0", "fingerprint": {}}), "type str"),
         (
-            msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "holding": [1, True]}),
+            msgpack.packb({"type": "hello", "producer": 0, "fingerprint": {}, "holding": [1, True]}),
             "shard numbers",
         ),
-        (msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "holding": [-1]}), "shard numbers"),
         (
-            msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "wire": "3"}),
+            msgpack.packb({"type": "hello", "producer": 0, "fingerprint": {}, "holding": [-1]}),
+            "shard numbers",
+        ),
+        (
+            msgpack.packb({"type": "hello", "producer": 0, "fingerprint": {}, "wire": "3"}),
             "hello.wire has type str",
         ),
         (
-            msgpack.packb({"type": "hello", "worker": 0, "fingerprint": {}, "data_content": 5}),
+            msgpack.packb({"type": "hello", "producer": 0, "fingerprint": {}, "data_content": 5}),
             "hello.data_content has type int",
         ),
         (msgpack.packb({"type": "bye", "skipped": {"empty": "2"}}), r"bye.skipped\['empty'\] has type str"),
         (msgpack.packb({"type": "assign", "session": "s", "shards": [], "total": 0}), "impossible number"),
         (
-            msgpack.packb({"type": "welcome", "session": "s", "worker": 3, "shards": 2}),
+            msgpack.packb({"type": "welcome", "session": "s", "shard": 3, "shards": 2}),
             "not one of its shards",
         ),
-        (msgpack.packb({"type": "welcome", "worker": 0}), "lacks field 'session'"),
+        (msgpack.packb({"type": "welcome", "shard": 0}), "lacks field 'session'"),
         (b"\xc1\xc1", "not valid msgpack"),
     ]:
         with pytest.raises(WireError, match=match):
@@ -198,9 +201,9 @@ def test_a_hello_names_remote_versions_only_in_their_digest_shape():
     from lmpipe.shared import messages
 
     good = "0123456789abcdef:" + "0" * 32
-    hello = messages.unpack(messages.pack(messages.Hello(worker=0, fingerprint={}, data_versions=good)))
+    hello = messages.unpack(messages.pack(messages.Hello(producer=0, fingerprint={}, data_versions=good)))
     assert hello.data_versions == good
-    assert messages.unpack(messages.pack(messages.Hello(worker=0, fingerprint={}))).data_versions == ""
+    assert messages.unpack(messages.pack(messages.Hello(producer=0, fingerprint={}))).data_versions == ""
     for bad in ("junk", good + "0", good.upper(), "x" * 10_000, ":" + "0" * 32):
         with pytest.raises(WireError, match="is not a versions digest"):
-            messages.unpack(messages.pack(messages.Hello(worker=0, fingerprint={}, data_versions=bad)))
+            messages.unpack(messages.pack(messages.Hello(producer=0, fingerprint={}, data_versions=bad)))

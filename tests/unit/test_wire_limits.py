@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmpipe.consumer.receiver import Receiver, WorkerTable
+from lmpipe.consumer.ledger import Ledger
+from lmpipe.consumer.receiver import Receiver
 from lmpipe.producer.batching import BatchSpec, batches
 from lmpipe.shared.batch import Batch, batch_from_message
 from lmpipe.shared.config import PipelineConfig
@@ -29,7 +30,7 @@ VOCAB = 50_000
 def receiver_limits(batch_size: int, seq_len: int):
     """The limits a real trainer's receiver enforces for this geometry (the receiver is not started)."""
     cfg = PipelineConfig(batch_size=batch_size, seq_len=seq_len, producers=1)
-    return Receiver(cfg, {}, [], WorkerTable(1), TrainerMetrics(), "s", VOCAB).limits
+    return Receiver(cfg, {}, [], Ledger(1, "s"), TrainerMetrics(), VOCAB).limits
 
 
 def as_bytes(frames: list[Any]) -> list[bytes]:
@@ -123,7 +124,7 @@ def test_a_single_million_token_document(strategy, batch_size, seq_len):
 def _header(b: Batch, **counts: int) -> dict[str, Any]:
     c = {"tokens": b.real_tokens, "pad": b.pad_tokens, "docs": len(b.doc_id)}
     c.update(counts)
-    return {"kind": "batch", "session": "s", "worker": 0, "seq": 1, "cursor": b.cursor.to_dict(),
+    return {"kind": "batch", "session": "s", "shard": 0, "seq": 1, "cursor": b.cursor.to_dict(),
             "strategy": b.strategy, "counts": c}  # fmt: skip
 
 
@@ -222,7 +223,7 @@ def test_every_invalid_batch_is_rejected_by_reason(docs, spec, mutation, pick):
 def test_a_rejected_batch_still_names_its_sender():
     spec = BatchSpec(strategy="pack", seq_len=8, batch_size=2)
     (b,) = all_batches([[1, 2, 3]], spec)
-    hdr = dict(_header(b), worker=0, seq=17)
+    hdr = dict(_header(b), shard=0, seq=17)
     frames = as_bytes(encode(hdr, {**b.arrays(), "doc_id": np.zeros(17, np.int64)}))
     with pytest.raises(WireError) as err:
         decode(frames, receiver_limits(2, 8))
