@@ -118,13 +118,7 @@ class Trainer:
         self.checkpoints = (
             CheckpointManager(tcfg.checkpoint_dir, tcfg.keep_checkpoints) if tcfg.checkpoint_dir else None
         )
-        resume_path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
-        if resume_path is not None:
-            self._restore(load(resume_path, self._identity()))
-        elif tcfg.resume:
-            log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
-        if not tcfg.consume_only:
-            log.info("%s", built.fast_line)
+        self._resume(tcfg, "" if tcfg.consume_only else built.fast_line)
         self._stop_reason = ""
         self.failure: str | None = None  # why the run stopped on a problem (the command then exits 1)
         self.health_check: Callable[[], str | None] | None = (
@@ -204,6 +198,17 @@ class Trainer:
         self.metrics.checkpointed(self.step, time.time())
         self.dist.broadcast(True)
         return path
+
+    def _resume(self, tcfg: TrainConfig, fast_line: str) -> None:
+        """Resume from --resume's checkpoint, if there is one; then say which fast paths run (after the
+        checkpoint's checks, so that a refused checkpoint stays one line)."""
+        resume_path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
+        if resume_path is not None:
+            self._restore(load(resume_path, self._identity()))
+        elif tcfg.resume:
+            log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
+        if fast_line:
+            log.info("%s", fast_line)
 
     def _restore(self, ck) -> None:
         st = ck.state

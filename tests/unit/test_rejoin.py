@@ -7,7 +7,7 @@ import time
 
 from lmpipe.shared import messages
 from lmpipe.shared.wire import WIRE_VERSION
-from tests.unit.test_wait_line import coordinator
+from tests.coordinators import coordinator
 
 
 def hello(pid: int, session: str = "", rejoin: bool = False) -> messages.Hello:

@@ -5,38 +5,9 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry
-
-from lmpipe.consumer.admission import Admission
-from lmpipe.consumer.coordinator import Coordinator
-from lmpipe.consumer.ledger import Ledger
-from lmpipe.consumer.quiet import Rejects
 from lmpipe.shared import messages
-from lmpipe.shared.config import PipelineConfig
-from lmpipe.shared.metrics import TrainerMetrics
 from lmpipe.shared.wire import WIRE_VERSION
-
-
-class Router:
-    """Stands in for the ROUTER socket: keeps what the coordinator sends."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[bytes, object]] = []
-
-    def send_multipart(self, frames: list[bytes], flags: int = 0) -> Router:
-        self.sent.append((frames[0], messages.unpack(frames[1])))
-        return self
-
-    def done(self) -> bool:  # the "future" of a send that finished at once
-        return False
-
-
-def coordinator(shards: int, producers: int) -> Coordinator:
-    metrics = TrainerMetrics(CollectorRegistry())
-    cfg = PipelineConfig(producers=producers)
-    co = Coordinator(cfg, Ledger(shards, "s"), metrics, Admission({}, "", None), Rejects(metrics))
-    co._router = Router()  # type: ignore[assignment]
-    return co
+from tests.coordinators import coordinator
 
 
 def hello(pid: int, waiting: str = "") -> messages.Hello:
