@@ -286,6 +286,7 @@ class Producer:
             data_ctx.term()  # returns once the data connection is torn down
             channel.finish(self._last_words() if self._bye_due else [])
             ctx.term()
+            remote.WAITS.__init__()  # the process's storage calls no longer report to this producer
 
     def _last_words(self) -> list[bytes]:
         """The counts not yet told, in hellos, then the bye the trainer waits for before it closes its

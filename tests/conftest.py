@@ -46,3 +46,12 @@ def procs(tmp_path):
     ps = Procs(tmp_path)
     yield ps
     ps.cleanup()
+
+
+@pytest.fixture(autouse=True)
+def _storage_waits_reach_no_earlier_producer(monkeypatch):
+    """A producer built in-process hooks the process-wide storage waits (producer/remote.py's WAITS): a
+    later test's retries must not sleep on, or be stopped by, an earlier test's producer."""
+    from lmpipe.producer import remote
+
+    monkeypatch.setattr(remote, "WAITS", remote.StorageWaits())

@@ -43,6 +43,7 @@ def test_a_server_busy_at_a_pass_boundary_is_retried_not_taken_for_a_deleted_obj
     import threading
 
     monkeypatch.setattr(remote, "BACKOFF", 0.05)
+    monkeypatch.setattr(remote, "WAITS", remote.StorageWaits())  # no producer of an earlier test hears it
     body = b"".join(b"document %d of the corpus\n\n" % i for i in range(400))
     state = {"busy": 0, "gone": False}
 
