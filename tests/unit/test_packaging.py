@@ -8,13 +8,12 @@ from tests.helpers import REPO
 
 
 def test_one_tree_the_import_tree_is_the_source_tree():
-    """lmpipe/producer, lmpipe/consumer and lmpipe/shared are links to the folders at the top, so every tool
-    (mypy, an editor, the editable install) sees one tree; mypy checks it whole."""
+    """producer/, consumer/ and shared/ live in lmpipe/, where they are imported from, so every tool (mypy, an
+    editor, a reader of imports) sees one tree; the links at the top show the data flow; mypy checks it whole."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert project["tool"]["mypy"]["files"] == ["lmpipe"]
     assert "package-dir" not in project["tool"]["setuptools"]
     for pkg in ("producer", "consumer", "shared"):
-        link = REPO / "lmpipe" / pkg
-        assert link.is_symlink() and link.resolve() == (REPO / pkg).resolve(), (
-            f"lmpipe/{pkg} must link ../{pkg}"
-        )
+        real, link = REPO / "lmpipe" / pkg, REPO / pkg
+        assert real.is_dir() and not real.is_symlink(), f"lmpipe/{pkg}/ holds the package's files"
+        assert link.is_symlink() and link.resolve() == real.resolve(), f"{pkg} must link lmpipe/{pkg}"

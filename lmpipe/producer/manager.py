@@ -286,7 +286,8 @@ class Producer:
             data_ctx.term()  # returns once the data connection is torn down
             channel.finish(self._last_words() if self._bye_due else [])
             ctx.term()
-            remote.WAITS.__init__()  # the process's storage calls no longer report to this producer
+            # the process's storage calls report to this producer no more
+            remote.WAITS = remote.StorageWaits()
 
     def _last_words(self) -> list[bytes]:
         """The counts not yet told, in hellos, then the bye the trainer waits for before it closes its
