@@ -187,7 +187,7 @@ def cmd_train(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts
 
 
 def cmd_produce(ns, g: GlobalOptions, cfg: PipelineConfig, opts: ProduceOptions) -> int:
-    from lmpipe.launch import produce
+    from lmpipe.procs import produce
 
     return produce(cfg, opts)
 

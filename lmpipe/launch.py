@@ -37,7 +37,7 @@ from lmpipe.checks import (
     say_no_effect,
 )
 from lmpipe.consumer.config import TrainConfig, per_rank
-from lmpipe.options import ProduceOptions, ReportOptions
+from lmpipe.options import ReportOptions
 from lmpipe.procs import LocalProducer, fork_producers, linger, reap, stop_on_signals
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import SettingsError
@@ -237,24 +237,3 @@ def run_trainer(
         return 1
     # a scheduler or script must not take a run that stopped on a problem (--wait-timeout) for one that ended
     return 1 if trainer.failure else 0
-
-
-def produce(cfg: PipelineConfig, opts: ProduceOptions) -> int:
-    from lmpipe.producer.manager import Producer, ProducerOptions, install_signal_handlers
-
-    if opts.worker >= cfg.producers:
-        raise SettingsError(f"--worker {opts.worker} must be below --producers {cfg.producers}")
-    say_no_effect(cfg)
-    check_keys(cfg, server=False)
-    check_corpus(cfg, check_tokenizer(cfg))
-    p = Producer(
-        cfg,
-        ProducerOptions(
-            worker=opts.worker, metrics_port=opts.metrics_port, exit_with_parent=opts.exit_with_parent
-        ),
-    )
-    install_signal_handlers(p)
-    code = p.run()
-    if not p.interrupted:
-        linger(opts.metrics_linger)
-    return code

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from lmpipe.checks import check_corpus, check_keys, check_tokenizer, say_no_effect
 from lmpipe.options import ProduceOptions
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import SettingsError
@@ -78,7 +79,6 @@ class LocalProducer:
 
 def _producer_main(cfg: PipelineConfig, opts: ProduceOptions, log_level: str) -> None:
     """A forked producer: what `lmpipe produce` does, with its errors as that command reports them."""
-    from lmpipe.launch import produce  # the command this process runs
     from lmpipe.shared.log import setup
 
     setup(f"producer {opts.worker}", log_level)
@@ -133,3 +133,25 @@ def reap(procs: list[LocalProducer], grace: float = 5.0) -> None:
             log.warning("producer pid %d ignored SIGTERM; killing it", p.pid)
             p.kill()
             p.wait()
+
+
+def produce(cfg: PipelineConfig, opts: ProduceOptions) -> int:
+    """`lmpipe produce`: one producer process, in this process (a forked one runs it too)."""
+    from lmpipe.producer.manager import Producer, ProducerOptions, install_signal_handlers
+
+    if opts.worker >= cfg.producers:
+        raise SettingsError(f"--worker {opts.worker} must be below --producers {cfg.producers}")
+    say_no_effect(cfg)
+    check_keys(cfg, server=False)
+    check_corpus(cfg, check_tokenizer(cfg))
+    p = Producer(
+        cfg,
+        ProducerOptions(
+            worker=opts.worker, metrics_port=opts.metrics_port, exit_with_parent=opts.exit_with_parent
+        ),
+    )
+    install_signal_handlers(p)
+    code = p.run()
+    if not p.interrupted:
+        linger(opts.metrics_linger)
+    return code

@@ -5,7 +5,6 @@ picks (consumer/fast/)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -13,11 +12,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lmpipe.consumer import fast
+from lmpipe.consumer.built import Built
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
 from lmpipe.consumer.fast import flash, liger
 from lmpipe.consumer.model import GPT, preset
-from lmpipe.consumer.scaler import LossScaler, make_scaler
+from lmpipe.consumer.scaler import make_scaler
 from lmpipe.consumer.step import StepRunner, make_optimizer, to_float8
 from lmpipe.shared.config import PipelineConfig
 
@@ -32,21 +32,6 @@ AUTOTUNE_ATTENTION: dict[str, Any] = {
     "coordinate_descent_tuning": True,
     "max_autotune_gemm_backends": "ATEN",
 }
-
-
-@dataclass
-class Built:
-    model: GPT  # the bare model: its parameters, state dict and FLOPs
-    optimizer: torch.optim.Optimizer
-    scaler: LossScaler | None  # fp16 only
-    step_model: torch.nn.Module  # what the step calls: the model under DDP and/or compile
-    runner: StepRunner
-    tcfg: TrainConfig
-    device: torch.device
-    precision: str  # resolved: fp32, bf16, fp16 or fp8
-    autocast_dtype: torch.dtype | None
-    fast: list[str] = field(default_factory=list)  # the fast paths applied, in order (consumer/fast/)
-    fast_line: str = ""  # what ran and why the rest did not, one line; the trainer logs it once resumed
 
 
 def available_memory(device: torch.device) -> int | None:

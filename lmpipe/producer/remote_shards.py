@@ -9,7 +9,8 @@ are checked against the vocabulary as they arrive.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -17,8 +18,16 @@ from lmpipe.producer.remote import Remote
 from lmpipe.producer.shard_meta import ShardError, file_names, file_sizes, load_meta
 from lmpipe.shared.files import SHARD_META as META
 
-if TYPE_CHECKING:
-    from lmpipe.producer.shards import ShardSet
+
+class ShardIndex(Protocol):
+    """What RemoteShards reads and fills in of the ShardSet (producer/shards.py) that holds it: named by
+    its shape, so that the import runs one way, shards.py -> remote_shards.py."""
+
+    path: Path | str
+    meta: dict[str, Any]
+    tokens: list[np.ndarray]
+    docs: np.ndarray
+    rids: np.ndarray
 
 
 class Pending:
@@ -44,7 +53,7 @@ class RemoteShards:
     MERGE_GAP = 16 << 10
     MAX_READ = 16 << 20
 
-    def __init__(self, shards: ShardSet, remote: Remote, verify_checksums: bool):
+    def __init__(self, shards: ShardIndex, remote: Remote, verify_checksums: bool):
         self.shards, self.r = shards, remote
         base = str(shards.path)
         meta_url = f"{base}/{META}"

@@ -10,83 +10,19 @@ the rest did not. `--fast` (consumer/config.py) picks them: auto (every path on 
 here), none, or a comma list of names (exactly those; `auto,NAME` adds an opt-in path, `auto,-NAME` leaves
 one out); a named path that cannot run here is refused in one line.
 
-Nothing here imports torch: the settings' parser reads the names.
+Nothing here imports torch: the settings' parser reads the names (consumer/fast/names.py).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lmpipe.consumer.fast.names import NAMES, PATHS, Choice, Path, parse, problem
+
 if TYPE_CHECKING:
-    from lmpipe.consumer.build import Built
-
-
-@dataclass(frozen=True)
-class Path:
-    name: str  # as --fast spells it
-    module: str  # consumer/fast/<module>.py: its unavailable and apply
-    default: bool = True  # on under --fast auto
-    cuda: bool = True  # needs a CUDA device
-    needs: tuple[str, ...] = ()  # packages its module imports at the top
-
-
-PATHS: tuple[Path, ...] = (
-    Path("loss-kernel", "loss", needs=("triton",)),
-    Path("head-gemm", "head_gemm", needs=("triton",)),
-    Path("gelu-epilogue", "mlp_kernel"),
-    # opt-in: 0.992-1.013x tokens/s on an H100 (bench/results/qkv-h100-2026-11-27.md)
-    Path("qkv-backward", "qkv_kernel", default=False, needs=("triton",)),
-    Path("adamw", "adamw", needs=("triton",)),
-    Path("clip-in-step", "clip", cuda=False),
-    Path("step-graph", "step_graph"),
-    # opt-in: 1.002x tokens/s on an H200 (bench/results/memset-nodes-h200-2026-11-28.md)
-    Path("memset-nodes", "memset_nodes", default=False),
-)
-NAMES = tuple(p.name for p in PATHS)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """--fast parsed: start from auto's defaults or from nothing, then add and remove names."""
-
-    auto: bool
-    add: frozenset[str]
-    remove: frozenset[str]
-
-    def wants(self, path: Path) -> bool:
-        return path.name in self.add or (self.auto and path.default and path.name not in self.remove)
-
-
-def parse(spec: str) -> Choice:
-    """--fast's value; ValueError (one line) for a name that is no path."""
-    items = [s.strip() for s in spec.split(",") if s.strip()]
-    if items in (["auto"], ["none"]):
-        return Choice(items == ["auto"], frozenset(), frozenset())
-    auto = bool(items) and items[0] == "auto"
-    add: set[str] = set()
-    remove: set[str] = set()
-    for item in items[1:] if auto else items:
-        name = item[1:] if item.startswith("-") else item
-        if name not in NAMES:
-            raise ValueError(f"{name!r} is no fast path; choose from {', '.join(NAMES)} (or auto, none)")
-        if item.startswith("-") and not auto:
-            raise ValueError(f"-{name} leaves a path out of auto's: write auto,-{name}")
-        (remove if item.startswith("-") else add).add(name)
-    if not items:
-        raise ValueError("empty; use auto, none or a comma list of " + ", ".join(NAMES))
-    return Choice(auto, frozenset(add), frozenset(remove))
-
-
-def problem(spec: str) -> str | None:
-    """The setting's check (shared/settings.py)."""
-    try:
-        parse(spec)
-    except ValueError as e:
-        return str(e)
-    return None
+    from lmpipe.consumer.built import Built
 
 
 def unavailable(path: Path, built: Built) -> str | None:
@@ -145,3 +81,6 @@ def mix(obj: object, subclass: type) -> None:
     if key not in _MIXED:
         _MIXED[key] = type(f"{subclass.__name__}_{cls.__name__}", (subclass, cls), {})
     obj.__class__ = _MIXED[key]
+
+
+__all__ = ["NAMES", "PATHS", "Choice", "Path", "apply_all", "mix", "parse", "problem", "unavailable"]

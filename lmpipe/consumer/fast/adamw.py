@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.build import Built
+    from lmpipe.consumer.built import Built
 
 CHUNK = 16384  # elements a program updates, one table row (bench.optimizer: 16k-256k x 1k-4k x 4-16 warps)
 BLOCK = 4096  # elements a program holds at a time

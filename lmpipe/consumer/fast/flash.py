@@ -26,7 +26,7 @@ from lmpipe.consumer.fast import mix
 from lmpipe.consumer.model import AttnSpec, CausalSelfAttention
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.build import Built
+    from lmpipe.consumer.built import Built
 
 
 def problem(device: torch.device) -> str | None:

@@ -13,7 +13,7 @@ from lmpipe.consumer.fast import cublaslt, mix
 from lmpipe.consumer.fast.loss import KernelLoss
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.build import Built
+    from lmpipe.consumer.built import Built
 
 
 class TunedHead(KernelLoss):

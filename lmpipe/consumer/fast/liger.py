@@ -14,7 +14,7 @@ from lmpipe.consumer.fast import mix
 from lmpipe.consumer.model import GPT, IGNORE
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.build import Built
+    from lmpipe.consumer.built import Built
 
 log = logging.getLogger("lmpipe.trainer")
 

@@ -24,7 +24,7 @@ from lmpipe.consumer.fast.liger import LigerLoss, head_inputs
 from lmpipe.consumer.model import GPT, IGNORE
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.build import Built
+    from lmpipe.consumer.built import Built
 
 BLOCK = 8192  # vocabulary entries a program reads at a time (bench.loss: best of 2k-32k x 8-32 warps)
 WARPS = 8

@@ -24,7 +24,7 @@ from lmpipe.consumer.fast import cublaslt, mix
 from lmpipe.consumer.model import MLP
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.build import Built
+    from lmpipe.consumer.built import Built
 
 
 def unavailable(built: Built) -> str | None:

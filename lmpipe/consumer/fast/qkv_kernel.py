@@ -23,7 +23,7 @@ from lmpipe.consumer.fast import mix
 from lmpipe.consumer.model import CausalSelfAttention
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.build import Built
+    from lmpipe.consumer.built import Built
 
 
 def _configs() -> list[triton.Config]:

@@ -34,7 +34,7 @@ from lmpipe.consumer.model import AttnSpec
 from lmpipe.consumer.step import StepRunner
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.build import Built
+    from lmpipe.consumer.built import Built
 
 log = logging.getLogger("lmpipe.trainer")
 T = TypeVar("T")
