@@ -55,7 +55,10 @@ test_args=()  # `tests -k loss_kernel` selects tests; `all`'s extra arguments ar
 [ "$stage" = tests ] || [ "$stage" = reference-tests ] && test_args=("$@")
 # the files that hold cuda-marked tests (others may import CPU-only dev extras), and those of them that start
 # a trainer process: those read LMPIPE_FAST (tests/helpers.py lets it through)
-cuda_files=$(grep -rl "mark.cuda" tests --include='test_*.py' | sort)
+# the unit tier first, each test bounded where pytest-timeout is installed: a test that hangs fails alone
+# instead of silencing the whole stage (on 2026-11-28 the stage printed nothing in 540 s with the e2e tier first)
+cuda_files=$(grep -rl "mark.cuda" tests/unit --include='test_*.py' | sort; grep -rl "mark.cuda" tests/e2e --include='test_*.py' | sort)
+python3 -c "import pytest_timeout" 2>/dev/null && test_args=(--timeout 300 "${test_args[@]}")
 trainer_files=$(grep -l "procs.start\|run_lmpipe" $cuda_files)
 
 case $stage in
