@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -377,3 +378,37 @@ def run_stats(device, scaler=None):
 def batch_meta(real_tokens: int, n_targets: int) -> SimpleNamespace:
     """What RunStats.add_step reads of a batch's SlotMeta."""
     return SimpleNamespace(real_tokens=real_tokens, n_targets=n_targets, pad_tokens=0)
+
+
+# -- short documents ---------------------------------------------------------------------------------------
+
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "ran",
+    "sat",
+    "on",
+    "mat",
+    "big",
+    "small",
+    "red",
+    "blue",
+    "one",
+    "two",
+    ",",
+    ".",
+    ";",
+    "(",
+    ")",
+    "=",
+    "if",
+    "x",
+]
+
+
+def short_texts(n: int, seed: int = 0) -> list[str]:
+    """Documents of 1 to 6 words: many per packed row."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) for _ in range(n)]

@@ -38,40 +38,10 @@ from tests.helpers import (
     free_ports,
     lmpipe_env,
     read_doc_log,
+    short_texts,
     steps_logged,
     wait_until,
 )
-
-WORDS = [
-    "the",
-    "a",
-    "cat",
-    "dog",
-    "ran",
-    "sat",
-    "on",
-    "mat",
-    "big",
-    "small",
-    "red",
-    "blue",
-    "one",
-    "two",
-    ",",
-    ".",
-    ";",
-    "(",
-    ")",
-    "=",
-    "if",
-    "x",
-]
-
-
-def short_texts(n: int, seed: int = 0) -> list[str]:
-    """Documents of 1 to 6 words: many per packed row."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) for _ in range(n)]
 
 
 def text_lengths(tok, texts: list[str]) -> dict[int, int]:

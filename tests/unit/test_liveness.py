@@ -9,8 +9,6 @@ message decodes to a well-typed message or is rejected.
 
 from __future__ import annotations
 
-import random
-
 import msgpack
 import pytest
 from hypothesis import example, given, settings
@@ -25,37 +23,7 @@ from lmpipe.shared import messages
 from lmpipe.shared.config import PipelineConfig, mismatches
 from lmpipe.shared.metrics import TrainerMetrics
 from lmpipe.shared.wire import WireError
-
-WORDS = [
-    "the",
-    "a",
-    "cat",
-    "dog",
-    "ran",
-    "sat",
-    "on",
-    "mat",
-    "big",
-    "small",
-    "red",
-    "blue",
-    "one",
-    "two",
-    ",",
-    ".",
-    ";",
-    "(",
-    ")",
-    "=",
-    "if",
-    "x",
-]
-
-
-def short_texts(n: int, seed: int = 0) -> list[str]:
-    """Documents of 1 to 6 words: many per packed row."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) for _ in range(n)]
+from tests.helpers import short_texts
 
 
 def test_doc_split_line_makes_every_line_a_document_and_lone_shares_are_warned(tmp_path, tok, caplog):

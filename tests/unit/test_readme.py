@@ -7,42 +7,17 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
 from lmpipe.cli import build_parser
 from lmpipe.shared.settings import SettingsError, from_args
 from tests.helpers import REPO, WIKITEXT
+from tests.readme_blocks import bash_blocks, lmpipe_commands, section
 
 README = REPO / "README.md"
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 WT2 = WIKITEXT  # the README's WT2: where this project's machines hold WikiText-2 (valid and test)
-
-
-def bash_blocks(text: str) -> list[list[str]]:
-    """Every ```bash block: its commands, one a line, comments and continuation lines joined."""
-    blocks = []
-    for body in re.findall(r"```bash\n(.*?)```", text, re.S):
-        lines = body.replace("\\\n", " ").splitlines()
-        blocks.append([ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")])
-    return blocks
-
-
-def section(text: str, title: str) -> str:
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else len(text)]
-
-
-def lmpipe_commands(line: str) -> list[list[str]]:
-    """The lmpipe invocations of one shell line (`a && b`), as argv after the program name."""
-    out = []
-    for part in line.split("&&"):
-        words = shlex.split(part, comments=True)
-        if words and Path(words[0]).name == "lmpipe":
-            out.append(words[1:])
-    return out
 
 
 def parse(argv: list[str]) -> None:
