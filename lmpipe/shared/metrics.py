@@ -119,11 +119,10 @@ class _Bound:
 
 
 class ProducerMetrics:
-    """Every series carries `worker`: the worker id this producer held when it counted (`unassigned`
-    before the trainer gave it one, with --worker -1), so producer series join the trainer's `{worker}`
-    series. A producer moved to another id starts new series for it; the old id's counters stay as they
-    were (what it did as that worker) and its gauges are removed (they would describe a stream it no longer
-    serves). The `unassigned` series go once an id is assigned."""
+    """Every series carries `worker`: this producer's own number (`--worker`, or the one `lmpipe run` gave
+    it; `unassigned` with --worker -1), which names it in logs as `[producer N]`. It is not the trainer's
+    `worker` label, which is a shard id: a producer holds any number of shards. `bind` moves the series to
+    another number; the old number's counters stay and its gauges are removed."""
 
     def __init__(self, strategy: str = "pack", registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
