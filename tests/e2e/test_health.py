@@ -51,16 +51,16 @@ def _health(port: int) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    ("body", "expect"),
+    ("page", "expect"),
     [
-        (_page(), "healthy: trainer at step 12"),
-        (_page(timestamp=False), "without lmpipe_trainer_last_step_timestamp_seconds"),
-        (_page(step="NaN"), "reports step nan"),
+        ({}, "healthy: trainer at step 12"),
+        ({"timestamp": False}, "without lmpipe_trainer_last_step_timestamp_seconds"),
+        ({"step": "NaN"}, "reports step nan"),
     ],
     ids=["healthy", "no-timestamp", "nan-step"],
 )
-def test_health_says_one_line_on_every_page(body, expect):
-    server = _server(body)
+def test_health_says_one_line_on_every_page(page, expect):
+    server = _server(_page(**page))  # made now: its last step's time is the test's, not collection's
     try:
         out = _health(server.server_port)
     finally:
