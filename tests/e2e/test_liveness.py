@@ -30,6 +30,7 @@ from lmpipe.shared import messages
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.sockets import endpoints
 from lmpipe.shared.wire import STRATEGIES, WIRE_VERSION
+from tests.control_maps import control_maps
 from tests.helpers import (
     REPO,
     assert_exactly_once,
@@ -69,28 +70,6 @@ def start_python(procs, code: str, *args: str, name: str) -> subprocess.Popen:
     p.log_path = procs.tmp / f"{name}.log"  # type: ignore[attr-defined]
     procs.procs.append(p)
     return p
-
-
-scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=20),
-    st.binary(max_size=20),
-)  # fmt: skip
-values = st.recursive(
-    scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4),
-        st.dictionaries(st.one_of(st.text(max_size=8), st.binary(max_size=8)), inner, max_size=4),
-    ),
-    max_leaves=12,
-)
-HELLO_FIELDS = ["producer", "fingerprint", "pid", "host", "session", "rejoin", "holding", "wire"]
-control_maps = st.fixed_dictionaries(
-    {"type": st.sampled_from([*messages.TYPES, "bogus"])},
-    optional={
-        f: values
-        for f in [*HELLO_FIELDS, "cursor", "reason", "next_seq", "force", "shards", "total", "lease"]
-    },
-)
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ from __future__ import annotations
 import msgpack
 import pytest
 from hypothesis import example, given, settings
-from hypothesis import strategies as st
 
 from lmpipe.consumer.coordinator import Coordinator
 from lmpipe.consumer.ledger import Ledger
@@ -23,6 +22,7 @@ from lmpipe.shared import messages
 from lmpipe.shared.config import PipelineConfig, mismatches
 from lmpipe.shared.metrics import TrainerMetrics
 from lmpipe.shared.wire import WireError
+from tests.control_maps import control_maps
 from tests.helpers import short_texts
 
 
@@ -75,28 +75,6 @@ def test_a_receive_task_that_dies_ends_the_run_with_an_error(port, monkeypatch):
     r.join(timeout=10)
     assert not r.is_alive(), "the thread ends instead of running deaf"
     assert isinstance(r.error, PipelineError) and "control task died (RuntimeError: boom)" in str(r.error)
-
-
-scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=20),
-    st.binary(max_size=20),
-)  # fmt: skip
-values = st.recursive(
-    scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4),
-        st.dictionaries(st.one_of(st.text(max_size=8), st.binary(max_size=8)), inner, max_size=4),
-    ),
-    max_leaves=12,
-)
-HELLO_FIELDS = ["producer", "fingerprint", "pid", "host", "session", "rejoin", "holding", "wire"]
-control_maps = st.fixed_dictionaries(
-    {"type": st.sampled_from([*messages.TYPES, "bogus"])},
-    optional={
-        f: values
-        for f in [*HELLO_FIELDS, "cursor", "reason", "next_seq", "force", "shards", "total", "lease"]
-    },
-)
 
 
 @settings(max_examples=200, deadline=None)
