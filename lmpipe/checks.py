@@ -229,7 +229,8 @@ def _corpus_difference(had: list[str], now: list[str], few: int = 3) -> str:
         more = f" and {len(items) - few} more" if len(items) > few else ""
         return ", ".join(repr(i) for i in items[:few]) + more
 
-    gone, new = [f for f in had if f not in set(now)], [f for f in now if f not in set(had)]
+    had_set, now_set = set(had), set(now)  # once: a corpus may hold thousands of files
+    gone, new = [f for f in had if f not in now_set], [f for f in now if f not in had_set]
     out = [f"trained on, not in --data now: {named(gone)}"] if gone else []
     out += [f"in --data now, not trained on: {named(new)}"] if new else []
     return "; ".join(out) or "the same files in another order"
