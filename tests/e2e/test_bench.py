@@ -26,18 +26,25 @@ def digest() -> dict[str, str]:
     }
 
 
-@pytest.mark.slow
-def test_a_smoke_run_writes_to_a_temporary_folder_never_into_bench_results(tmp_path):
-    wikitext = tmp_path / "wt2"  # a small stand-in for WikiText-2: the smoke run checks the script only
+def stand_in_wikitext(tmp_path) -> str:
+    """A small stand-in for WikiText-2 (the smoke runs check the scripts, not the corpus): the GPU machine
+    has no copy of the team folder, and the tests pass no LMPIPE_WIKITEXT through."""
+    wikitext = tmp_path / "wt2"
     wikitext.mkdir()
     text = "".join(
         f" = Heading {i} = \n\n Sentence {i} of a document about item {i % 7} .\n\n" for i in range(300)
     )
     (wikitext / "valid.txt").write_text(text)
     (wikitext / "test.txt").write_text(text)
+    return str(wikitext)
+
+
+@pytest.mark.slow
+def test_a_smoke_run_writes_to_a_temporary_folder_never_into_bench_results(tmp_path):
+    wikitext = stand_in_wikitext(tmp_path)
     before = digest()
     out = bench("bench.precision", "--smoke", "--only", "bf16", "--work", str(tmp_path / "work"),
-                env={"TMPDIR": str(tmp_path), "LMPIPE_WIKITEXT": str(wikitext)})  # fmt: skip
+                env={"TMPDIR": str(tmp_path), "LMPIPE_WIKITEXT": wikitext})  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert digest() == before, "a smoke run changed bench/results"
     assert (tmp_path / "lmpipe-bench-smoke" / f"precision-{datetime.date.today()}.md").is_file()
@@ -56,7 +63,7 @@ def test_bench_host_times_each_part_of_a_step_and_writes_outside_bench_results(t
     smoke run leaves bench/results alone. Run through its command line: tests import nothing of bench/."""
     before = digest()
     out = bench("bench.host", "--smoke", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-                env={"TMPDIR": str(tmp_path)})  # fmt: skip
+                env={"TMPDIR": str(tmp_path), "LMPIPE_WIKITEXT": stand_in_wikitext(tmp_path)})  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     parts = out.stdout.split("Host ms a step by part", 1)
     assert len(parts) == 2, out.stdout[-3000:]
