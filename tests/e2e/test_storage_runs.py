@@ -90,8 +90,8 @@ def _rewrite(key: str) -> None:
 
 
 def test_a_refused_resume_names_the_rewritten_objects(procs, s3, tmp_path, port):
-    """The checkpoint keeps each object's version (header `data_objects`): after one object is rewritten
-    with the same size, `--resume` refuses in one line that names that object and no other; after five,
+    """The checkpoint keeps each object's version (header `data_objects`), and a resume on unchanged
+    objects keeps it on: after one object is rewritten with the same size, `--resume` refuses in one line that names that object and no other; after five,
     it names three and counts the rest. A checkpoint without the field (older lmpipe) keeps the refusal
     that names none."""
     s3_port, aws = s3
@@ -103,9 +103,15 @@ def test_a_refused_resume_names_the_rewritten_objects(procs, s3, tmp_path, port)
     assert procs.wait(r, timeout=180) == 0, procs.log(r)[-3000:]
     header = json.loads((CheckpointManager(ck).latest() / "header.json").read_text())
     assert header["data_objects"] == Corpus([url]).object_versions() and len(header["data_objects"]) == 1
+    r = procs.start(
+        "run", *flags, "--steps", "3", "--resume", "auto", env=env, name="same"
+    )  # nothing changed
+    assert procs.wait(r, timeout=180) == 0, procs.log(r)[-3000:]
+    header = json.loads((CheckpointManager(ck).latest() / "header.json").read_text())
+    assert header["step"] == 3 and header["data_objects"] == Corpus([url]).object_versions(), "kept on"
 
     _rewrite("named/parts/p3.txt")
-    p = procs.start("run", *flags, "--steps", "4", "--resume", "auto", env=env, name="changed")
+    p = procs.start("run", *flags, "--steps", "5", "--resume", "auto", env=env, name="changed")
     assert procs.wait(p, timeout=120) == 2, procs.log(p)[-3000:]
     last = [line for line in procs.log(p).splitlines() if line.strip()][-1]
     assert "their versions in the store changed since it was written (rewritten: 's3://named/parts/p3.txt'): " \
