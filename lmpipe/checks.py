@@ -195,10 +195,15 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
         other_versions = bool(versions) and pinned.get(version_location(versions), versions) != versions
         if had and (other_content or other_versions):
             what = "their contents" if other_content else "their versions in the store"
+            # which objects, where the checkpoint kept each one's version (Corpus.object_versions)
+            kept = header.get("data_objects")
+            objs = kept.get(version_location(versions)) if isinstance(kept, dict) else None
+            changed = corpus.rewritten(objs) if not other_content else []
+            named = f" (rewritten: {_named(changed)})" if changed else ""
             raise SettingsError(
                 f"{path} was trained on --data files of the same names and sizes, but {what} changed "
-                "since it was written: its cursors would not follow; resume with the files it was trained "
-                "on, or start a new run"
+                f"since it was written{named}: its cursors would not follow; resume with the files it was "
+                "trained on, or start a new run"
             )
         return
     # a file corpus's fingerprint is "<doc split>|<files>" (Corpus.fingerprint)
@@ -221,18 +226,19 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
     )
 
 
-def _corpus_difference(had: list[str], now: list[str], few: int = 3) -> str:
+def _named(items: list[str], few: int = 3) -> str:
+    """A few items named, the rest counted: a change in a corpus of thousands of files reads as one line."""
+    more = f" and {len(items) - few} more" if len(items) > few else ""
+    return ", ".join(repr(i) for i in items[:few]) + more
+
+
+def _corpus_difference(had: list[str], now: list[str]) -> str:
     """The files ("name:size") in one corpus and not the other, a few of each named: a changed object in a
     corpus of thousands reads as one line, not the two lists."""
-
-    def named(items: list[str]) -> str:
-        more = f" and {len(items) - few} more" if len(items) > few else ""
-        return ", ".join(repr(i) for i in items[:few]) + more
-
     had_set, now_set = set(had), set(now)  # once: a corpus may hold thousands of files
     gone, new = [f for f in had if f not in now_set], [f for f in now if f not in had_set]
-    out = [f"trained on, not in --data now: {named(gone)}"] if gone else []
-    out += [f"in --data now, not trained on: {named(new)}"] if new else []
+    out = [f"trained on, not in --data now: {_named(gone)}"] if gone else []
+    out += [f"in --data now, not trained on: {_named(new)}"] if new else []
     return "; ".join(out) or "the same files in another order"
 
 

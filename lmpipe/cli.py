@@ -24,8 +24,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lmpipe import __version__
 from lmpipe.consumer.config import TRAINING, TrainConfig
@@ -42,6 +44,9 @@ from lmpipe.options import (
 )
 from lmpipe.shared.config import BATCHING, PipelineConfig
 from lmpipe.shared.settings import Parser, SettingsError, add_settings, from_args, name_sources
+
+if TYPE_CHECKING:
+    from lmpipe.producer.records import Record
 
 log = logging.getLogger("lmpipe")
 
@@ -194,6 +199,7 @@ def cmd_produce(ns, g: GlobalOptions, cfg: PipelineConfig, opts: ProduceOptions)
 
 def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOptions) -> int:
     from lmpipe.checks import check_tokenizer, first_document, open_corpus
+    from lmpipe.producer.records import BadRecords
     from lmpipe.progress import Progress, duration, text_bytes
     from lmpipe.shared.tokenizer import BUILTIN_PATH, load_tokenizer, train_tokenizer
 
@@ -211,7 +217,8 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
         raise SettingsError(NOT_SHARDS)
     check_tokenizer_out(str(out), corpus)  # every mistake before the training, not at its end
     first_document(corpus, text=True)
-    texts = ((r.prompt or "") + r.text for r in corpus.records() if r.text and r.bad is None)  # prompts too
+    bad = BadRecords(log)  # each bad record said (the first few) and counted, as `prepare` does
+    texts = _texts(corpus.records(), bad)
     print(f"training a {opts.vocab_size}-token byte-level BPE on {corpus.describe()}", file=sys.stderr)
     progress = Progress("reading", text_bytes(corpus))  # a percentage and ETA where the size is known
     tok = train_tokenizer(
@@ -223,7 +230,8 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
         raise SettingsError(f"--out {out}: cannot write it ({exc})") from None
     info = load_tokenizer(out)
     took = duration(time.monotonic() - progress.start)
-    print(f"wrote {out}: vocab size {info.vocab_size}, hash {info.hash} (in {took})")
+    skipped = f"; {bad.summary()}" if bad.total else ""
+    print(f"wrote {out}: vocab size {info.vocab_size}, hash {info.hash} (in {took}){skipped}")
     if info.vocab_size < opts.vocab_size:  # BPE stops when no pair is left to merge
         print(
             f"note: {info.vocab_size:,} tokens, not the {opts.vocab_size:,} asked for: the corpus has too little "
@@ -231,6 +239,15 @@ def cmd_tokenizer(ns, g: GlobalOptions, cfg: PipelineConfig, opts: TokenizerOpti
             file=sys.stderr,
         )
     return 0
+
+
+def _texts(records: Iterable[Record], bad: Callable[[str, str, str], None]) -> Iterator[str]:
+    """The text of each good record (its prompt too); each bad one goes to `bad` (reason, where, why)."""
+    for r in records:
+        if r.bad is not None:
+            bad(r.bad[0], r.where, r.bad[1])
+        elif r.text:
+            yield (r.prompt or "") + r.text
 
 
 def check_tokenizer_out(out: str, corpus) -> None:

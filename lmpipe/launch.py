@@ -80,6 +80,7 @@ class CorpusFacts:
     data: str = ""
     content: str = ""
     versions: str = ""
+    objects: dict[str, str] = field(default_factory=dict)  # per remote object (Corpus.object_versions)
     inputs: list[tuple[str, str]] = field(default_factory=list)  # files the run reads: never written over
 
 
@@ -165,7 +166,7 @@ def check_inputs(cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) 
     if tcfg.resume:
         check_resume_corpus(corpus, tcfg)
     facts.data, facts.content = corpus.fingerprint(), corpus.content_digest()
-    facts.versions = corpus.version_digest()
+    facts.versions, facts.objects = corpus.version_digest(), corpus.object_versions()
     facts.inputs += [("the --data file", f.path) for f in corpus.paths if f.remote is None]
     return facts
 
@@ -206,8 +207,9 @@ def run_trainer(
         from lmpipe.consumer.trainer import Trainer
 
         trainer = Trainer(
-            cfg, tcfg, data=facts.data, data_content=facts.content, data_versions=facts.versions
-        )
+            cfg, tcfg, data=facts.data, data_content=facts.content, data_versions=facts.versions,
+            data_objects=facts.objects,
+        )  # fmt: skip
     except BaseException:
         for p in procs:
             p.kill()

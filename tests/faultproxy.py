@@ -2,8 +2,10 @@
 
 Each request is forwarded whole to the upstream, unless a fault applies: `delay` seconds before each
 forward, every `fail_every`-th request answered with `fail_status` (503 SlowDown or 429) in S3's error
-XML, or, while `down`, the connection closed with no answer (a stopped server). `requests` and `failed`
-count what it saw.
+XML, or, while `down`, the connection closed with no answer (a stopped server). While `reads_down` names
+a path (/bucket/key), only reads of that object's bytes (GETs with a Range header) are closed so: an
+outage that a producer meets where its reading reaches that object, after its start-up checks (which read
+the first object only), its listings and HEADs. `requests` and `failed` count what it saw.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class FaultProxy:
         self.fail_every = 0
         self.fail_status = 503
         self.down = False
+        self.reads_down = ""
         self.requests = 0
         self.failed = 0
         self._lock = threading.Lock()
@@ -40,7 +43,8 @@ class FaultProxy:
                     proxy.requests += 1
                     fail = proxy.fail_every and proxy.requests % proxy.fail_every == 0
                     proxy.failed += bool(fail)
-                if proxy.down:
+                read = self.command == "GET" and "Range" in self.headers
+                if proxy.down or (read and proxy.reads_down and self.path.split("?")[0] == proxy.reads_down):
                     self.close_connection = True
                     self.connection.close()
                     return

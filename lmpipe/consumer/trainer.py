@@ -62,12 +62,13 @@ log = logging.getLogger("lmpipe.trainer")
 class Trainer:
     def __init__(
         self, pcfg: PipelineConfig, tcfg: TrainConfig, *, data: str = "", data_content: str = "",
-        data_versions: str = "",
+        data_versions: str = "", data_objects: dict[str, str] | None = None,
     ):  # fmt: skip
         """`data`, `data_content` and `data_versions`: the corpus the producers must serve (Corpus.fingerprint,
         content_digest and version_digest), where the user named it (lmpipe/launch.py); "": the first producer
         pins it. A resumed checkpoint's own "data" and "data_content" override them; its "data_versions" join
-        them."""
+        them. `data_objects`: each remote object's version (Corpus.object_versions), kept in checkpoints so that
+        a refused resume names a rewritten object (lmpipe/checks.py)."""
         check_bind(pcfg.host, pcfg.trusted_network, pcfg.curve_dir)
         self.dist = from_env(tcfg.device)
         if self.dist.enabled:
@@ -115,6 +116,7 @@ class Trainer:
         self.fingerprint = fingerprint(pcfg, self.tok.hash, self.tok.vocab_size, data)
         self.data_content = data_content if data else ""  # the files' contents producers must serve; "": any
         self.data_versions = [data_versions] if (data and data_versions) else []  # remote objects' versions
+        self.data_objects = dict(data_objects or {}) if data else {}  # per object (header "data_objects")
         self.checkpoints = (
             CheckpointManager(tcfg.checkpoint_dir, tcfg.keep_checkpoints) if tcfg.checkpoint_dir else None
         )
@@ -187,6 +189,8 @@ class Trainer:
             **({"data_content": content} if (content := self._data_content()) else {}),
             # remote objects' versions as pinned, one per location; left out where none (older checkpoints)
             **({"data_versions": versions} if (versions := self._data_versions()) else {}),
+            # each object's version, per location, to name a rewritten one (lmpipe/checks.py); left out where none
+            **({"data_objects": self.data_objects} if self.data_objects else {}),
         }
         try:
             path = self.checkpoints.save(self.step, header, state)
@@ -255,6 +259,7 @@ class Trainer:
             if ck.header["data"] != self.fingerprint.get("data"):
                 self.data_content = ""  # the given corpus's contents are not the checkpoint's corpus's
                 self.data_versions = []
+                self.data_objects = {}
             self.fingerprint["data"] = ck.header["data"]  # producers must serve the same corpus
             if ck.header.get("data_content"):  # and the same contents (older checkpoints lack it)
                 self.data_content = str(ck.header["data_content"])
@@ -263,6 +268,8 @@ class Trainer:
                 self.data_versions = list(
                     dict.fromkeys(self.data_versions + [str(v) for v in ck.header["data_versions"]])
                 )
+            if isinstance(objs := ck.header.get("data_objects"), dict):  # and each object's (kept on)
+                self.data_objects = {**{str(k): str(v) for k, v in objs.items()}, **self.data_objects}
         cursors = ", ".join(f"s{w.shard}@seq{w.last_seq}" for w in self.table.shards)
         log.info("resumed from %s: step %d, shard cursors %s", ck.path, self.step, cursors)
         self.metrics.global_step.set(self.step)

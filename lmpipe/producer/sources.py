@@ -25,6 +25,7 @@ from lmpipe.producer.records import BadRecords, Record
 from lmpipe.producer.shards import ShardSet, is_shard_dir
 from lmpipe.shared.config import MAX_LINE_BYTES, PipelineConfig
 from lmpipe.shared.files import local_path
+from lmpipe.shared.messages import version_location
 
 __all__ = ["CR_HINT", "BadRecords", "Corpus", "Record", "expand_paths"]  # what the others import from here
 
@@ -33,6 +34,12 @@ log = logging.getLogger("lmpipe.producer")
 # the skipped counts): beyond it, their digest. 1,024 files named like C4's took 36 KB and were refused.
 MAX_FINGERPRINT = 8192
 _said_cr: set[str] = set()  # files with CR line endings, said once
+# A checkpoint's per-object versions (its `data_objects`: Corpus.object_versions), so that a resume refused
+# after an object was rewritten names it: OBJECT_DIGEST hex digits of each object's URL, size and version,
+# for corpora of at most MAX_NAMED_OBJECTS objects (32 KiB of header). A larger corpus keeps only its
+# location's digest (`data_versions`), and its refusal names no object, as before.
+OBJECT_DIGEST = 8
+MAX_NAMED_OBJECTS = 4096
 
 
 def _printable_name(name: str) -> str:
@@ -180,17 +187,48 @@ class Corpus:
         without reading them. Only the same objects are compared: a copy in another bucket may carry other
         ETags for the same bytes (a multipart upload), and a local file's content digest is no version.
         "": local files, local and remote mixed, shards, or a store that reports no version."""
-        if self.shards is not None or self.builtin or not self.paths:
+        urls = self._object_urls()
+        if not urls:
             return ""
-        if not all(p.remote is not None and p.version for p in self.paths):
-            return ""
-        # each URL as its filesystem spells it (s3a://b/k and a folder's s3://b/k are one object)
-        urls = [p.remote.url(p.remote.key(p.path)) for p in self.paths if p.remote is not None]
         where = hashlib.sha256("\n".join(urls).encode()).hexdigest()[:16]
         h = hashlib.sha256()
-        for url, p in zip(urls, self.paths):
+        for url, p in zip(urls, self.paths, strict=True):
             h.update(f"{url}\n{p.size}\n{p.version}\n".encode())
         return f"{where}:{h.hexdigest()[:32]}"
+
+    def _object_urls(self) -> list[str]:
+        """Each file's URL as its filesystem spells it (s3a://b/k and a folder's s3://b/k are one object),
+        where every file is a remote object whose store reports a version; [] otherwise."""
+        if self.shards is not None or self.builtin or not self.paths:
+            return []
+        if not all(p.remote is not None and p.version for p in self.paths):
+            return []
+        return [p.remote.url(p.remote.key(p.path)) for p in self.paths if p.remote is not None]
+
+    def _object_digests(self, urls: list[str]) -> list[str]:
+        return [
+            hashlib.sha256(f"{url}\n{p.size}\n{p.version}".encode()).hexdigest()[:OBJECT_DIGEST]
+            for url, p in zip(urls, self.paths, strict=True)
+        ]
+
+    def object_versions(self) -> dict[str, str]:
+        """{location: each object's short digest (of its URL, size and version), in corpus order, as one
+        string}: what a checkpoint keeps beside `data_versions` (the location's one digest), so that a resume
+        refused after an object was rewritten can name it (rewritten()). {} where version_digest is "", or
+        for more than MAX_NAMED_OBJECTS objects."""
+        urls = self._object_urls()
+        if not urls or len(urls) > MAX_NAMED_OBJECTS:
+            return {}
+        return {version_location(self.version_digest()): "".join(self._object_digests(urls))}
+
+    def rewritten(self, had: object) -> list[str]:
+        """The URLs of the objects whose version differs from `had` (object_versions' string for these
+        objects' location, as a checkpoint kept it), in corpus order; [] where `had` is no such string."""
+        urls = self._object_urls()
+        if not isinstance(had, str) or len(had) != OBJECT_DIGEST * len(urls) or not urls:
+            return []
+        old = [had[i : i + OBJECT_DIGEST] for i in range(0, len(had), OBJECT_DIGEST)]
+        return [u for u, a, b in zip(urls, old, self._object_digests(urls), strict=True) if a != b]
 
     # -- random access (built-in corpus, shards) -----------------------------------------------------
 

@@ -69,6 +69,7 @@ def endpoint(monkeypatch):
         fsspec.filesystem("s3").clear_instance_cache()
 
     yield point
+    point("")  # no filesystem cached for this test's endpoint: a later test's would reach it
     remote.filesystem.cache_clear()
 
 
