@@ -187,7 +187,11 @@ def load(folder: str, attention: str, grad_checkpointing: bool) -> HFCausalLM:
     if grad_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ValueError(f"--grad-checkpointing: {type(model).__name__} does not support it")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # activation_checkpointing_enable: transformers' newer name (the old one warns it goes in v6)
+        enable = (
+            getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        )
+        enable({"use_reentrant": False})  # its first parameter under either name
     arch = type(model).__name__.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
     adapter = HFCausalLM(model, identity(raw), f"{arch} ({attention})")
     if has_weights:

@@ -160,3 +160,29 @@ def test_compiled_adapter_gives_the_eager_loss(tmp_path):
         inp.idx, inp.pos, inp.attn, inp.targets
     )
     assert torch.allclose(eager, compiled, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_compiled_bf16_step_keeps_packed_documents_apart(tmp_path):
+    """The installed transformers on CUDA, in bf16 and compiled: the probe's choice, the leak check, a step."""
+    cuda = torch.device("cuda")
+    folder = llama_dir(tmp_path)
+    pcfg = PipelineConfig(seq_len=16, batch_size=1)
+    tcfg = TrainConfig(model=folder, device="cuda", compile=True)
+    built = build(pcfg, tcfg, VOCAB, cuda, "bf16", torch.bfloat16, Dist())
+    m = built.model
+    assert isinstance(m, hf.HFCausalLM) and m.packing in (hf.POSITION_IDS, hf.MASK)
+    seg = torch.tensor([[0] * 8 + [1] * 8], dtype=torch.int32, device=cuda)
+
+    def second(first: list[int]) -> torch.Tensor:
+        tokens = torch.tensor([first + list(range(30, 38))], device=cuda)
+        inp = build_inputs(tokens, torch.tensor([16], device=cuda), seg)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            logits, _ = built.step_model.eval()(inp.idx, inp.pos, inp.attn)
+        return logits[0, 8:].float()
+
+    assert torch.allclose(second(list(range(3, 11))), second(list(range(60, 68))), atol=1e-3)
+    tokens = torch.randint(0, VOCAB, (1, 16), device=cuda)
+    inp = build_inputs(tokens, torch.tensor([16], device=cuda), seg)
+    loss, _ = built.runner.step([inp], 14.0, 1e-3)
+    assert torch.isfinite(loss)
