@@ -126,9 +126,10 @@ def build(
     autocast_dtype,
     dist: Dist,
 ) -> Built:
-    """The reference GPT, its optimizer and loss scaler, DDP and compile wrappers and the step runner; then
-    --attention flash, --fused-ce and the fast paths that --fast picks, swapped into them (consumer/fast/).
-    torch.compile traces at the first step, so what the paths swap in is what it compiles."""
+    """The reference GPT (or --model DIR's Hugging Face model), its optimizer and loss scaler, DDP and compile
+    wrappers and the step runner; then --attention flash, --fused-ce and the fast paths that --fast picks,
+    swapped into them (consumer/fast/). torch.compile traces at the first step, so what the paths swap in is
+    what it compiles."""
     hf_dir = is_folder(tcfg.model, list(PRESETS))
     hf_vocab = read_config(tcfg.model).get("vocab_size") if hf_dir else None
     # before anything is allocated
