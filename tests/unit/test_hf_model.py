@@ -35,6 +35,13 @@ def llama_dir(tmp: Path, **over) -> str:
     return str(tmp / "llama")
 
 
+def qwen2_dir(tmp: Path) -> str:
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    cfg.save_pretrained(tmp / "qwen2")
+    return str(tmp / "qwen2")
+
+
 def gpt2_dir(tmp: Path) -> str:
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                   bos_token_id=1, eos_token_id=2)  # fmt: skip
@@ -75,9 +82,9 @@ def second_document_logits(m: hf.HFCausalLM, first: list[int]) -> torch.Tensor:
     return logits[0, len(first) :]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2-mask"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2-mask"])
 def test_a_document_does_not_see_the_one_before_it_in_the_row(tmp_path, arch):
-    m = model(llama_dir(tmp_path) if arch == "llama" else gpt2_dir(tmp_path))
+    m = model({"llama": llama_dir, "qwen2": qwen2_dir, "gpt2-mask": gpt2_dir}[arch](tmp_path))
     if arch == "gpt2-mask":
         m.packing = hf.MASK  # GPT-2 through the 4D document mask, whatever the probe chose
     same = second_document_logits(m, [3, 4, 5, 6, 7])
