@@ -348,3 +348,16 @@ def check_device(name: str) -> None:
         raise SettingsError(f"--device {name}: torch sees no {kind} device here; use --device cpu or auto")
     if index and int(index) >= count:
         raise SettingsError(f"--device {name}: there are {count} {kind} device(s), numbered from 0")
+
+
+def check_model_folder(cfg: PipelineConfig, tcfg: TrainConfig, tokenizer_vocab: int) -> None:
+    """--model DIR (a Hugging Face model folder): transformers installed, a config.json lmpipe can build
+    without the folder's own code, a vocabulary that holds the tokenizer's ids and positions for --seq-len;
+    read without torch or transformers (the trainer checks again with them)."""
+    from lmpipe.consumer.config import MODELS
+    from lmpipe.consumer.hf_folder import folder_problem, is_folder
+
+    if tcfg.consume_only or not is_folder(tcfg.model, MODELS):
+        return
+    if why := folder_problem(tcfg.model, max(tcfg.vocab_size, tokenizer_vocab), cfg.seq_len):
+        raise SettingsError(why)

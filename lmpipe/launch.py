@@ -25,6 +25,7 @@ from lmpipe.checks import (
     check_corpus,
     check_device,
     check_keys,
+    check_model_folder,
     check_not_an_input,
     check_not_overwritten,
     check_not_read_back,
@@ -147,6 +148,7 @@ def check_inputs(cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) 
         raise SettingsError(
             f"--vocab-size {tcfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size}"
         )
+    check_model_folder(cfg, tcfg, tok.vocab_size)
     facts = CorpusFacts()
     if cfg.tokenizer and os.path.isfile(cfg.tokenizer):
         facts.inputs.append(("the --tokenizer", cfg.tokenizer))

@@ -1,6 +1,6 @@
-"""What the trainer trains with: the GPT, its optimizer and loss scaler, the DDP and compile wrappers around
-it, and the step runner over them (consumer/step.py): the reference path, then the fast paths that --fast
-picks (consumer/fast/)."""
+"""What the trainer trains with: the GPT (or a Hugging Face model, --model DIR: consumer/hf.py), its optimizer
+and loss scaler, the DDP and compile wrappers around it, and the step runner over them (consumer/step.py): the
+reference path, then the fast paths that --fast picks (consumer/fast/)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from lmpipe.consumer.built import Built
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.distributed import Dist
 from lmpipe.consumer.fast import flash, liger
-from lmpipe.consumer.model import GPT, preset
+from lmpipe.consumer.hf_folder import is_folder, read_config
+from lmpipe.consumer.model import GPT, PRESETS, preset
 from lmpipe.consumer.scaler import make_scaler
 from lmpipe.consumer.step import StepRunner, make_optimizer, to_float8
 from lmpipe.shared.config import PipelineConfig
@@ -82,7 +83,7 @@ def residual_dtype(
     return None
 
 
-def wrap(model: GPT, pcfg: PipelineConfig, tcfg: TrainConfig, device: torch.device, dist: Dist):
+def wrap(model: torch.nn.Module, pcfg: PipelineConfig, tcfg: TrainConfig, device: torch.device, dist: Dist):
     """(what the step calls, DDP's no_sync or None): the model under DDP (torchrun) and/or torch.compile."""
     step_model: torch.nn.Module = model
     no_sync = None
@@ -125,15 +126,26 @@ def build(
     autocast_dtype,
     dist: Dist,
 ) -> Built:
-    """The reference GPT, its optimizer and loss scaler, DDP and compile wrappers and the step runner; then
-    --attention flash, --fused-ce and the fast paths that --fast picks, swapped into them (consumer/fast/).
-    torch.compile traces at the first step, so what the paths swap in is what it compiles."""
-    check_step_memory(pcfg, tcfg, vocab_size, device, autocast_dtype)  # before anything is allocated
-    if tcfg.attention == "flash" and (why := flash.problem(device)):
+    """The reference GPT (or --model DIR's Hugging Face model), its optimizer and loss scaler, DDP and compile
+    wrappers and the step runner; then --attention flash, --fused-ce and the fast paths that --fast picks,
+    swapped into them (consumer/fast/). torch.compile traces at the first step, so what the paths swap in is
+    what it compiles."""
+    hf_dir = is_folder(tcfg.model, list(PRESETS))
+    hf_vocab = read_config(tcfg.model).get("vocab_size") if hf_dir else None
+    # before anything is allocated
+    check_step_memory(
+        pcfg, tcfg, hf_vocab if isinstance(hf_vocab, int) else vocab_size, device, autocast_dtype
+    )
+    if tcfg.attention == "flash" and not hf_dir and (why := flash.problem(device)):
         raise ValueError(why)
-    mcfg = preset(tcfg.model, vocab_size=max(tcfg.vocab_size, vocab_size), block_size=pcfg.seq_len)
-    residual = residual_dtype(tcfg, device, precision, autocast_dtype)
-    model = GPT(mcfg, grad_checkpointing=tcfg.grad_checkpointing, residual_dtype=residual).to(device)
+    if not hf_dir and tcfg.hf_attention != "sdpa":
+        log.warning("--hf-attention %s has no effect on lmpipe's GPT (--model %s): it is for --model DIR",
+                    tcfg.hf_attention, tcfg.model)  # fmt: skip
+    model: torch.nn.Module = (
+        hf_model(pcfg, tcfg, vocab_size, device, autocast_dtype)
+        if hf_dir
+        else gpt_model(pcfg, tcfg, vocab_size, device, precision, autocast_dtype)
+    )
     if precision == "fp8":
         if n_fp8 := to_float8(model):
             log.info("fp8: %d linear layers use torchao float8 matmuls", n_fp8)
@@ -148,10 +160,50 @@ def build(
     runner = StepRunner(
         step_model, optimizer, tcfg, autocast_dtype, scaler, no_sync=no_sync, strategy=pcfg.strategy
     )
-    built = Built(model, optimizer, scaler, step_model, runner, tcfg, device, precision, autocast_dtype)
-    if tcfg.attention == "flash":
+    # a Hugging Face model is no GPT, but the trainer reads only what both have (parameters, state dict,
+    # config, num_params, flops_per_token), and the paths that read GPT's modules refuse it (fast.unavailable)
+    built = Built(
+        cast(GPT, model), optimizer, scaler, step_model, runner, tcfg, device, precision, autocast_dtype
+    )
+    if tcfg.attention == "flash" and not hf_dir:
         flash.apply(built)
-    if tcfg.fused_ce:
+    if tcfg.fused_ce and not hf_dir:
         liger.apply_setting(built)
     fast.apply_all(tcfg.fast, built)
     return built
+
+
+def gpt_model(pcfg: PipelineConfig, tcfg: TrainConfig, vocab_size: int, device: torch.device, precision: str,
+              autocast_dtype) -> GPT:  # fmt: skip
+    """lmpipe's GPT of --model's preset."""
+    mcfg = preset(tcfg.model, vocab_size=max(tcfg.vocab_size, vocab_size), block_size=pcfg.seq_len)
+    residual = residual_dtype(tcfg, device, precision, autocast_dtype)
+    return GPT(mcfg, grad_checkpointing=tcfg.grad_checkpointing, residual_dtype=residual).to(device)
+
+
+def hf_model(pcfg: PipelineConfig, tcfg: TrainConfig, vocab_size: int, device: torch.device,
+             autocast_dtype) -> torch.nn.Module:  # fmt: skip
+    """--model DIR's Hugging Face model (consumer/hf.py); lmpipe's GPT-only settings are refused or said to
+    do nothing, each in one line."""
+    from lmpipe.consumer import hf
+
+    if tcfg.attention == "flash":
+        raise ValueError("--attention flash is lmpipe's GPT's; a Hugging Face model attends with its own "
+                         "implementation (--hf-attention)")  # fmt: skip
+    if tcfg.attention != "auto":
+        log.warning("--attention %s has no effect on a Hugging Face model: it attends with --hf-attention %s",
+                    tcfg.attention, tcfg.hf_attention)  # fmt: skip
+    if tcfg.fused_ce:
+        log.warning("--fused-ce has no effect on a Hugging Face model: its loss is torch's cross-entropy")
+    if tcfg.residual_dtype == "bf16":
+        log.warning(
+            "--residual-dtype bf16 has no effect on a Hugging Face model: autocast decides its dtypes"
+        )
+    if tcfg.vocab_size:
+        log.warning("--vocab-size %d has no effect on a Hugging Face model: its config.json's vocab_size holds",
+                    tcfg.vocab_size)  # fmt: skip
+    return hf.build_model(
+        tcfg.model, attention=tcfg.hf_attention, grad_checkpointing=tcfg.grad_checkpointing,
+        tokenizer_vocab=max(tcfg.vocab_size, vocab_size), seq_len=pcfg.seq_len, strategy=pcfg.strategy,
+        device=device, autocast_dtype=autocast_dtype,
+    )  # fmt: skip

@@ -240,7 +240,14 @@ def compare(header: dict[str, Any], expected: dict[str, Any], where: Path) -> No
         have = header.get(key)
         if key == "stream":  # the checkpoint's corpus is this run's (the producers check it)
             have, want = (order_fields(s, str(header.get("data") or "")) for s in (have, want))
-        if isinstance(want, dict) and isinstance(have, dict):
+        if (
+            key == "model"
+            and isinstance(want, dict)
+            and isinstance(have, dict)
+            and ((kind := _architecture(have)) != (here := _architecture(want)))
+        ):  # another architecture: its name, not every field of two configs
+            problems.append(f"model: checkpoint has {kind}, this run has {here}")
+        elif isinstance(want, dict) and isinstance(have, dict):
             for sub in sorted(set(want) | set(have)):
                 if key == "stream" and sub == "epochs" and more_epochs(have.get(sub), want.get(sub)):
                     continue  # the shards go on into the next epoch: their cursors stay valid
@@ -254,6 +261,11 @@ def compare(header: dict[str, Any], expected: dict[str, Any], where: Path) -> No
         raise CheckpointError(
             f"{where} does not match this run: " + "; ".join(problems) + _remedy(header, problems)
         )
+
+
+def _architecture(model: dict[str, Any]) -> str:
+    """A checkpoint's model, by kind: a Hugging Face config's model_type (--model DIR), or lmpipe's GPT."""
+    return f"a Hugging Face {model['model_type']!r} model" if "model_type" in model else "lmpipe's GPT"
 
 
 def more_epochs(old: Any, new: Any) -> bool:
@@ -342,14 +354,26 @@ def export_safetensors(path: Path, out: Path) -> dict[str, Any]:
             f"{path}: a --consume-only checkpoint: no model to export (producer cursors only)"
         )
     state = _read_state(path, header)
-    weights = {k: v.contiguous() for k, v in state["model"].items()}
-    # lm_head and wte share storage; safetensors refuses aliases, and loaders re-tie them
-    weights.pop("transformer.wte.weight", None)
+    model = header.get("model", {})
     meta = {
-        "model": json.dumps(header.get("model", {})),
+        "model": json.dumps(model),
         "tokenizer": str(header.get("tokenizer", "")),
         "step": str(header.get("step", state["step"])),
     }
+    if isinstance(model, dict) and "model_type" in model:
+        # a Hugging Face model (--model DIR): under its own names, each tied weight once, as save_pretrained
+        # writes them: beside the run's config.json as model.safetensors, from_pretrained loads it
+        weights: dict[str, Any] = {}
+        seen: set[int] = set()
+        for k, v in state["model"].items():
+            if v.untyped_storage().data_ptr() not in seen:
+                seen.add(v.untyped_storage().data_ptr())
+                weights[k.removeprefix("model.")] = v.contiguous()
+        meta["format"] = "pt"  # transformers' loader asks for it
+    else:
+        weights = {k: v.contiguous() for k, v in state["model"].items()}
+        # lm_head and wte share storage; safetensors refuses aliases, and loaders re-tie them
+        weights.pop("transformer.wte.weight", None)
     # written beside `out`, then renamed over it: a failed export (a full disk) leaves the file that was there
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lmpipe.consumer.fast import names as fast_paths
+from lmpipe.consumer.hf_folder import model_problem
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import at_least, between, positive, setting, validate
 
@@ -35,6 +36,8 @@ COMPILE_MODES = (
     "autotune-attention",
 )
 ATTENTIONS = ("auto", "flex", "dense", "flash")
+# transformers' attn_implementation for --model DIR (flash_attention_2 needs the flash-attn package)
+HF_ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2")
 TRAINING, CHECKPOINTS = "training", "checkpoints"
 
 
@@ -62,7 +65,13 @@ def unit_interval(v: float) -> str | None:
 
 @dataclass
 class TrainConfig:
-    model: str = setting("tiny", choices=MODELS, help="model preset")
+    model: str = setting(
+        "tiny",
+        check=lambda v: model_problem(v, MODELS),
+        metavar="PRESET|DIR",
+        help=f"model preset ({', '.join(MODELS)}), or a folder with a Hugging Face config.json (and optional "
+        "weights: fine-tuning) of a causal LM: Llama, Qwen2, GPT-2, ... (pip install 'lmpipe[hf]')",
+    )
     # "How fast can my pipeline go?": everything up to the model's first layer, then nothing. Checkpoints
     # and --doc-log still work (cursors only), so exactly-once can be checked without a GPU's worth of model.
     consume_only: bool = setting(
@@ -123,6 +132,12 @@ class TrainConfig:
         choices=ATTENTIONS,
         help="packed rows: FlexAttention (CUDA default), an exact dense mask, or FlashAttention-4's varlen "
         "kernels (flash: Hopper+, pip install 'lmpipe[flash]')",
+    )
+    hf_attention: str = setting(
+        "sdpa",
+        choices=HF_ATTENTIONS,
+        help="a Hugging Face model's (--model DIR) attention implementation; packed rows are probed at the "
+        "start for one that keeps documents apart",
     )
     fused_adamw: bool = setting(True, help="fused AdamW (--no-fused-adamw: the foreach implementation)")
     grad_checkpointing: bool = setting(False, help="recompute activations in backward")

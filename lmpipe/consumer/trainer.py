@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import nullcontext, suppress
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from lmpipe.consumer.checkpoint import (
 from lmpipe.consumer.config import TrainConfig, per_rank
 from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
+from lmpipe.consumer.hf import model_identity
 from lmpipe.consumer.inputs import MaskCache, empty_inputs
 from lmpipe.consumer.ledger import Ledger
 from lmpipe.consumer.model import GPT
@@ -148,7 +149,7 @@ class Trainer:
         """What a checkpoint must match to be resumed by this run."""
         return {
             # a --consume-only checkpoint holds cursors only: a model run must not resume from it, nor it from one
-            "model": asdict(self.model.config) if self.model is not None else NO_MODEL,
+            "model": model_identity(self.model) if self.model is not None else NO_MODEL,
             "tokenizer": self.tok.hash,
             "vocab_size": self.tok.vocab_size,
             # every rank's cursors are in the checkpoint: it must match the world size, not the rank

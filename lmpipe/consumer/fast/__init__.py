@@ -10,6 +10,9 @@ the rest did not. `--fast` (consumer/config.py) picks them: auto (every path on 
 here), none, or a comma list of names (exactly those; `auto,NAME` adds an opt-in path, `auto,-NAME` leaves
 one out); a named path that cannot run here is refused in one line.
 
+A Hugging Face model (--model DIR, consumer/hf.py) has none of the modules the paths replace: each says
+"not for a Hugging Face model" and none applies.
+
 Nothing here imports torch: the settings' parser reads the names (consumer/fast/names.py).
 """
 
@@ -24,9 +27,13 @@ from lmpipe.consumer.fast.names import NAMES, PATHS, Choice, Path, parse, proble
 if TYPE_CHECKING:
     from lmpipe.consumer.built import Built
 
+HF = "not for a Hugging Face model"
+
 
 def unavailable(path: Path, built: Built) -> str | None:
     """Why `path` cannot run in this build, or None."""
+    if getattr(built.model, "hugging_face", False):
+        return HF
     if path.cuda and built.device.type != "cuda":
         return f"it needs CUDA, not {built.device.type}"
     for package in path.needs:
@@ -39,6 +46,11 @@ def apply_all(spec: str, built: Built) -> list[str]:
     """Walk PATHS once: apply each path --fast wants and can run here, refuse (ValueError, one line) a
     named one that cannot, and log what ran and why the rest did not. The names applied, in order."""
     choice = parse(spec)
+    if getattr(built.model, "hugging_face", False):  # one reason for every path
+        if choice.add:
+            raise ValueError(f"--fast {sorted(choice.add)[0]}: {HF} (--fast none or auto)")
+        built.fast_line = f"fast paths (--fast {spec}): none; {HF} (the reference step trains it)"
+        return []
     ran: list[str] = []
     off: list[str] = []
     unnamed: list[str] = []
