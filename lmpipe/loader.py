@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import fields, replace
 from typing import Any
 
@@ -191,7 +192,8 @@ class Loader:
 
     def __del__(self) -> None:  # a loader dropped without close(): its producers still go
         if getattr(self, "_procs", None) or getattr(self, "_pipe", None) is not None:
-            self.close()
+            with suppress(Exception):
+                self.close()
 
     # -- iteration ------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from lmpipe.loader import Loader
 
 log = logging.getLogger("lmpipe.loader")
+OBSERVE_EVERY = 10  # batches between reads of the copies' CUDA events (the trainer: every log interval)
 
 
 def build_pipeline(loader: Loader) -> Pipeline:
@@ -83,4 +84,6 @@ def batches(loader: Loader) -> Iterator[dict[str, Any]]:
         m.global_step.set(loader._batches)
         m.last_step_time.set(time.time())
         m.step_seconds.observe(time.perf_counter() - t0 + waited)
+        if loader._batches % OBSERVE_EVERY == 0:
+            pipe.feed.observe_h2d()  # the finished copies' times (CUDA events, queried: no sync)
         yield batch
