@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -38,3 +39,13 @@ def test_resume_goes_on_from_the_users_checkpoint(tmp_path):
     assert "saved at step 6" in out and "done at step 6" in out, out
     out = run_example("resume.py", "--steps", "9", "--ckpt", ckpt)
     assert "resumed at step 6" in out and "saved at step 9" in out and "done at step 9" in out, out
+
+
+@pytest.mark.cuda
+def test_the_examples_train_on_the_gpu():
+    """Pinned slots, the copy stream and the batch dict's device tensors (the document offsets included)."""
+    out = run_example("plain_loop.py", "--steps", "20", "--device", "cuda")
+    assert "trained 20 steps" in out, out
+    if importlib.util.find_spec("transformers"):
+        out = run_example("hf_model.py", "--steps", "8", "--device", "cuda")
+        assert "tokens/s" in out, out
