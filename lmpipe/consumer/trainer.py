@@ -1,6 +1,7 @@
 """The trainer process: the step loop on the main thread, the receive thread beside it.
 
-Per step: take `accum` ready host slots from the device feed (the wait is data-wait time; consumer/feed.py),
+Per step: take `accum` ready host slots from the pipeline (the wait is data-wait time; consumer/pipeline.py,
+the same receive side the library's Loader uses),
 run forward/backward over them and one optimizer step (consumer/step.py, on what consumer/build.py built),
 count, report at each logging interval (consumer/runstats.py), and checkpoint when due. The host reads GPU
 values (loss, grad norm, loss scale) only every `log_every` steps, one step late (runstats.REPORT_BEHIND);
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import nullcontext, suppress
 from dataclasses import replace
@@ -35,11 +35,11 @@ from lmpipe.consumer.config import TrainConfig, per_rank
 from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.hf import model_identity
-from lmpipe.consumer.inputs import MaskCache, empty_inputs
-from lmpipe.consumer.ledger import Ledger
+from lmpipe.consumer.inputs import empty_inputs
 from lmpipe.consumer.model import GPT
+from lmpipe.consumer.pipeline import Pipeline
 from lmpipe.consumer.receiver import Receiver
-from lmpipe.consumer.report import Announce, DocLog, Summary
+from lmpipe.consumer.report import Announce, Summary
 from lmpipe.consumer.runstats import (
     CompiledGraphs,
     Progress,
@@ -50,9 +50,7 @@ from lmpipe.consumer.runstats import (
 from lmpipe.consumer.scaler import LossScaler
 from lmpipe.consumer.slots import HostSlot
 from lmpipe.consumer.step import lr_at, resolve_device, resolve_precision
-from lmpipe.shared.batch import token_dtype
-from lmpipe.shared.config import PipelineConfig, fingerprint
-from lmpipe.shared.metrics import TrainerMetrics, serve
+from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.security import check_bind
 from lmpipe.shared.sockets import endpoints
 from lmpipe.shared.tokenizer import load_tokenizer
@@ -99,24 +97,19 @@ class Trainer:
             )
             self.model, self.optimizer, self.scaler = built.model, built.optimizer, built.scaler
             self.step_model, self.runner = built.step_model, built.runner
-        self.metrics = TrainerMetrics()
-        self.metrics.producers_expected.set(pcfg.producers)
-        for w in range(tcfg.shards):
-            self.metrics.received.labels(str(w))
-        self.mask_cache = MaskCache(
-            on_hit=self.metrics.cache_hits.labels(MaskCache.name).inc,
-            on_miss=self.metrics.cache_misses.labels(MaskCache.name).inc,
+        self.pipe = Pipeline(
+            pcfg, self.tok, self.device, shards=tcfg.shards, slots=tcfg.slots or 2 * tcfg.accum + 2,
+            copy_stream=tcfg.copy_stream, attention=tcfg.attention, wait_timeout=tcfg.wait_timeout,
+            metrics_port=tcfg.metrics_port, doc_log=tcfg.doc_log, data=data, data_content=data_content,
+            data_versions=data_versions,
+        )  # fmt: skip
+        self.metrics, self.mask_cache, self.session = (
+            self.pipe.metrics,
+            self.pipe.mask_cache,
+            self.pipe.session,
         )
-        self.session = uuid.uuid4().hex[:12]
-        self.table = Ledger(tcfg.shards, self.session)
+        self.table, self.slots, self.fingerprint = self.pipe.table, self.pipe.slots, self.pipe.fingerprint
         self.step = 0
-        n_slots = tcfg.slots or 2 * tcfg.accum + 2
-        pin = self.device.type == "cuda"
-        dt = token_dtype(self.tok.vocab_size)
-        self.slots = [HostSlot(pcfg.batch_size, pcfg.seq_len, dt, pin) for _ in range(n_slots)]
-        self.fingerprint = fingerprint(pcfg, self.tok.hash, self.tok.vocab_size, data)
-        self.data_content = data_content if data else ""  # the files' contents producers must serve; "": any
-        self.data_versions = [data_versions] if (data and data_versions) else []  # remote objects' versions
         self.data_objects = dict(data_objects or {}) if data else {}  # per object (header "data_objects")
         self.checkpoints = (
             CheckpointManager(tcfg.checkpoint_dir, tcfg.keep_checkpoints) if tcfg.checkpoint_dir else None
@@ -127,8 +120,6 @@ class Trainer:
         self.health_check: Callable[[], str | None] | None = (
             None  # optional callable: returns a reason to stop (e.g. a dead producer)
         )
-        self.feed: DeviceFeed
-        self._doc_log = DocLog(tcfg.doc_log) if tcfg.doc_log else None  # closed in run()
         self.metrics.info.info(
             {
                 "model": tcfg.model,
@@ -138,6 +129,31 @@ class Trainer:
                 "strategy": pcfg.strategy,
             }
         )
+
+    # the pipeline's corpus pins, as _restore and save_checkpoint read and set them
+    @property
+    def data_content(self) -> str:
+        return self.pipe.data_content
+
+    @data_content.setter
+    def data_content(self, value: str) -> None:
+        self.pipe.data_content = value
+
+    @property
+    def data_versions(self) -> list[str]:
+        return self.pipe.data_versions
+
+    @data_versions.setter
+    def data_versions(self, value: list[str]) -> None:
+        self.pipe.data_versions = value
+
+    @property
+    def receiver(self) -> Receiver | None:
+        return self.pipe.receiver
+
+    @property
+    def feed(self) -> DeviceFeed:
+        return self.pipe.feed
 
     @property
     def num_params(self) -> int:
@@ -292,12 +308,10 @@ class Trainer:
             )  # fmt: skip
 
     def _data_content(self) -> str:
-        receiver = getattr(self, "receiver", None)  # pins it from the first producer that says it
-        return receiver.data_content if receiver is not None else self.data_content
+        return self.pipe.pinned_data_content()  # pinned from the first producer that says it
 
     def _data_versions(self) -> list[str]:
-        receiver = getattr(self, "receiver", None)
-        return sorted(receiver.data_versions.values()) if receiver is not None else list(self.data_versions)
+        return self.pipe.pinned_data_versions()
 
     def request_stop(self, reason: str = "signal") -> None:
         self._stop_reason = reason
@@ -309,42 +323,19 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.receiver = Receiver(
-            self.pcfg,
-            self.fingerprint,
-            self.slots,
-            self.table,
-            self.metrics,
-            self.tok.vocab_size,
-            data_content=self.data_content,
-            data_versions=self.data_versions,
-        )
-        self.receiver.start()
-        self.receiver.bound.wait()
         # one batch shape per compiled graph, and for the step's CUDA graphs (a short last batch stepped
         # eagerly beside them would need a second step's activations)
         fixed_rows = self.cfg.compile or (self.model is not None and self.runner.graphs)
-        self.feed = DeviceFeed(
-            self.receiver,
-            self.table,
-            self.metrics,
-            self.device,
-            copy_stream=self.cfg.copy_stream,
-            rows=self.pcfg.batch_size if fixed_rows else None,
-            attention=self.cfg.attention,
-            mask_cache=self.mask_cache,
-            wait_timeout=self.cfg.wait_timeout,
-        )
-        self.feed.health_check = self.health_check
-        self.feed.check_receiver()
-        port = serve(self.metrics.registry, self.cfg.metrics_port, self.pcfg.metrics_host)
+        self.pipe.health_check = self.health_check
+        self.pipe.start(rows=self.pcfg.batch_size if fixed_rows else None)
+        port = self.pipe.metrics_bound
         log.info(
             "training %s on %s (%s), %.2fM params; listening on %s; %d shards for any number of producers%s",
             "no model (--consume-only)" if self.model is None else self.cfg.model,
             self.device,
             self.precision,
             self.num_params / 1e6,
-            self.receiver.endpoints.describe(),
+            self.pipe.describe(),
             self.cfg.shards,
             f"; metrics on :{port}" if port else "",
         )
@@ -356,8 +347,9 @@ class Trainer:
         self.start()
         try:
             summary = self._run(progress)
-            self.receiver.stop(reason=self._stop_reason or "training finished")
+            self.pipe.stop(self._stop_reason or "training finished")
             # the producers' byes carry their final counts; rank 0 adds up every rank's
+            assert self.receiver is not None
             for counts in self.dist.gather(dict(self.receiver.skipped)) or []:
                 for reason, n in counts.items():
                     summary.skipped[reason] = summary.skipped.get(reason, 0) + n
@@ -373,9 +365,7 @@ class Trainer:
                 raise lost from None
             raise
         finally:
-            self.receiver.stop(reason=self._stop_reason or "training finished")
-            if self._doc_log:
-                self._doc_log.close()
+            self.pipe.stop(self._stop_reason or "training finished")
             self.dist.close()
 
     def _run(self, progress: Progress | None) -> Summary:
@@ -400,6 +390,7 @@ class Trainer:
         if self.dist.broadcast(unsaved):
             stats.check_finite(self.step)
             self.save_checkpoint()
+        assert self.receiver is not None
         return stats.finish(self.step, self._stop_reason, self._graphs, self.receiver.native_id)
 
     def _loop(self, stats: RunStats, progress: Progress | None) -> None:
@@ -408,7 +399,7 @@ class Trainer:
         no_loss = torch.zeros((), device=self.device)  # --consume-only: nothing is trained
         while not self._stop_reason and (cfg.steps == 0 or self.step < cfg.steps):
             stats.report(wait=False)  # the last interval, if its step is done: the wait for data may be long
-            slots, waited, problem = self.feed.take(cfg.accum, stopping=lambda: bool(self._stop_reason))
+            slots, waited, problem = self.pipe.take(cfg.accum, stopping=lambda: bool(self._stop_reason))
             if problem:
                 log.error("%s; stopping", problem)
                 self._stop_reason = self.failure = problem
@@ -423,19 +414,18 @@ class Trainer:
                 break
             waited = stats.start_clock(waited)
             t0 = time.perf_counter()
-            if self._doc_log:
-                self._doc_log.write(self.step, metas)
+            self.pipe.log_docs(self.step, metas)
             lr = lr_at(self.step, cfg)
             first = stats.first
             if self.model is None:  # --consume-only: the copy to the device is the whole step
                 for s in slots:
-                    self.feed.copy(s)
+                    self.pipe.copy(s)
                 loss_sum = norm = no_loss
             elif all_targets == 0:  # every rank agrees: nothing to learn here, and no update to make
                 self._skip_untrained(slots, stats)
                 loss_sum = norm = no_loss
             else:
-                micro = [self.feed.to_device(s) for s in slots]
+                micro = [self.pipe.to_device(s) for s in slots]
                 if not micro:  # this rank's producers are done, others' are not: a step on nothing
                     micro = [empty_inputs(self.pcfg, self.device, cfg.attention, self.mask_cache)]
                 # torch.compile traces and compiles in the first step: minutes on a large model, said as it goes
@@ -451,7 +441,7 @@ class Trainer:
             if first:
                 stats.first_step_done()
             stats.add_step(metas, loss_sum, waited, lr)
-            self.feed.release_done()
+            self.pipe.release_done()
             m.step_seconds.observe(time.perf_counter() - t0 + waited)
             stats.report()  # the last interval, now that this step is queued behind it (REPORT_BEHIND)
             if cfg.compile:
@@ -470,7 +460,7 @@ class Trainer:
         """A step whose batches hold no trained target: counted, no update; rank 0 says why, the first time."""
         masked = any(s.has_loss_mask for s in slots)
         for s in slots:
-            self.receiver.release(s)  # never copied: free for the next batch at once
+            self.pipe.release(s)  # never copied: free for the next batch at once
         stats.summary.untrained_steps += 1
         if stats.summary.untrained_steps > 1 or not self.dist.is_main:
             return

@@ -1,0 +1,205 @@
+"""lmpipe as a library: `Loader`, an iterable of fixed-shape batches for a user's own training loop.
+
+    from lmpipe import Loader
+
+    with Loader(data=["corpus/"], seq_len=1024, batch_size=8, producers=2, device="cuda") as loader:
+        for batch in loader:            # dict[str, torch.Tensor] on the device (consumer/batchdict.py)
+            loss = model(**batch_for_model(batch)).loss
+            ...
+            torch.save({"model": ..., "loader": loader.state_dict()}, "ckpt.pt")
+
+The same settings (shared/config.py's PipelineConfig, and the trainer's data-path settings), the same checks
+(lmpipe/checks.py), sockets, authentication, metrics and logs as `lmpipe run` (local_producers=True: it
+starts the producers, as new interpreters) and `lmpipe train` (local_producers=False: remote producers
+connect). Under torchrun each rank reads its own share (RANK, WORLD_SIZE). docs/library.md is the reference.
+
+torch is imported only when a Loader starts (lmpipe/__init__.py exports Loader lazily).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import suppress
+from dataclasses import fields, replace
+from typing import Any
+
+from lmpipe.checks import check_device, check_keys, check_not_read_back, check_writable, say_left_out
+from lmpipe.consumer.config import TrainConfig
+from lmpipe.launch import CorpusFacts, check_inputs, rank_settings
+from lmpipe.procs import reap, spawn_producers
+from lmpipe.shared.config import PipelineConfig
+
+log = logging.getLogger("lmpipe.loader")
+STATE_FORMAT = "lmpipe.Loader/1"
+WHAT = {"tokenizer": "tokenizer", "vocab_size": "vocabulary", "stream": "stream settings (seq_len, batch_size, "
+        "strategy, seed, epochs...)", "shards": "number of shards", "data": "corpus"}  # fmt: skip
+# the trainer's settings a Loader takes (the data path's; the rest are the model's)
+TRAIN_SETTINGS = ("device", "shards", "slots", "copy_stream", "attention", "wait_timeout", "metrics_port",
+                  "doc_log")  # fmt: skip
+
+
+def _configs(config: PipelineConfig | None, settings: dict[str, Any]) -> tuple[PipelineConfig, TrainConfig]:
+    """The settings dataclasses from a PipelineConfig and/or keyword arguments, validated as the CLI does."""
+    pipe_names = {f.name for f in fields(PipelineConfig)}
+    unknown = sorted(set(settings) - pipe_names - set(TRAIN_SETTINGS))
+    if unknown:
+        raise TypeError(f"Loader() got unknown settings {', '.join(unknown)} (PipelineConfig's fields and "
+                        f"{', '.join(TRAIN_SETTINGS)} are known)")  # fmt: skip
+    pkw = {k: v for k, v in settings.items() if k in pipe_names}
+    if isinstance(pkw.get("data"), str):
+        pkw["data"] = [pkw["data"]]
+    cfg = replace(config, **pkw) if config is not None else PipelineConfig(**pkw)
+    tkw = {k: v for k, v in settings.items() if k in TRAIN_SETTINGS}
+    tkw.setdefault("metrics_port", -1)  # a library opens no port unless asked
+    return cfg, TrainConfig(**tkw)
+
+
+class Loader:
+    """Batches from lmpipe's producers, on a device, resumable exactly once. See docs/library.md.
+
+    Batch keys (consumer/batchdict.py): input_ids [B,L] int64; labels [B,L] int64, NOT shifted (Hugging
+    Face's convention: the model shifts), -100 at pads, at each document's first token and where the loss
+    mask is 0; position_ids [B,L] restarting at 0 at each document; document_ids [B,L] int32; cu_seqlens
+    (int32 offsets of the document pieces in the flattened batch) and max_seqlen (int)."""
+
+    def __init__(
+        self, config: PipelineConfig | None = None, *, local_producers: bool = True, log_level: str = "INFO",
+        **settings: Any,
+    ):  # fmt: skip
+        cfg, tcfg = _configs(config, settings)
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank_cfg, self.tcfg = rank_settings(cfg, tcfg, local_producers)
+        self.cfg, self.local_producers, self.log_level = cfg, local_producers, log_level
+        check_keys(cfg, server=True)
+        self.facts: CorpusFacts = check_inputs(cfg, tcfg, local_producers)
+        check_device(tcfg.device)
+        check_writable("doc_log", self.tcfg.doc_log)
+        check_not_read_back("doc_log", self.tcfg.doc_log, cfg.data)
+        from lmpipe.checks import check_tokenizer
+
+        tok = check_tokenizer(cfg)
+        self.identity = {
+            "tokenizer": tok.hash,
+            "vocab_size": tok.vocab_size,
+            "stream": replace(self.rank_cfg, rank=0).stream_fields(),
+            "shards": tcfg.shards,
+            "data": self.facts.data,
+        }
+        self.vocab_size: int = tok.vocab_size  # the tokenizer's: a model's embedding needs at least this many
+        self._state: dict[str, Any] | None = None  # load_state_dict's, until start()
+        self._batches = 0  # batches yielded (this run and those before the state it resumed)
+        self._pipe: Any = None
+        self._procs: list = []
+        self._closed = False
+
+    # -- state (torchdata's Stateful protocol) --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """A plain picklable dict: this rank's cursors after the last batch yielded (it covers that batch:
+        a resume from it yields the next one, never that one again), and what it must be resumed with."""
+        if self._pipe is not None:
+            cursors: list | None = self._pipe.state_dict()
+        else:
+            cursors = None if self._state is None else self._state["cursors"]
+        return {"format": STATE_FORMAT, "rank": self.rank, "world_size": self.world, "batches": self._batches,
+                "identity": dict(self.identity), "cursors": cursors}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a state_dict(); before iteration starts. A state of another corpus, tokenizer, stream
+        settings, rank or world size is refused in one line (ValueError)."""
+        if self._pipe is not None:
+            raise RuntimeError("Loader.load_state_dict() after iteration started: call it before")
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a Loader state (format {STATE_FORMAT} expected)")
+        if (state["rank"], state["world_size"]) != (self.rank, self.world):
+            raise ValueError(f"the state is rank {state['rank']} of {state['world_size']}, this loader rank "
+                             f"{self.rank} of {self.world}: resume each rank from its own state, with as many")  # fmt: skip
+        got = dict(state["identity"])
+        skip = () if (got.get("data") and self.identity["data"]) else ("data",)  # unknown: the producers'
+        if diff := [
+            k
+            for k in sorted(set(got) | set(self.identity))
+            if k not in skip and got.get(k) != self.identity.get(k)
+        ]:
+            raise ValueError(f"the state is of another {' and '.join(WHAT.get(k, k) for k in diff)} than this loader's: "
+                             "resume with the settings, tokenizer and corpus it was saved with")  # fmt: skip
+        self._state = state
+        self._batches = int(state["batches"])
+
+    def __len__(self) -> int:
+        raise TypeError("len(Loader) is unknown: producers pack documents into rows as they read them, so the "
+                        "number of batches of an epoch is known only at its end (as for an IterableDataset)")  # fmt: skip
+
+    # -- processes ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the local producers and the receive side (iterating starts them too)."""
+        if self._pipe is not None:
+            return
+        if self._closed:
+            raise RuntimeError("the Loader is closed")
+        from lmpipe.loader_run import build_pipeline
+
+        if self.local_producers:
+            say_left_out(self.cfg.data)
+            self._procs = spawn_producers(self.rank_cfg, self.tcfg.metrics_port, self.log_level)
+        try:
+            self._pipe = build_pipeline(self)
+        except BaseException:
+            self.close()
+            raise
+        log.info("loader rank %d of %d: listening on %s; %d shards%s%s", self.rank, self.world,
+                 self._pipe.describe(), self.tcfg.shards,
+                 f"; producer pids {' '.join(str(p.pid) for p in self._procs)}" if self._procs else "",
+                 f"; metrics on :{self._pipe.metrics_bound}" if self._pipe.metrics_bound else "")  # fmt: skip
+
+    def producers_alive(self) -> str | None:
+        for i, p in enumerate(self._procs):
+            if p.poll() not in (None, 0):
+                return f"producer {i} exited with code {p.returncode}"
+        return None
+
+    @property
+    def producer_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def close(self, reason: str = "the loader closed") -> None:
+        """Tell the producers to stop, stop the receive thread and reap the local producers. Idempotent."""
+        self._closed = True
+        pipe, self._pipe = self._pipe, None
+        try:
+            if pipe is not None:
+                pipe.stop(reason)
+        finally:
+            procs, self._procs = self._procs, []
+            reap(procs)
+
+    def __enter__(self) -> Loader:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        why = "the loader closed"
+        if exc_type is KeyboardInterrupt:
+            why = signal.Signals.SIGINT.name
+        elif exc_type is not None:
+            why = f"the training loop failed ({exc_type.__name__})"
+        self.close(why)
+
+    def __del__(self) -> None:  # a loader dropped without close(): its producers still go
+        if getattr(self, "_procs", None) or getattr(self, "_pipe", None) is not None:
+            with suppress(Exception):
+                self.close()
+
+    # -- iteration ------------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Batches until every shard has read its `epochs` (0: until the loop stops)."""
+        self.start()
+        from lmpipe.loader_run import batches
+
+        return batches(self)
