@@ -159,7 +159,7 @@ def main() -> None:
              f"{100 * r['data_wait']:.2f}%", f"{r['first_batch']:.2f} s", f"{r['loss']:.3f}"]
             for feed, r in results.items()]  # fmt: skip
     body = (
-        f"GPT-2 124M (`transformers` GPT2LMHeadModel, sdpa), bf16 autocast, fused AdamW, "
+        f"{'a 2-layer GPT-2 (smoke)' if a.smoke else 'GPT-2 124M'} (`transformers` GPT2LMHeadModel, sdpa), bf16 autocast, fused AdamW, "
         f"{'torch.compile' if a.compile else 'eager'}; {a.batch_size} x {a.seq_len} tokens a step; "
         f"{a.workers} producers / DataLoader workers; WikiText-2 valid+test raw text; {a.warmup:g} s warm-up, "
         f"{a.seconds:g} s measured.\n\n"
