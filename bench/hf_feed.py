@@ -33,6 +33,11 @@ from bench.common import WIKITEXT, smoke_out, table, write_result
 from bench.trainbench import bench_data
 
 FEEDS = ("lmpipe", "dataloader")
+# what is measured: (row, feed, lmpipe's --shards; 0: the workers' count). lmpipe splits the corpus into 16
+# shards by default (producers may join and leave); one shard per producer splits it as a DataLoader splits
+# it among its workers.
+RUNS = (("lmpipe, 16 shards (default)", "lmpipe", 16), ("lmpipe, a shard per producer", "lmpipe", 0),
+        ("DataLoader", "dataloader", 0))  # fmt: skip
 
 
 def gpt2(vocab: int, seq_len: int, smoke: bool, device: torch.device):
@@ -48,7 +53,8 @@ def lmpipe_batches(a, device: torch.device):
     from lmpipe import Loader
 
     loader = Loader(data=a.text, tokenizer=a.tok, seq_len=a.seq_len, batch_size=a.batch_size,
-                    producers=a.workers, shuffle_window=1000, device=str(device), metrics_port=-1)  # fmt: skip
+                    producers=a.workers, shards=a.shards, shuffle_window=1000, device=str(device),
+                    metrics_port=-1)  # fmt: skip
     with loader:
         for batch in loader:
             yield {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
@@ -131,6 +137,7 @@ def main() -> None:
     p.add_argument("--child", choices=FEEDS, help=argparse.SUPPRESS)
     p.add_argument("--text", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--tok", help=argparse.SUPPRESS)
+    p.add_argument("--shards", type=int, default=16, help=argparse.SUPPRESS)
     a = p.parse_args()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker, on both sides
     if a.child:
@@ -143,18 +150,19 @@ def main() -> None:
     a.tok, _ = bench_data(Path(a.work))
     text = [str(WIKITEXT / "valid.txt"), str(WIKITEXT / "test.txt")]
     results = {}
-    for feed in FEEDS:
+    for row, feed, shards in RUNS:
         cmd = [sys.executable, "-m", "bench.hf_feed", "--child", feed, "--text", *text, "--tok", a.tok,
-               "--workers", str(a.workers), "--device", a.device, "--seq-len", str(a.seq_len),
-               "--batch-size", str(a.batch_size), "--warmup", str(a.warmup), "--seconds", str(a.seconds),
-               *([] if a.compile else ["--no-compile"]), *(["--smoke"] if a.smoke else [])]  # fmt: skip
+               "--workers", str(a.workers), "--shards", str(shards or a.workers), "--device", a.device,
+               "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size), "--warmup", str(a.warmup),
+               "--seconds", str(a.seconds), *([] if a.compile else ["--no-compile"]),
+               *(["--smoke"] if a.smoke else [])]  # fmt: skip
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if out.returncode != 0 or not lines:
-            sys.exit(f"{feed}: exit {out.returncode}\n{out.stderr[-3000:]}")
-        results[feed] = json.loads(lines[-1][7:])
-        print(feed, results[feed], flush=True)
-    ref = results["dataloader"]
+            sys.exit(f"{row}: exit {out.returncode}\n{out.stderr[-3000:]}")
+        results[row] = json.loads(lines[-1][7:])
+        print(row, results[row], flush=True)
+    ref = results["DataLoader"]
     rows = [[feed, r["tokens_per_second"], f"{r['tokens_per_second'] / ref['tokens_per_second']:.3f}x",
              f"{100 * r['data_wait']:.2f}%", f"{r['first_batch']:.2f} s", f"{r['loss']:.3f}"]
             for feed, r in results.items()]  # fmt: skip

@@ -62,6 +62,9 @@ def batches(loader: Loader) -> Iterator[dict[str, Any]]:
         pipe = loader._pipe
         if pipe is None:  # closed
             return
+        # the slots whose copies to the device are done go back to the receiver first: take() frees them
+        # only while it waits, and with every slot in flight the producers' batches would find no room
+        pipe.release_done()
         slots, waited, problem = pipe.take(1, stopping=lambda: loader._closed)
         if problem:
             loader.close(problem)

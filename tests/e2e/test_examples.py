@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from tests.helpers import REPO, free_port_pair, lmpipe_env
 
 
 def run_example(name: str, *args: str) -> str:
-    env = {**lmpipe_env(), "PYTHONPATH": str(REPO)}  # this checkout's lmpipe, as if installed
+    base = lmpipe_env()  # this checkout's lmpipe, as if installed, before any path the machine needs
+    env = {**base, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH", "")) if p)}
     cmd = [sys.executable, str(REPO / "examples" / name), "--port", str(free_port_pair()), *args]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
