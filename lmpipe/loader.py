@@ -156,10 +156,10 @@ class Loader:
             raise RuntimeError("the Loader is closed")
         from lmpipe.loader_run import build_pipeline
 
-        if self.local_producers:
-            say_left_out(self.cfg.data)
-            self._procs = spawn_producers(self.rank_cfg, self.tcfg.metrics_port, self.log_level)
         try:
+            if self.local_producers:
+                say_left_out(self.cfg.data)
+                self._procs = spawn_producers(self.rank_cfg, self.tcfg.metrics_port, self.log_level)
             self._pipe = build_pipeline(self)
         except BaseException:
             self.close()
@@ -169,7 +169,7 @@ class Loader:
                  f"; producer pids {' '.join(str(p.pid) for p in self._procs)}" if self._procs else "",
                  f"; metrics on :{self._pipe.metrics_bound}" if self._pipe.metrics_bound else "")  # fmt: skip
 
-    def epochs_done(self) -> None:
+    def _epochs_done(self) -> None:
         """Every shard finished its epochs: the producers are told to stop and reaped now, not at close().
         The loader stays usable: state_dict() covers the last batch, and a new `for` yields nothing."""
         if self._pipe is not None:

@@ -75,7 +75,7 @@ def batches(loader: Loader) -> Iterator[dict[str, Any]]:
         if not slots:
             pipe.metrics.data_wait.observe(waited)
             if pipe.table.all_finished():
-                loader.epochs_done()
+                loader._epochs_done()
             return
         t0 = time.perf_counter()
         meta = slots[0].meta
