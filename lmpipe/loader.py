@@ -50,8 +50,10 @@ def _configs(config: PipelineConfig | None, settings: dict[str, Any]) -> tuple[P
         raise TypeError(f"Loader() got unknown settings {', '.join(unknown)} (PipelineConfig's fields and "
                         f"{', '.join(TRAIN_SETTINGS)} are known)")  # fmt: skip
     pkw = {k: v for k, v in settings.items() if k in pipe_names}
-    if isinstance(pkw.get("data"), str):
-        pkw["data"] = [pkw["data"]]
+    if "data" in pkw:  # one path or several, as str or pathlib.Path
+        data = pkw["data"]
+        paths = [data] if isinstance(data, (str, os.PathLike)) else list(data)
+        pkw["data"] = [os.fspath(d) if isinstance(d, os.PathLike) else d for d in paths]
     cfg = replace(config, **pkw) if config is not None else PipelineConfig(**pkw)
     tkw = {k: v for k, v in settings.items() if k in TRAIN_SETTINGS}
     tkw.setdefault("metrics_port", -1)  # a library opens no port unless asked
