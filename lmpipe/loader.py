@@ -21,17 +21,28 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lmpipe.checks import check_device, check_keys, check_not_read_back, check_writable, say_left_out
+from lmpipe.checks import (
+    check_device,
+    check_keys,
+    check_not_read_back,
+    check_tokenizer,
+    check_writable,
+    say_left_out,
+)
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.ledger import Ledger
 from lmpipe.launch import CorpusFacts, check_inputs, rank_settings
 from lmpipe.procs import reap, spawn_producers
 from lmpipe.shared.config import PipelineConfig
+
+if TYPE_CHECKING:
+    from lmpipe.consumer.pipeline import Pipeline  # imports torch: only when a loader starts
 
 log = logging.getLogger("lmpipe.loader")
 STATE_FORMAT = "lmpipe.Loader/1"
@@ -82,8 +93,6 @@ class Loader:
         check_device(tcfg.device)
         check_writable("doc_log", self.tcfg.doc_log)
         check_not_read_back("doc_log", self.tcfg.doc_log, cfg.data)
-        from lmpipe.checks import check_tokenizer
-
         tok = check_tokenizer(cfg)
         self.identity = {
             "tokenizer": tok.hash,
@@ -96,8 +105,8 @@ class Loader:
         self._cursors: list | None = None  # load_state_dict's until start(); the last ones after close()
         self.resumed_data = ""  # the corpus of the state resumed from, if it names one
         self._batches = 0  # batches yielded (this run and those before the state it resumed)
-        self._pipe: Any = None
-        self._procs: list = []
+        self._pipe: Pipeline | None = None  # from start() to close()
+        self._procs: list[subprocess.Popen] = []  # the local producers, until reaped
         self._closed = False
 
     # -- state (torchdata's Stateful protocol) --------------------------------------------------------
