@@ -12,12 +12,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmpipe.consumer.config import TrainConfig
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.messages import version_location
 from lmpipe.shared.settings import SettingsError
 
 if TYPE_CHECKING:
+    from lmpipe.consumer.config import TrainConfig  # the trainer's: not imported by producers
     from lmpipe.producer.sources import Corpus, Record
     from lmpipe.shared.tokenizer import TokenizerInfo
 

@@ -21,16 +21,28 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lmpipe.checks import check_device, check_keys, check_not_read_back, check_writable, say_left_out
+from lmpipe.checks import (
+    check_device,
+    check_keys,
+    check_not_read_back,
+    check_tokenizer,
+    check_writable,
+    say_left_out,
+)
 from lmpipe.consumer.config import TrainConfig
+from lmpipe.consumer.ledger import Ledger
 from lmpipe.launch import CorpusFacts, check_inputs, rank_settings
 from lmpipe.procs import reap, spawn_producers
 from lmpipe.shared.config import PipelineConfig
+
+if TYPE_CHECKING:
+    from lmpipe.consumer.pipeline import Pipeline  # imports torch: only when a loader starts
 
 log = logging.getLogger("lmpipe.loader")
 STATE_FORMAT = "lmpipe.Loader/1"
@@ -49,8 +61,10 @@ def _configs(config: PipelineConfig | None, settings: dict[str, Any]) -> tuple[P
         raise TypeError(f"Loader() got unknown settings {', '.join(unknown)} (PipelineConfig's fields and "
                         f"{', '.join(TRAIN_SETTINGS)} are known)")  # fmt: skip
     pkw = {k: v for k, v in settings.items() if k in pipe_names}
-    if isinstance(pkw.get("data"), str):
-        pkw["data"] = [pkw["data"]]
+    if "data" in pkw:  # one path or several, as str or pathlib.Path
+        data = pkw["data"]
+        paths = [data] if isinstance(data, (str, os.PathLike)) else list(data)
+        pkw["data"] = [os.fspath(d) if isinstance(d, os.PathLike) else d for d in paths]
     cfg = replace(config, **pkw) if config is not None else PipelineConfig(**pkw)
     tkw = {k: v for k, v in settings.items() if k in TRAIN_SETTINGS}
     tkw.setdefault("metrics_port", -1)  # a library opens no port unless asked
@@ -79,8 +93,6 @@ class Loader:
         check_device(tcfg.device)
         check_writable("doc_log", self.tcfg.doc_log)
         check_not_read_back("doc_log", self.tcfg.doc_log, cfg.data)
-        from lmpipe.checks import check_tokenizer
-
         tok = check_tokenizer(cfg)
         self.identity = {
             "tokenizer": tok.hash,
@@ -90,10 +102,11 @@ class Loader:
             "data": self.facts.data,
         }
         self.vocab_size: int = tok.vocab_size  # the tokenizer's: a model's embedding needs at least this many
-        self._state: dict[str, Any] | None = None  # load_state_dict's, until start()
+        self._cursors: list | None = None  # load_state_dict's until start(); the last ones after close()
+        self.resumed_data = ""  # the corpus of the state resumed from, if it names one
         self._batches = 0  # batches yielded (this run and those before the state it resumed)
-        self._pipe: Any = None
-        self._procs: list = []
+        self._pipe: Pipeline | None = None  # from start() to close()
+        self._procs: list[subprocess.Popen] = []  # the local producers, until reaped
         self._closed = False
 
     # -- state (torchdata's Stateful protocol) --------------------------------------------------------
@@ -101,10 +114,7 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """A plain picklable dict: this rank's cursors after the last batch yielded (it covers that batch:
         a resume from it yields the next one, never that one again), and what it must be resumed with."""
-        if self._pipe is not None:
-            cursors: list | None = self._pipe.state_dict()
-        else:
-            cursors = None if self._state is None else self._state["cursors"]
+        cursors = self._pipe.state_dict() if self._pipe is not None else self._cursors
         return {"format": STATE_FORMAT, "rank": self.rank, "world_size": self.world, "batches": self._batches,
                 "identity": dict(self.identity), "cursors": cursors}  # fmt: skip
 
@@ -114,11 +124,18 @@ class Loader:
         if self._pipe is not None:
             raise RuntimeError("Loader.load_state_dict() after iteration started: call it before")
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a Loader state (format {STATE_FORMAT} expected)")
-        if (state["rank"], state["world_size"]) != (self.rank, self.world):
-            raise ValueError(f"the state is rank {state['rank']} of {state['world_size']}, this loader rank "
-                             f"{self.rank} of {self.world}: resume each rank from its own state, with as many")  # fmt: skip
-        got = dict(state["identity"])
+            found = (
+                f"format {state.get('format')}" if isinstance(state, dict) and "format" in state else "none"
+            )
+            raise ValueError(f"not a Loader state of this version: {found}; this lmpipe reads {STATE_FORMAT}")
+        try:  # every field checked before any is kept: a refused state changes nothing
+            rank, world, batches = int(state["rank"]), int(state["world_size"]), int(state["batches"])
+            got, cursors = dict(state["identity"]), state["cursors"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a damaged Loader state ({type(exc).__name__}: {exc})") from None
+        if (rank, world) != (self.rank, self.world):
+            raise ValueError(f"the state is rank {rank} of {world}, this loader rank {self.rank} of "
+                             f"{self.world}: resume each rank from its own state, with as many")  # fmt: skip
         skip = () if (got.get("data") and self.identity["data"]) else ("data",)  # unknown: the producers'
         if diff := [
             k
@@ -127,8 +144,14 @@ class Loader:
         ]:
             raise ValueError(f"the state is of another {' and '.join(WHAT.get(k, k) for k in diff)} than this loader's: "
                              "resume with the settings, tokenizer and corpus it was saved with")  # fmt: skip
-        self._state = state
-        self._batches = int(state["batches"])
+        if cursors is not None:
+            try:  # read as the pipeline will, so that damaged cursors fail here and not when iteration starts
+                Ledger(self.tcfg.shards, "").load_state_dict(cursors)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise ValueError(
+                    f"a damaged Loader state: its cursors ({type(exc).__name__}: {exc})"
+                ) from None
+        self._cursors, self._batches, self.resumed_data = cursors, batches, str(got.get("data") or "")
 
     def __len__(self) -> int:
         raise TypeError("len(Loader) is unknown: producers pack documents into rows as they read them, so the "
@@ -144,10 +167,10 @@ class Loader:
             raise RuntimeError("the Loader is closed")
         from lmpipe.loader_run import build_pipeline
 
-        if self.local_producers:
-            say_left_out(self.cfg.data)
-            self._procs = spawn_producers(self.rank_cfg, self.tcfg.metrics_port, self.log_level)
         try:
+            if self.local_producers:
+                say_left_out(self.cfg.data)
+                self._procs = spawn_producers(self.rank_cfg, self.tcfg.metrics_port, self.log_level)
             self._pipe = build_pipeline(self)
         except BaseException:
             self.close()
@@ -156,6 +179,14 @@ class Loader:
                  self._pipe.describe(), self.tcfg.shards,
                  f"; producer pids {' '.join(str(p.pid) for p in self._procs)}" if self._procs else "",
                  f"; metrics on :{self._pipe.metrics_bound}" if self._pipe.metrics_bound else "")  # fmt: skip
+
+    def _epochs_done(self) -> None:
+        """Every shard finished its epochs: the producers are told to stop and reaped now, not at close().
+        The loader stays usable: state_dict() covers the last batch, and a new `for` yields nothing."""
+        if self._pipe is not None:
+            self._pipe.stop("every shard finished its epochs")
+        procs, self._procs = self._procs, []
+        reap(procs)
 
     def producers_alive(self) -> str | None:
         for i, p in enumerate(self._procs):
@@ -173,6 +204,7 @@ class Loader:
         pipe, self._pipe = self._pipe, None
         try:
             if pipe is not None:
+                self._cursors = pipe.state_dict()  # state_dict() after close() still covers the last batch
                 pipe.stop(reason)
         finally:
             procs, self._procs = self._procs, []

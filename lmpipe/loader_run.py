@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -34,14 +35,16 @@ def build_pipeline(loader: Loader) -> Pipeline:
         attention=tcfg.attention, wait_timeout=tcfg.wait_timeout, metrics_port=tcfg.metrics_port,
         doc_log=tcfg.doc_log, data=facts.data, data_content=facts.content, data_versions=facts.versions,
     )  # fmt: skip
-    state = loader._state
-    if state is not None and state["cursors"] is not None:
-        pipe.load_state_dict(state["cursors"])
-        if state["identity"].get("data"):
-            pipe.fingerprint["data"] = state["identity"]["data"]  # producers must serve the same corpus
+    if loader._cursors is not None:
+        pipe.load_state_dict(loader._cursors)
+        if loader.resumed_data:
+            pipe.fingerprint["data"] = loader.resumed_data  # producers must serve the same corpus
         cursors = ", ".join(f"s{w.shard}@seq{w.last_seq}" for w in pipe.table.shards)
         log.info("resumed after batch %d: shard cursors %s", loader._batches, cursors)
-    pipe.health_check = loader.producers_alive
+    # through a weak reference: the pipeline must not keep its loader alive, so that a loader dropped without
+    # close() is freed at once (its __del__ stops the producers), not at some later garbage collection
+    ref = weakref.ref(loader)
+    pipe.health_check = lambda: None if (alive := ref()) is None else alive.producers_alive()
     pipe.start(rows=cfg.batch_size)  # fixed-shape batches: a short last batch gets empty rows
     pipe.metrics.info.info(
         {
@@ -60,7 +63,7 @@ def batches(loader: Loader) -> Iterator[dict[str, Any]]:
     (tokens, data wait, steps) and written to the doc log before it is yielded."""
     while True:
         pipe = loader._pipe
-        if pipe is None:  # closed
+        if pipe is None or pipe.table.all_finished():  # closed, or every shard finished its epochs
             return
         # the slots whose copies to the device are done go back to the receiver first: take() frees them
         # only while it waits, and with every slot in flight the producers' batches would find no room
@@ -71,7 +74,9 @@ def batches(loader: Loader) -> Iterator[dict[str, Any]]:
             raise RuntimeError(f"{problem}; the loader stopped")
         if not slots:
             pipe.metrics.data_wait.observe(waited)
-            return  # every shard finished its epochs
+            if pipe.table.all_finished():
+                loader._epochs_done()
+            return
         t0 = time.perf_counter()
         meta = slots[0].meta
         assert meta is not None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -18,11 +17,15 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lmpipe.checks import check_corpus, check_keys, check_tokenizer, say_no_effect
 from lmpipe.options import ProduceOptions
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import SettingsError
+
+if TYPE_CHECKING:
+    import multiprocessing.process
 
 log = logging.getLogger("lmpipe")
 
@@ -102,6 +105,8 @@ def fork_producers(
     begin with lmpipe's modules and the tokenizer the checks loaded (a DataLoader worker's head start),
     where a new interpreter spends about 0.4 s importing and loading them. They connect to the trainer
     as any producer does, retrying until it listens."""
+    import multiprocessing  # here: a spawned producer (`python -m lmpipe.procs`) never forks
+
     from lmpipe.producer import manager  # noqa: F401  # imported once here, for every child
 
     ctx = multiprocessing.get_context("fork")
@@ -132,19 +137,25 @@ def spawn_producers(cfg: PipelineConfig, metrics_base: int | None, log_level: st
     root = str(Path(lmpipe.__file__).resolve().parent.parent)  # the lmpipe this process runs, not another
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "true")
-    procs = []
-    for i in range(cfg.producers):
-        if metrics_base is None or metrics_base < 0:
-            port = -1
-        else:
-            port = 0 if metrics_base == 0 else metrics_base + 1 + i
-        opts = ProduceOptions(worker=i, metrics_port=port, exit_with_parent=True)
-        spec = json.dumps({"cfg": asdict(cfg), "opts": asdict(opts), "log_level": log_level})
-        p = subprocess.Popen([sys.executable, "-m", "lmpipe.procs"], stdin=subprocess.PIPE, env=env)
-        assert p.stdin is not None
-        p.stdin.write(spec.encode())
-        p.stdin.close()
-        procs.append(p)
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(cfg.producers):
+            if metrics_base is None or metrics_base < 0:
+                port = -1
+            else:
+                port = 0 if metrics_base == 0 else metrics_base + 1 + i
+            opts = ProduceOptions(worker=i, metrics_port=port, exit_with_parent=True)
+            spec = json.dumps({"cfg": asdict(cfg), "opts": asdict(opts), "log_level": log_level})
+            p = subprocess.Popen([sys.executable, "-m", "lmpipe.procs"], stdin=subprocess.PIPE, env=env)
+            procs.append(p)
+            assert p.stdin is not None
+            p.stdin.write(spec.encode())
+            p.stdin.close()
+    except BaseException:  # Ctrl-C or a failed start half-way: the ones started go too, nobody holds them
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
     return procs
 
 
