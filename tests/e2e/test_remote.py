@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 import time
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -26,56 +21,16 @@ from lmpipe.producer.sources import Corpus
 from lmpipe.producer.stream import DocStream
 from tests.corpora import FORMATS, builtin_docs, token_lengths, write, write_finetune_corpus
 from tests.helpers import (
-    REPO,
     assert_exactly_once,
-    free_ports,
     lmpipe_env,
     read_doc_log,
     steps_logged,
     wait_until,
 )
+from tests.s3server import S3Server
 
 BUCKET = "corpora"
 MIXED = ("jsonl.gz", "jsonl.zst", "parquet", "arrow-file")  # one file each in s3://corpora/mixed/, then hf/
-
-
-class S3Server:
-    """tests/s3server.py in its own process: a real HTTP server that a test can kill -9 and restart."""
-
-    def __init__(self, root: Path, log: Path):
-        self.root, self.log = root, log
-        self.port = free_ports(2)
-        self.proc: subprocess.Popen | None = None
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-
-    def env(self) -> dict[str, str]:
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }
-
-    def start(self) -> None:
-        before = self.starts
-        out = open(self.log, "ab")  # noqa: SIM115 - lives as long as the server
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.s3server", "--port", str(self.port), "--root", str(self.root)],
-            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while self.starts == before:
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-2000:]
-            time.sleep(0.05)
-
-    @property
-    def starts(self) -> int:
-        return self.log.read_text(errors="replace").count("s3 server ready") if self.log.exists() else 0
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 def short_docs(n: int) -> list[str | None]:

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +17,7 @@ from lmpipe.producer.sources import Corpus
 from lmpipe.shared import messages
 from lmpipe.shared.config import PipelineConfig
 from tests.faultproxy import FaultProxy
-from tests.helpers import REPO, free_ports
+from tests.s3server import S3Server
 
 BUCKET = "corp"
 
@@ -35,20 +31,10 @@ def s3(tmp_path_factory):
         path.write_text(
             "".join(json.dumps({"text": f"document {k}.{i} of the test"}) + "\n" for i in range(20))
         )
-    log = tmp_path_factory.mktemp("s3log") / "server.log"
-    port = free_ports(1)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.s3server", "--port", str(port), "--root", str(root)],
-            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-        )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while "s3 server ready" not in log.read_text(errors="replace"):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-        time.sleep(0.05)
-    yield port
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    server = S3Server(root, tmp_path_factory.mktemp("s3log") / "server.log")
+    server.start()
+    yield server.port
+    server.kill()
 
 
 @pytest.fixture

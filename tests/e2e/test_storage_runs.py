@@ -6,12 +6,7 @@ the producer's storage wait and as the trainer's data wait, with every document 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
@@ -24,7 +19,8 @@ from lmpipe.producer.sources import Corpus
 from lmpipe.shared.settings import SettingsError
 from tests.corpora import token_lengths
 from tests.faultproxy import FaultProxy
-from tests.helpers import REPO, assert_exactly_once, free_ports, lmpipe_env, read_doc_log, small_run
+from tests.helpers import assert_exactly_once, free_ports, lmpipe_env, read_doc_log, small_run
+from tests.s3server import S3Server
 
 PARTS = 6  # objects of s3://named/parts/, one line a document
 DOCS = 60  # documents of s3://outage/
@@ -44,17 +40,9 @@ def s3(tmp_path_factory):
     for name, ids in (("a", range(2)), ("b", range(2, DOCS))):
         lines = "".join(json.dumps({"text": _doc(9, i)}) + "\n" for i in ids)
         (root / "outage" / f"{name}.jsonl").write_text(lines)
-    log = tmp_path_factory.mktemp("s3log") / "server.log"
-    port = free_ports(1)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.s3server", "--port", str(port), "--root", str(root)],
-            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-        )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while "s3 server ready" not in log.read_text(errors="replace"):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-        time.sleep(0.05)
+    server = S3Server(root, tmp_path_factory.mktemp("s3log") / "server.log")
+    server.start()
+    port = server.port
     env = {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
@@ -65,8 +53,7 @@ def s3(tmp_path_factory):
             mp.setenv(k, v)
         _fresh_filesystems()
         yield port, env
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    server.kill()
     _fresh_filesystems()
 
 
