@@ -4,7 +4,8 @@
 
     with Loader(data=["corpus/"], seq_len=1024, batch_size=8, producers=2, device="cuda") as loader:
         for batch in loader:            # dict[str, torch.Tensor] on the device (consumer/batchdict.py)
-            loss = model(**batch_for_model(batch)).loss
+            loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                         labels=batch["labels"], use_cache=False).loss
             ...
             torch.save({"model": ..., "loader": loader.state_dict()}, "ckpt.pt")
 
