@@ -20,16 +20,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmpipe.consumer.inputs import document_block_mask, document_causal_mask_mod, positions, targets_for
+from lmpipe.consumer.inputs import (
+    document_block_mask,
+    document_causal_mask_mod,
+    piece_starts,
+    positions,
+    targets_for,
+)
 from lmpipe.consumer.model import IGNORE
 
 
 def cu_seqlens_exact(seg_host: np.ndarray) -> np.ndarray:
-    """Where each document piece starts in the flattened [B * L] batch, then B * L (int32, unpadded)."""
-    B, L = seg_host.shape
-    new = np.ones((B, L), dtype=bool)
-    new[:, 1:] = seg_host[:, 1:] != seg_host[:, :-1]
-    return np.append(np.flatnonzero(new.ravel()), B * L).astype(np.int32)
+    """inputs.piece_starts, then B * L (int32, unpadded)."""
+    return np.append(piece_starts(seg_host), seg_host.size).astype(np.int32)
 
 
 def labels_from_targets(targets: torch.Tensor) -> torch.Tensor:

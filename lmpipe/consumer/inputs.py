@@ -21,17 +21,22 @@ from lmpipe.shared.config import PipelineConfig
 MIN_BUCKET = 64
 
 
-def cu_seqlens_host(seg_host: np.ndarray) -> np.ndarray:
-    """Where each document piece starts in the flattened [B * L] batch, then B * L, padded to a bucket (the
-    next power of two of the piece count, at least MIN_BUCKET) by repeating B * L: empty documents. This is
-    `--attention flash`'s mask (consumer/fast/flash.py).
-
-    A piece is a run of equal `seg` inside one row: a new row always starts a new piece, even where the
-    same document carries on (attention never crosses rows)."""
+def piece_starts(seg_host: np.ndarray) -> np.ndarray:
+    """Where each document piece starts in the flattened [B * L] batch. A piece is a run of equal `seg`
+    inside one row: a new row always starts a new piece, even where the same document carries on (attention
+    never crosses rows)."""
     B, L = seg_host.shape
     new = np.ones((B, L), dtype=bool)
     new[:, 1:] = seg_host[:, 1:] != seg_host[:, :-1]
-    starts = np.flatnonzero(new.ravel())
+    return np.flatnonzero(new.ravel())
+
+
+def cu_seqlens_host(seg_host: np.ndarray) -> np.ndarray:
+    """piece_starts, then B * L, padded to a bucket (the next power of two of the piece count, at least
+    MIN_BUCKET) by repeating B * L: empty documents. This is `--attention flash`'s mask
+    (consumer/fast/flash.py)."""
+    B, L = seg_host.shape
+    starts = piece_starts(seg_host)
     bucket = max(MIN_BUCKET, 1 << int(len(starts)).bit_length())  # > len(starts): room for the end
     cu = np.full(bucket, B * L, dtype=np.int32)
     cu[: len(starts)] = starts
