@@ -58,6 +58,9 @@ class PipelineError(ValueError):
     line and exits non-zero."""
 
 
+BYE_GRACE = 0.5  # seconds a closed control connection's producer has for its bye to be read
+
+
 class Coordinator:
     def __init__(
         self,
@@ -85,6 +88,8 @@ class Coordinator:
         self.stop_reason = ""
         self.awaiting_bye: dict[bytes, str] = {}  # identity -> "p1 (host:pid)" told to stop, not yet gone
         self.all_said_bye = asyncio.Event()
+        # identity -> (fd, when its connection closed): left as `closed` once BYE_GRACE passed without its bye
+        self._closing: dict[bytes, tuple[int, float]] = {}
         for w in range(len(ledger)):
             metrics.stream_resets.labels(str(w))
         self._publish()  # every open shard is unserved until producers come (the ShardsUnserved alert)
@@ -130,7 +135,8 @@ class Coordinator:
         try:
             while True:
                 try:
-                    got = await asyncio.wait_for(router.recv_multipart(copy=False), timeout=1.0)
+                    wait = BYE_GRACE / 2 if self._closing else 1.0
+                    got = await asyncio.wait_for(router.recv_multipart(copy=False), timeout=wait)
                 except (TimeoutError, zmq.Again):  # zmq.Again: woken with nothing to read
                     got = None
                 for fd in conns.closed():  # first: the message may come on a new connection, a reused fd
@@ -153,9 +159,15 @@ class Coordinator:
         now = time.monotonic()
         if not self._settled and self._first_hello is not None and now - self._first_hello >= SETTLE_SECONDS:
             self._settle()
+        for identity, (fd, at) in list(self._closing.items()):
+            if now - at >= BYE_GRACE:
+                del self._closing[identity]
+                p = self.producers.get(identity)
+                if p is not None and p.fd == fd:  # not back on a new connection meanwhile
+                    self._leave(p, "connection closed", "closed")
         for p in list(self.producers.values()):
             if now - p.last_seen > HOLDER_SILENCE:
-                self._leave(p, f"silent for {now - p.last_seen:.0f} s")
+                self._leave(p, f"silent for {now - p.last_seen:.0f} s", "silent")
         if not self.stopping.is_set():  # frozen once the run is over: the last scrape shows who served it
             self.metrics.producers.set(self.connected(now))
 
@@ -164,7 +176,9 @@ class Coordinator:
         for p in list(self.producers.values()):
             if p.fd == fd:
                 self._said_bye(p.identity)  # gone is as good as a `bye` to a stopping trainer
-                self._leave(p, "connection closed")
+                # Its bye may still be queued behind the close (the monitor reports the close on a socket
+                # of its own): wait BYE_GRACE for it before counting the producer as lost.
+                self._closing[p.identity] = (fd, time.monotonic())
 
     def _control(self, frames: list[bytes], fd: int = -1) -> None:
         if len(frames) != 2:
@@ -189,6 +203,13 @@ class Coordinator:
             return
         if isinstance(msg, messages.Hello):
             self._hello(identity, msg, fd)
+        elif isinstance(msg, messages.Bye):  # a producer stopped (a signal, a scale-down): not lost
+            if (p := self.producers.get(identity)) is None:
+                self._reject("bad_control", "a bye from no producer of this session")
+                return
+            self._count_skipped(msg.skipped)
+            self._closing.pop(identity, None)
+            self._leave(p, "said goodbye", "bye")
         else:
             self._reject(
                 "bad_control", f"a producer sent {type(msg).__name__.lower()}, only hello is expected"
@@ -312,10 +333,11 @@ class Coordinator:
 
     # -- who holds what -----------------------------------------------------------------------------
 
-    def _leave(self, p: Producer, why: str) -> None:
+    def _leave(self, p: Producer, why: str, reason: str) -> None:
+        """`reason`: the label of lmpipe_trainer_producer_leaves_total (metrics.LEAVE_REASONS)."""
         if self.producers.pop(p.identity, None) is None:
             return
-        self.metrics.producer_leaves.inc()
+        self.metrics.producer_leaves.labels(reason).inc()
         if self.stopping.is_set():
             return  # the run is over: nothing to hand on
         if not self._settled:  # it held nothing yet
@@ -389,7 +411,7 @@ class Coordinator:
                 p.identity,
                 messages.Refuse(f"the trainer stopped shard {shard}: {reason}. {ADVICE}"),
             )
-            self._leave(p, f"stopped with shard {shard}")
+            self._leave(p, f"stopped with shard {shard}", "stopped")
 
     # -- sending ------------------------------------------------------------------------------------
 

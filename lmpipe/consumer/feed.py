@@ -75,7 +75,9 @@ class DeviceFeed:
             try:
                 item = self.receiver.ready.get(timeout=0.01)
             except queue.Empty:
-                waited += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                waited += dt
+                self.metrics.data_waiting.inc(dt)
                 self.release_done()
                 self.check_receiver()
                 now = time.monotonic()
@@ -85,7 +87,9 @@ class DeviceFeed:
                 if self.wait_timeout and waited > self.wait_timeout:  # checked every poll, not every 10 s
                     return got, waited, f"no data for {waited:.0f} s (--wait-timeout {self.wait_timeout:g})"
                 continue
-            waited += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            waited += dt
+            self.metrics.data_waiting.inc(dt)
             last_news = time.monotonic()
             self.metrics.ready_slots.set(self.receiver.ready.qsize())
             if isinstance(item, EndOfStream):

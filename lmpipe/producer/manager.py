@@ -238,6 +238,9 @@ class Producer:
         if signum is not None:
             log.info("%s: stopping", signal.Signals(signum).name)
             self.interrupted = True
+            self._bye_due = (
+                True  # a stop of its own (scale-down, Ctrl-C): the trainer counts it as a leave, not a loss
+            )
         self._stop = True
         self._stopping.set()
 

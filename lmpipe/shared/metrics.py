@@ -52,6 +52,7 @@ REJECT_REASONS = (
 STALE_REASONS = ("old_session", "duplicate", "gap", "not_holder")
 # Why the trainer turned a producer's hello away; each makes the producer exit 2 (nothing is retried). Since
 # the trainer assigns shards, no worker id can be taken or held: `bad_worker_id` and `busy` are gone.
+LEAVE_REASONS = ("bye", "closed", "silent", "stopped")  # lmpipe_trainer_producer_leaves_total{reason}
 REFUSAL_REASONS = ("config_mismatch", "wire_version", "worker_stopped", "malformed")
 HANDSHAKE_RESULTS = ("welcome", "refuse")
 CACHES = ("causal_mask",)
@@ -304,6 +305,14 @@ class TrainerMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+        # Counted while the wait lasts, not when a step ends: its rate is the share of wall time spent
+        # waiting, 1 for a trainer starved of every batch (where the histogram, observed per step, stands
+        # still and a ratio over the step time is 0/0).
+        self.data_waiting = Counter(
+            "lmpipe_trainer_data_waiting_seconds",
+            "Time the step loop has waited for batches, counted as it waits",
+            registry=r,
+        )
         self.h2d = Histogram(
             "lmpipe_trainer_h2d_seconds",
             "Host-to-device copy time of one batch",
@@ -338,9 +347,14 @@ class TrainerMetrics:
         )
         self.producer_leaves = Counter(
             "lmpipe_trainer_producer_leaves",
-            "Producers that left (connection closed, silent, or stopped); their shards go to the others",
+            "Producers that left, by reason: bye (it said so: stopped or scaled down), closed (its connection "
+            "closed without a bye: killed, crashed, host gone), silent (no hello for 40 s), stopped (the "
+            "trainer stopped it); their shards go to the others",
+            ["reason"],
             registry=r,
         )
+        for reason in LEAVE_REASONS:  # 0 before the first: `increase` sees the first leave
+            self.producer_leaves.labels(reason)
         self.shards_per_producer = Gauge(
             "lmpipe_trainer_shards_per_producer",
             "Open shards held by the least (stat=min) and most (stat=max) loaded producer",

@@ -19,7 +19,7 @@ from tests.helpers import free_port_pair, free_ports, wait_until
 RULES = render_prometheus.RULES
 RULE_TESTS = RULES.with_name("lmpipe.rules.test.yml")
 ALERTS = {
-    "TrainerDown", "TrainerNoProgress", "DataWaitHigh", "ProducerDown", "ShardsUnserved",
+    "TrainerDown", "TrainerNoProgress", "DataWaitHigh", "ProducerDown", "ProducerLost", "ShardsUnserved",
     "LossScaleOverflowStorm", "StaleCheckpoint",
 }  # fmt: skip
 
@@ -52,6 +52,16 @@ def test_promtool_checks_the_rules_and_their_unit_tests_pass():
     "alert, old, new, caught",
     [
         ("DataWaitHigh", "> 0.05", "> 0.5", ""),  # a bound ten times too loose
+        # the rule before: a ratio over the step time, 0/0 (never firing) for a trainer starved of every batch
+        (
+            "DataWaitHigh",
+            "sum by (job, instance) (rate(lmpipe_trainer_data_waiting_seconds_total[5m])) > 0.05",
+            "sum by (job, instance) (rate(lmpipe_trainer_data_wait_seconds_sum[5m]))"
+            " / sum by (job, instance) (rate(lmpipe_trainer_step_seconds_sum[5m])) > 0.05",
+            "alertname: DataWaitHigh, time: 15m",
+        ),
+        # a scale-down's producers said bye: counting them too alerts on every deliberate scale-down
+        ("ProducerLost", '{reason=~"closed|silent"}', "", "alertname: ProducerLost, time: 25m"),
         (
             "TrainerNoProgress",
             "lmpipe_trainer_global_step",
@@ -93,9 +103,11 @@ def test_the_unit_tests_catch_a_broken_rule(tmp_path, alert, old, new, caught):
 
 @pytest.mark.slow
 def test_shards_unserved_stays_0_through_a_scale_down_and_counts_the_shards_once_all_producers_left(procs):
-    """What ShardsUnserved reads, from a real trainer: every shard before a producer comes; none while
-    producers scale from 3 down to 1 (fewer than --producers: the rule before elastic producers fired
-    here); all open shards again once the last producer left."""
+    """What ShardsUnserved, DataWaitHigh and ProducerLost read, from a real trainer: every shard before a
+    producer comes, and the starved trainer's wait counted;
+    none while producers scale from 3 down to 1 (fewer than --producers: the rule before elastic producers
+    fired here), each leaver counted as a bye; all open shards again once the last producer was killed,
+    counted as a leave without one."""
     port, mport = free_port_pair(), free_ports(1)
     shards = 6
     common = ["--port", str(port), "--producers", "3", "--builtin-docs", "100000", "--seq-len", "64",
@@ -108,6 +120,9 @@ def test_shards_unserved_stays_0_through_a_scale_down_and_counts_the_shards_once
         return scrape(mport).get(f"lmpipe_trainer_{name}")
 
     assert wait_for_scrape(mport).get("lmpipe_trainer_shards_unserved") == shards, "nothing served yet"
+    # what DataWaitHigh reads: a trainer starved of every batch ends no step, yet counts its wait
+    wait_until(lambda: gauge("data_waiting_seconds_total") >= 2, 60, "the starved trainer's wait counted")
+    assert gauge("global_step") == 0
     producers = [procs.start("produce", *common, "--metrics-port", "-1", name=f"p{i}") for i in range(3)]
     wait_until(lambda: gauge("producers_connected") == 3, 60, "3 producers connected")
     assert gauge("shards_unserved") == 0
@@ -117,7 +132,14 @@ def test_shards_unserved_stays_0_through_a_scale_down_and_counts_the_shards_once
     wait_until(lambda: gauge("producers_connected") == 1, 30, "1 producer left")
     assert gauge("producers_expected") == 3 and gauge("shards_unserved") == 0, "its shards were handed on"
     assert "holds shards" in procs.log(trainer) and "moved" in procs.log(trainer)
-    producers[0].terminate()
-    assert procs.wait(producers[0], 30) == 0
-    wait_until(lambda: gauge("shards_unserved") == shards, 30, "every shard unserved")
+
+    def leaves() -> dict[str, float]:
+        return scrape(mport).by_label("lmpipe_trainer_producer_leaves_total", "reason")
+
+    # what ProducerLost reads: the scaled-down producers said bye (no alert); a killed one did not
+    assert leaves() == {"bye": 2, "closed": 0, "silent": 0, "stopped": 0}
+    producers[0].kill()
+    procs.wait(producers[0], 30)
+    wait_until(lambda: gauge("shards_unserved") == shards, 60, "every shard unserved")
+    assert leaves() == {"bye": 2, "closed": 1, "silent": 0, "stopped": 0}
     assert trainer.poll() is None, procs.log(trainer)[-3000:]

@@ -80,7 +80,8 @@ def test_every_metric_the_dashboard_uses_is_exported():
     for needle in (
         "rate(lmpipe_producer_tokens_total",
         "rate(lmpipe_trainer_tokens_total",
-        "rate(lmpipe_trainer_data_wait_seconds_sum[$__rate_interval])) / sum(rate(lmpipe_trainer_step_seconds_sum",
+        # counted while the trainer waits: 100% for a starved one (a ratio over step time is 0/0 there)
+        "sum(rate(lmpipe_trainer_data_waiting_seconds_total[$__rate_interval]))",
         "histogram_quantile(0.5, sum by (le) (rate(lmpipe_trainer_step_seconds_bucket",
         "histogram_quantile(0.99, sum by (le) (rate(lmpipe_trainer_step_seconds_bucket",
         "sum by (strategy) (rate(lmpipe_producer_padding_tokens_total",
@@ -94,8 +95,8 @@ def test_every_metric_the_dashboard_uses_is_exported():
         "sum by (reason) (rate(lmpipe_trainer_batches_rejected_total",
         "sum by (reason) (rate(lmpipe_trainer_stale_batches_total",
         "lmpipe_trainer_producers_connected",
-        "rate(lmpipe_producer_send_blocked_seconds_total",
-        "rate(lmpipe_producer_storage_wait_seconds_total",
+        'rate(lmpipe_producer_send_blocked_seconds_total{instance=~"$producer"}',
+        'rate(lmpipe_producer_storage_wait_seconds_total{instance=~"$producer"}',
         "sum by (kind) (lmpipe_trainer_gpu_memory_bytes)",
         "lmpipe_trainer_mfu_ratio",
         "max(lmpipe_trainer_global_step)",  # survives resume, unlike steps_total
@@ -103,12 +104,39 @@ def test_every_metric_the_dashboard_uses_is_exported():
         "sum(lmpipe_trainer_checkpoint_seconds_sum) / sum(lmpipe_trainer_checkpoint_seconds_count)",
         "sum by (reason) (rate(lmpipe_trainer_handshake_refusals_total",
         # producers serve shards that move between them: their series are told apart by replica (instance)
-        "max by (instance) (lmpipe_producer_epoch)",
-        "max by (instance) (lmpipe_producer_cursor_position)",
-        "sum by (instance) (rate(lmpipe_producer_batches_sent_total",
+        'max by (instance) (lmpipe_producer_epoch{instance=~"$producer"})',
+        'max by (instance) (lmpipe_producer_cursor_position{instance=~"$producer"})',
+        'sum by (instance) (rate(lmpipe_producer_batches_sent_total{instance=~"$producer"}',
         "max by (stat) (lmpipe_trainer_shards_per_producer)",
         "sum(increase(lmpipe_trainer_producer_joins_total",
+        "sum by (reason) (increase(lmpipe_trainer_producer_leaves_total",
     ):
         assert needle in exprs, needle
     titles = [p["title"] for p in dashboard_panels()]
     assert any("add producers" in t and "data wait" in t.lower() for t in titles), titles
+
+
+def test_the_per_producer_panels_follow_the_producer_variable():
+    """A job with many producers: every per-replica query is filtered by the `producer` variable (all by
+    default), and every variable a query uses is defined."""
+    d = dashboard()
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    prod = variables["producer"]
+    assert prod["multi"] and prod["includeAll"] and prod["allValue"] == ".*"
+    assert "label_values(lmpipe_producer_" in prod["definition"] and ", instance)" in prod["definition"]
+    per_replica = [e for e in dashboard_exprs() if "by (instance)" in e and "lmpipe_producer_" in e]
+    assert len(per_replica) >= 5
+    for expr in per_replica:
+        for selector in re.findall(r"lmpipe_producer_[a-z_]+(\{[^}]*\})?", expr):
+            assert selector == '{instance=~"$producer"}', expr
+    for expr in dashboard_exprs():
+        for var in re.findall(r"\$(\w+)", expr):
+            assert var.startswith("__") or var in variables, f"${var} in {expr} is not a dashboard variable"
+
+
+def test_the_checkpoint_step_is_not_drawn_in_seconds():
+    (panel,) = [p for p in dashboard_panels() if "max(lmpipe_trainer_checkpoint_step)" in str(p["targets"])]
+    assert panel["fieldConfig"]["defaults"]["unit"] == "s"  # the age and the write time
+    legend = next(t["legendFormat"] for t in panel["targets"] if "checkpoint_step" in t["expr"])
+    (override,) = [o for o in panel["fieldConfig"]["overrides"] if o["matcher"]["options"] == legend]
+    assert {"id": "unit", "value": "none"} in override["properties"]

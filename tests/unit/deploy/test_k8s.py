@@ -154,7 +154,7 @@ def test_every_metric_the_autoscaler_names_is_exported():
     for q in queries:
         names = metric_names(q)
         assert names and not names - set(known), f"not in shared/metrics.py: {sorted(names - set(known))}"
-        assert "lmpipe_trainer_data_wait_seconds_sum" in names, "scaled on the trainer's data wait"
+        assert "lmpipe_trainer_data_waiting_seconds_total" in names, "scaled on the trainer's data wait"
 
 
 def _rule_test(tmp_path, series: dict[str, str], want: float) -> subprocess.CompletedProcess:
@@ -183,7 +183,9 @@ def _rule_test(tmp_path, series: dict[str, str], want: float) -> subprocess.Comp
 @pytest.mark.parametrize(
     "case, wait_per_min, blocked_per_min, want",
     [
-        ("starved: data wait 40% of step time", 24, 0, 2 / 0.6),
+        ("starved: data wait 40% of the time", 24, 0, 2 / 0.6),
+        # no step ends: a ratio over the step time was 0/0 here, and KEDA saw no value at all
+        ("starved of every batch", 60, 0, 2 / 0.2),
         ("producers blocked half the time", 0, 30, 1),
         ("balanced", 0, 0, 2),
     ],
@@ -195,7 +197,7 @@ def test_the_autoscaling_query_asks_for_the_producers_the_trainer_needs(
     series = {
         'lmpipe_trainer_producers_connected{job="trainer"}': "2+0x20",
         'lmpipe_trainer_step_seconds_sum{job="trainer"}': "0+60x20",
-        'lmpipe_trainer_data_wait_seconds_sum{job="trainer"}': f"0+{wait_per_min}x20",
+        'lmpipe_trainer_data_waiting_seconds_total{job="trainer"}': f"0+{wait_per_min}x20",
         'lmpipe_producer_send_blocked_seconds_total{job="producer",worker="0"}': f"0+{blocked_per_min}x20",
         'lmpipe_producer_send_blocked_seconds_total{job="producer",worker="1"}': f"0+{blocked_per_min}x20",
     }
