@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +34,21 @@ from lmpipe.shared.wire import WireError
 log = logging.getLogger("lmpipe.producer")
 
 TICK = 0.05  # seconds: the longest the thread sleeps between looks at its sockets and flags
+
+
+def unresolved(endpoint: str) -> str:
+    """'': a tcp:// endpoint whose host resolves (or an ipc:// one); else why not, for the waiting line.
+    ZeroMQ retries an unresolvable name quietly forever; this says so (the name may appear later, as a
+    Kubernetes Service's does, so the producer keeps waiting)."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f": the host name {host!r} does not resolve ({exc})"
+    return ""
+
 
 # what the thread hands over: ("msg", raw bytes), ("event", a monitor event), ("error", HandshakeFailed)
 Item = tuple[str, Any]
@@ -98,7 +114,12 @@ class ControlChannel:
                     last_hello = now
                     self._watch.stalled(now)  # connected, never authenticated: say why instead of waiting
                     if not self._serving() and now - logged > 10:
-                        log.info("waiting for the trainer at %s (%.0f s)", self._waiting_for, now - started)
+                        log.info(
+                            "waiting for the trainer at %s (%.0f s)%s",
+                            self._waiting_for,
+                            now - started,
+                            unresolved(self._waiting_for),
+                        )
                         logged = now
                 wait = max(0.0, min(TICK, last_hello + self.every - time.monotonic()))
                 for sock, _ in poller.poll(timeout=int(1e3 * wait)):

@@ -194,7 +194,15 @@ def load_tokenizer(path: str | Path | None = None, data: Sequence[str] = ()) -> 
     if p.is_dir():
         raise FileNotFoundError(f"{p} is a directory; name its tokenizer.json")
     if not p.is_file():
-        raise FileNotFoundError(f"tokenizer file not found: {p}")
+        hint = ""
+        if p.suffix.lower() != ".json" and len(p.parts) <= 2 and not p.is_absolute():  # `gpt2`, `org/model`
+            hint = (
+                "; --tokenizer takes a tokenizer.json file (Hugging Face tokenizers' format), not a model "
+                "name: nothing is downloaded. Save one where it can be read (e.g. "
+                "AutoTokenizer.from_pretrained(NAME).backend_tokenizer.save('tokenizer.json') on a machine "
+                "with the model), or train one with `lmpipe tokenizer train`; leave it out for the built-in one"
+            )
+        raise FileNotFoundError(f"tokenizer file not found: {p}{hint}")
     st = p.stat()
     key = (str(p.resolve()), st.st_mtime_ns, st.st_size)
     info = _loaded.get(key)

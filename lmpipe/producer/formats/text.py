@@ -33,6 +33,7 @@ def text_records(
     lines: list[str] = []
     warnings: list[tuple[str, str, str]] = []
     start = 0
+    seen_heading = False
 
     def flush() -> Record:
         text = "\n".join(lines).strip()
@@ -83,9 +84,14 @@ def text_records(
             else:  # blank: a blank line ends a document; line: every line is one
                 boundary = blank or doc_split == "line"
             if boundary and (lines or warnings):
-                yield flush()
+                rec = flush()
+                # the blank lines before a file's first heading (WikiText's preamble) are not a document the
+                # user wrote: no record, not a bad one (its record id stays used: numbering is unchanged)
+                if not (doc_split == "heading" and rec.bad and rec.bad[0] == "empty" and not seen_heading):
+                    yield rec
                 rid += 1
                 lines, warnings = [], []
+            seen_heading = seen_heading or (doc_split == "heading" and boundary)
             if doc_split != "heading" and blank:
                 continue
         elif doc_split == "line" and (lines or warnings):  # a skipped line is a document too: its own record
