@@ -163,13 +163,13 @@ class CheckpointWriter:
         if (running := self.in_flight) is not None:
             log.warning(
                 "checkpoint step %d is due while the write of step %d is still running (%.1f s so far); "
-                "waiting for it (writes take longer than --checkpoint-every steps of training)",
+                "waiting for it (one write at a time)",
                 step, running, time.monotonic() - self._started,
             )  # fmt: skip
         self._join()
-        self.last_step = step
         if self.snapshot is None:
             self._written(step, self.manager.save(step, header, state), time.perf_counter() - t0)
+            self.last_step = step
             self.metrics.checkpoint_blocked_seconds.observe(blocked := time.perf_counter() - t0)
             return blocked
         first = not self.snapshot.nbytes
@@ -178,7 +178,7 @@ class CheckpointWriter:
         if first:
             log.info("checkpoint snapshots go to %.2f GiB of %shost memory, allocated now and reused",
                      self.snapshot.nbytes / 2**30, "pinned " if self.snapshot.cuda else "")  # fmt: skip
-        self._step, self._started = step, time.monotonic()
+        self.last_step, self._step, self._started = step, step, time.monotonic()
         self._thread = threading.Thread(
             target=self._write, args=(step, header, state, blocked), name="checkpoint-writer", daemon=True
         )

@@ -2,7 +2,7 @@
 
 A trainer killed (kill -9) while a background write is in flight leaves the checkpoint before it as the
 latest and complete one, and the resumed run trains every document exactly once (doc-log accounting, as in
-test_resume.py); a write that fails stops the run in one line. The write is made slow on purpose by the
+test_resume.py); a write that fails stops the run in one line; SIGTERM waits for the write in flight. The write is made slow on purpose by the
 test hook LMPIPE_TEST_CHECKPOINT_WRITE_DELAY (consumer/checkpoint.py): seconds slept after the checkpoint's
 files are written in their temporary folder, before the rename.
 """
@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-from lmpipe.consumer.checkpoint import TEST_WRITE_DELAY
+from lmpipe.consumer.checkpoint import TEST_WRITE_DELAY, CheckpointManager
 from tests.helpers import (
     REPO,
     assert_exactly_once,
@@ -86,3 +86,22 @@ def test_a_failing_background_write_stops_the_run_in_one_line(tmp_path, port):
     assert len(said) == 1 and "[trainer]" in said[0], out
     assert not list(ck.glob("step-*")), "nothing half-written took a checkpoint's name"
     assert "summary:" not in out, "the run stopped at the failure, it did not go on to its end"
+
+
+def test_sigterm_during_a_background_write_waits_for_it_and_says_so(procs, tmp_path, port):
+    ck = tmp_path / "ck"
+    p = procs.start("run", *small_run(port, steps=0, builtin_docs=400, seq_len=64, batch_size=4, producers=1),
+                    "--checkpoint-dir", str(ck), "--checkpoint-every", "2", "--checkpoint-mode", "async",
+                    name="trainer", env={**lmpipe_env(), TEST_WRITE_DELAY: "3"})  # fmt: skip
+    wait_until(lambda: any((d / "header.json").is_file() for d in ck.glob(".step-00000002.tmp-*")), 120,
+               "the background write of step 2")  # fmt: skip
+    os.kill(p.pid, signal.SIGTERM)
+    assert procs.wait(p, timeout=120) == 0, procs.log(p)[-3000:]
+    text = procs.log(p)
+    last = CheckpointManager(ck).latest()
+    assert last is not None  # the step it stopped at: 2, or a later one it was training when the signal came
+    assert f"SIGTERM: waiting for the checkpoint write of step {int(last.name[5:])} in flight" in text, text[
+        -3000:
+    ]
+    assert "step-00000002 written" in text, "the write in flight when the signal came landed"
+    assert not list(ck.glob(".step-*.tmp-*"))
