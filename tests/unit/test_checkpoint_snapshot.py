@@ -17,9 +17,9 @@ from tests.helpers import tiny_model
 CPU = torch.device("cpu")
 
 
-def trained(steps: int = 1):
-    model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def trained(steps: int = 1, device: torch.device = CPU):
+    model = tiny_model().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=device.type == "cuda")
     for _ in range(steps):
         train_step(model, opt)
     return model, opt
@@ -41,8 +41,8 @@ def live_state(model, opt, cursors) -> dict:
 def frozen(state) -> dict:
     """What `state` holds now, cloned (the expectation)."""
     return {
-        "model": {k: v.clone() for k, v in state["model"].items()},
-        "exp_avg": {k: s["exp_avg"].clone() for k, s in state["optimizer"]["state"].items()},
+        "model": {k: v.cpu().clone() for k, v in state["model"].items()},
+        "exp_avg": {k: s["exp_avg"].cpu().clone() for k, s in state["optimizer"]["state"].items()},
         "lr": state["optimizer"]["param_groups"][0]["lr"],
         "workers": [[dict(w, cursor=dict(w["cursor"])) for w in rank] for rank in state["workers"]],
     }
@@ -87,6 +87,24 @@ def test_a_snapshot_is_not_changed_by_later_steps_and_reuses_its_buffers():
     again = snapper.take(live_state(model, opt, workers))
     assert snapper.nbytes == size
     assert again["model"]["lm_head.weight"].data_ptr() == snap["model"]["lm_head.weight"].data_ptr()
+
+
+@pytest.mark.cuda
+def test_a_cuda_snapshot_waits_for_the_queued_step_and_lands_in_pinned_memory():
+    cuda = torch.device("cuda")
+    model, opt = trained(device=cuda)
+    workers = cursors()
+    train_step(model, opt)  # queued on the GPU, not waited for: the snapshot must copy what it leaves
+    state = live_state(model, opt, workers)
+    snapper = HostSnapshot(cuda)
+    snap = snapper.take(state)
+    torch.cuda.synchronize()
+    expected = frozen(state)
+    train_on_and_consume(model, opt, workers)
+    torch.cuda.synchronize()
+    assert_holds(snap, expected)
+    assert all(b.is_pinned() for b in snapper._buffers.values())
+    assert snap["model"]["lm_head.weight"].device.type == "cpu"
 
 
 def test_a_background_write_holds_the_snapshotted_step_not_what_training_did_meanwhile(tmp_path, monkeypatch):
