@@ -7,7 +7,8 @@ The same pipeline-fed run three times in one process: no checkpoints, --checkpoi
 over the timed steps (checkpoints included) and its ratio to the run without; the time the step loop
 stopped per checkpoint (async: the copy of the state into pinned host memory, and any wait for the previous
 write; sync: the whole write), median and worst; and how long each write took (async: in the background).
-The first checkpoint, which allocates the host buffers in async mode, falls in the untimed warm-up
+The stop is timed around the trainer's whole save_checkpoint (the state's dicts built, the cursors gathered,
+the copy or the write). The first checkpoint, which allocates the host buffers in async mode, falls in the untimed warm-up
 (--warmup 60 > --every 50) and is reported on its own. Writes bench/results/checkpoint-cost-<date>.md.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,16 +48,16 @@ def measure(args: argparse.Namespace, mode: str, tok: str, shards: str) -> Cost:
                  "keep_checkpoints": 2}  # fmt: skip
     pcfg, tcfg = pipeline_config(shards, tok, args), train_config(args, **over)
     trainer = Trainer(pcfg, tcfg)
-    blocked: list[tuple[int, float]] = []  # (step, seconds) per checkpoint, as the writer returns them
-    if trainer.writer is not None:
-        save = trainer.writer.save
+    blocked: list[tuple[int, float]] = []  # (step, seconds in the trainer's save_checkpoint) per checkpoint
+    save = trainer.save_checkpoint
 
-        def timed_save(step, header, state) -> float:
-            seconds = save(step, header, state)
-            blocked.append((step, seconds))
-            return seconds
+    def timed_save():
+        t0 = time.perf_counter()
+        path = save()
+        blocked.append((trainer.step, time.perf_counter() - t0))
+        return path
 
-        trainer.writer.save = timed_save  # type: ignore[method-assign]
+    trainer.save_checkpoint = timed_save  # type: ignore[method-assign]
     records: list[dict] = []
     procs = start_producers(pipeline_argv(pcfg), pcfg.producers)
     try:
@@ -65,14 +67,14 @@ def measure(args: argparse.Namespace, mode: str, tok: str, shards: str) -> Cost:
     timed = [r for r in records if r["step"] - tcfg.log_every >= args.warmup]
     seconds = sum(r["step_seconds"] * tcfg.log_every for r in timed)
     tokens = sum(r["tokens_per_second"] * r["step_seconds"] * tcfg.log_every for r in timed)
-    last = max((r["step"] for r in timed), default=0)
-    in_window = [s for step, s in blocked if args.warmup < step <= last]
+    # the timed steps' checkpoints (not the one at the end of the run, after the last timed step)
+    in_window = [s for step, s in blocked if args.warmup < step < args.warmup + args.steps]
     writes = trainer.metrics.checkpoint_seconds.collect()[0].samples
     total = next((s.value for s in writes if s.name.endswith("_sum")), 0.0)
     count = next((s.value for s in writes if s.name.endswith("_count")), 0.0)
     cost = Cost(tokens / seconds if seconds else 0.0, len(in_window), in_window,
                 blocked[0][1] if blocked else float("nan"), [total / count] if count else [])  # fmt: skip
-    del trainer
+    del trainer.save_checkpoint  # the wrapper refers to the trainer: without it, freed on return
     shutil.rmtree(ck, ignore_errors=True)
     return cost
 
