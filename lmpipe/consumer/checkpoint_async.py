@@ -10,8 +10,8 @@ meanwhile and never touches the copy: what lands on disk is the state and cursor
 
 At most one write is in flight: a checkpoint due while the last one is still being written says so in one
 line and waits for it (the buffers are the last write's until it is done), never queues nor skips. A write
-that failed is raised in the step loop at the next step (consumer/trainer.py), as a synchronous failure
-is, and so is one that fails while the run ends.
+that failed is raised in the step loop at the next step (under torchrun, where only rank 0 knows, at the
+next checkpoint or the run's end, on every rank), as a synchronous failure is (consumer/trainer.py).
 
 Why not torch.distributed.checkpoint.async_save (torchtitan's async checkpointing is built on it): it writes
 DCP's own layout (a .metadata file and one .distcp file per rank, planned for sharded tensors), where an
@@ -39,9 +39,6 @@ from lmpipe.consumer.distributed import Dist
 from lmpipe.shared.metrics import TrainerMetrics
 
 log = logging.getLogger("lmpipe.trainer")
-
-MODES = ("auto", "async", "sync")
-
 
 def resolve_mode(mode: str, device: torch.device) -> str:
     """--checkpoint-mode auto: async on CUDA (the copy to host memory is fast and the GPU goes on), sync
