@@ -40,6 +40,7 @@ from lmpipe.shared.metrics import TrainerMetrics
 
 log = logging.getLogger("lmpipe.trainer")
 
+
 def resolve_mode(mode: str, device: torch.device) -> str:
     """--checkpoint-mode auto: async on CUDA (the copy to host memory is fast and the GPU goes on), sync
     elsewhere (on a CPU the copy costs what the write saves, and a synchronous run is easier to follow)."""
