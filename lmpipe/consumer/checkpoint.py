@@ -8,7 +8,8 @@ Layout: one directory per checkpoint, `<dir>/step-00000100/` holding
 and `<dir>/latest`, a one-line pointer. A checkpoint is written into a temporary directory, fsynced and
 renamed into place, then `latest` is replaced the same way: a crash at any moment leaves either the old
 or the new checkpoint, never half of one. The header is read and compared before any tensor is loaded;
-any mismatch is refused with the field named, and nothing on disk is touched.
+any mismatch is refused with the field named, and nothing on disk is touched. On CUDA the trainer hands
+save() a snapshot in host memory and calls it from a background thread (consumer/checkpoint_async.py).
 """
 
 from __future__ import annotations
@@ -100,15 +101,21 @@ class CheckpointManager:
 
     # -- writing -------------------------------------------------------------------------------------
 
-    def save(self, step: int, header: dict[str, Any], state: dict[str, Any]) -> Path:
-        """Write atomically; returns the checkpoint's directory."""
+    def path(self, step: int) -> Path:
+        """The folder the checkpoint of `step` is (or will be, once written) renamed to."""
+        return self.dir / f"{_PREFIX}{step:08d}"
+
+    def save(self, step: int, header: dict[str, Any], state: dict[str, Any], how: str = "") -> Path:
+        """Write atomically; returns the checkpoint's directory. `how`: said after the write time in the
+        log line (a background write says how long the step loop waited for its snapshot)."""
         t0 = time.perf_counter()
         make_dir(self.dir)
-        final = self.dir / f"{_PREFIX}{step:08d}"
+        final = self.path(step)
         tmp = self.dir / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             self._write(tmp, step, header, state)
+            _test_write_delay()
         # torch.save says a full disk as a RuntimeError ("unexpected pos ...")
         except (OSError, RuntimeError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)  # a partial write would hold the space a retry needs
@@ -125,7 +132,7 @@ class CheckpointManager:
         os.replace(pointer, self.dir / "latest")
         _fsync_dir(self.dir)
         self._prune(final)
-        log.info("checkpoint %s written in %.2f s", final, time.perf_counter() - t0)
+        log.info("checkpoint %s written in %.2f s%s", final, time.perf_counter() - t0, how and f" ({how})")
         return final
 
     def _write(self, tmp: Path, step: int, header: dict[str, Any], state: dict[str, Any]) -> None:
@@ -186,6 +193,17 @@ class CheckpointManager:
             return self.dir / name
         done = self.list()
         return done[-1] if done else None
+
+
+# A test hook, never a setting: seconds to sleep after a checkpoint's files are written and fsynced in their
+# temporary folder, before it is renamed into place, so that a test can kill the trainer while a
+# (background) write is in flight (tests/e2e/test_checkpoint_async.py). Read here and nowhere else.
+TEST_WRITE_DELAY = "LMPIPE_TEST_CHECKPOINT_WRITE_DELAY"
+
+
+def _test_write_delay() -> None:
+    if seconds := float(os.environ.get(TEST_WRITE_DELAY) or 0):
+        time.sleep(seconds)
 
 
 def make_dir(folder: Path) -> None:

@@ -193,6 +193,16 @@ class TrainConfig:
     keep_checkpoints: int = setting(
         3, group=CHECKPOINTS, check=at_least(1), metavar="K", help="keep the last K checkpoints"
     )
+    # async: the step loop waits only for a copy of the state into host memory (pinned, allocated once: the
+    # size of the model and optimizer state); a thread writes it (consumer/checkpoint_async.py, docs/checkpoints.md)
+    checkpoint_mode: str = setting(
+        "auto",
+        group=CHECKPOINTS,
+        choices=("auto", "async", "sync"),
+        help="async: copy the state to host memory at the step, then write it in the background while "
+        "training goes on (one write at a time); sync: stop training until it is written; auto: async on "
+        "CUDA, sync on CPU",
+    )
     resume: str | None = setting(
         None,
         group=CHECKPOINTS,

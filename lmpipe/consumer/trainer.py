@@ -31,6 +31,7 @@ from lmpipe.consumer.checkpoint import (
     more_epochs,
     resolve_resume,
 )
+from lmpipe.consumer.checkpoint_async import CheckpointWriter
 from lmpipe.consumer.config import TrainConfig, per_rank
 from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
@@ -114,6 +115,11 @@ class Trainer:
         self.checkpoints = (
             CheckpointManager(tcfg.checkpoint_dir, tcfg.keep_checkpoints) if tcfg.checkpoint_dir else None
         )
+        self.writer = (  # rank 0 writes
+            CheckpointWriter(self.checkpoints, tcfg.checkpoint_mode, self.device, self.metrics)
+            if self.checkpoints
+            else None
+        )
         self._resume(tcfg, "" if tcfg.consume_only else built.fast_line)
         self._stop_reason = ""
         self.failure: str | None = None  # why the run stopped on a problem (the command then exits 1)
@@ -175,17 +181,29 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Path | None:
-        """Every rank calls this at the same step; rank 0 writes, with every rank's producer cursors."""
-        if self.checkpoints is None:
+        """Every rank calls this at the same step; rank 0 writes, with every rank's producer cursors (async:
+        rank 0 copies the state to host memory and starts its write; the folder it will have is returned)."""
+        if self.writer is None:
             return None
-        t0 = time.perf_counter()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.writer.background:
             torch.cuda.synchronize()
         by_rank = self.dist.gather(self.table.state_dict())
         if not self.dist.is_main:  # rank 0 writes, then says whether it could: a failure stops every rank
             if not self.dist.broadcast(None):
                 raise OSError("rank 0 could not write the checkpoint (its log says why)")
             return None
+        try:
+            self.writer.save(self.step, self._checkpoint_header(), self._checkpoint_state(by_rank))
+        except OSError:
+            self.dist.broadcast(False)
+            raise
+        self.dist.broadcast(True)
+        return self.writer.manager.path(self.step)
+
+    def _checkpoint_state(self, by_rank: list[Any] | None) -> dict[str, Any]:
+        """state.pt: the live state (an async save copies it before training goes on). One entry per part;
+        what decides the data trained next (the cursors, "workers") sits beside the others as an entry of
+        its own."""
         state: dict[str, Any] = {
             "model": self.model.state_dict() if self.model is not None else {},
             "optimizer": self.optimizer.state_dict() if self.model is not None else {},
@@ -197,7 +215,10 @@ class Trainer:
             state["scaler"] = self.scaler.state_dict()
         if self.device.type == "cuda":
             state["rng"]["cuda"] = torch.cuda.get_rng_state(self.device)
-        header = {
+        return state
+
+    def _checkpoint_header(self) -> dict[str, Any]:
+        return {
             **self._identity(),
             "session": self.session,
             "data": self.fingerprint.get("data", ""),
@@ -209,16 +230,6 @@ class Trainer:
             # each object's version, per location, to name a rewritten one (lmpipe/checks.py); left out where none
             **({"data_objects": self.data_objects} if self.data_objects else {}),
         }
-        try:
-            path = self.checkpoints.save(self.step, header, state)
-        except OSError:
-            self.dist.broadcast(False)
-            raise
-        self.metrics.checkpoints.inc()
-        self.metrics.checkpoint_seconds.observe(time.perf_counter() - t0)
-        self.metrics.checkpointed(self.step, time.time())
-        self.dist.broadcast(True)
-        return path
 
     def _resume(self, tcfg: TrainConfig, fast_line: str) -> None:
         """Resume from --resume's checkpoint, if there is one; then say which fast paths run (after the
@@ -365,6 +376,8 @@ class Trainer:
                 raise lost from None
             raise
         finally:
+            if self.writer is not None and self.dist.is_main:  # none is left in flight after _run
+                self.writer.abandon(self._stop_reason or "training finished")
             self.pipe.stop(self._stop_reason or "training finished")
             self.dist.close()
 
@@ -386,10 +399,11 @@ class Trainer:
             raise
         stats.close_tail(self.step)
         # at the end, and after SIGTERM/SIGINT once the current step is done (rank 0 decides for all)
-        unsaved = self.checkpoints is not None and self.step and self.checkpoints.latest_step() != self.step
-        if self.dist.broadcast(unsaved):
+        if self.dist.broadcast(self.writer is not None and self.step and not self.writer.holds(self.step)):
             stats.check_finite(self.step)
             self.save_checkpoint()
+        if self.writer is not None:  # a write still in flight is waited for (and said)
+            self.writer.finish_all(self.dist, self._stop_reason or "training finished")
         assert self.receiver is not None
         return stats.finish(self.step, self._stop_reason, self._graphs, self.receiver.native_id)
 
@@ -446,6 +460,10 @@ class Trainer:
             stats.report()  # the last interval, now that this step is queued behind it (REPORT_BEHIND)
             if cfg.compile:
                 self._graphs.count(m)
+            if self.writer is not None and not self.dist.enabled:
+                # a background write that failed stops the run here, as a synchronous one would have; under
+                # torchrun only rank 0 knows: the next checkpoint or the run's end stops every rank
+                self.writer.check()
             if (
                 cfg.checkpoint_every
                 and self.step % cfg.checkpoint_every == 0

@@ -433,6 +433,13 @@ class TrainerMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+        self.checkpoint_blocked_seconds = Histogram(
+            "lmpipe_trainer_checkpoint_blocked_seconds",
+            "Time the step loop stopped for one checkpoint: the whole write (sync), or the copy of the state "
+            "to host memory and any wait for the previous write (async)",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
 
     def _start_values(self) -> None:
         """NaN for what has no reading yet; every labelled series created at 0 (module docstring)."""
