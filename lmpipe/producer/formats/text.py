@@ -22,6 +22,12 @@ DOC_SPLITS = ("blank", "heading", "line")
 HEADING = re.compile(r"^ = [^=].* = $")
 
 
+def _preamble(rec: Record, seen_heading: bool) -> bool:
+    """The blank lines before a file's first heading (WikiText's preamble; heading split only: elsewhere a
+    blank line is no record): not a document the user wrote, so no record at all rather than a bad one."""
+    return not seen_heading and rec.bad is not None and rec.bad[0] == "empty"
+
+
 def text_records(
     path: Path | DataFile,
     first_rid: int,
@@ -54,14 +60,8 @@ def text_records(
         where = f"{path}:{lineno}"
         if raw is None:
             cr = f"; {CR_HINT}" if notes.get("cr") else ""
-            line, problem = (
-                None,
-                (
-                    "line_too_long",
-                    where,
-                    f"line of {size:,} bytes exceeds --max-line-bytes {max_line_bytes:,}{cr}",
-                ),
-            )
+            too_long = f"line of {size:,} bytes exceeds --max-line-bytes {max_line_bytes:,}{cr}"
+            line, problem = None, ("line_too_long", where, too_long)
         elif (nul := raw.find(b"\0")) >= 0:  # binary data past the file's probed head, or UTF-16 text
             line, problem = None, ("binary", where, f"a NUL byte at byte {nul}: binary data, not text")
         else:
@@ -84,14 +84,11 @@ def text_records(
             else:  # blank: a blank line ends a document; line: every line is one
                 boundary = blank or doc_split == "line"
             if boundary and (lines or warnings):
-                rec = flush()
-                # the blank lines before a file's first heading (WikiText's preamble) are not a document the
-                # user wrote: no record, not a bad one (its record id stays used: numbering is unchanged)
-                if not (doc_split == "heading" and rec.bad and rec.bad[0] == "empty" and not seen_heading):
+                if not _preamble(rec := flush(), seen_heading):  # its record id stays used all the same
                     yield rec
                 rid += 1
                 lines, warnings = [], []
-            seen_heading = seen_heading or (doc_split == "heading" and boundary)
+            seen_heading |= boundary  # (read by _preamble in heading mode only)
             if doc_split != "heading" and blank:
                 continue
         elif doc_split == "line" and (lines or warnings):  # a skipped line is a document too: its own record
