@@ -215,8 +215,10 @@ def _graphs() -> int:
 def say_split(split: dict[str, Any]) -> str:
     """The one line the trainer logs at its first step."""
     cache = f", compile cache {split['compile_cache']}" if split["compile_cache"] != "off" else ""
+    again = split.get("first_step_recompiles") or 0  # the first batch's graph was not the one made ahead
     return (
         f"first step after {split['total']:.1f} s: start-up {split['startup']:.1f} s, compile {split['compile']:.1f} s"
         f"{' (ahead, while producers connected)' if split['compiled_ahead'] else ''}, "
         f"first batch wait {split['first_batch_wait']:.1f} s{cache}"
+        + (f"; the first step compiled {again} more graph(s) than the one made ahead" if again else "")
     )
