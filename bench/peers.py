@@ -597,9 +597,9 @@ def main() -> None:
         "the first batch in the consumer's hands (a PyTorch loader's iterator returned it; lmpipe's trainer "
         "received and validated it), the loader's own start-up; first step: to the end of the first step on "
         "it, the consumer's build"
-        + (" and compile" if a.model != "none" and a.compile else "")
-        + " included, "
-        "alike for every loader (lmpipe compiles while its producers deliver). Kill -9 runs: T={a.resume_seq_len}, "
+        + (" and compile" if a.model != "none" and a.compile and a.device.startswith("cuda") else "")
+        + " included, alike for every loader (lmpipe compiles while its producers deliver). "
+        f"Kill -9 runs: T={a.resume_seq_len}, "
         f"{a.resume_batch_size} rows, one epoch, a checkpoint every {a.checkpoint_every} steps, the consumer "
         f"killed after {a.kill_at} steps and resumed from its last checkpoint (a plain DataLoader, which has "
         "no state, starts the epoch again); a document counts as lost if a token of it was never trained, "
