@@ -177,9 +177,11 @@ class CompileCache:
         assert self.folder is not None
         try:
             data = (self.folder / ARTIFACTS).read_bytes()
-            torch.compiler.load_cache_artifacts(data)
+            info = torch.compiler.load_cache_artifacts(data)
         except Exception as exc:  # torch's own format changed, or bytes it cannot parse: rebuilt
             return f"torch could not load {ARTIFACTS} ({type(exc).__name__}: {exc})"
+        if info is None:  # torch said why in a warning of its own
+            return f"torch found nothing it could load in {ARTIFACTS}"
         plans = self.folder / PLANS
         if plans.is_file():
             try:

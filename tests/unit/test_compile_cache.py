@@ -95,15 +95,27 @@ def test_a_cache_made_for_another_key_is_refused_in_one_line(
     assert not (folder / MANIFEST).exists() and not (folder / ARTIFACTS).exists()
 
 
-@pytest.mark.parametrize("damage", ["artifacts", "manifest"])
+WANT = {
+    "artifacts": "torch-compile.bin does not match its checksum",
+    "manifest": f"its {MANIFEST} is unreadable",
+    "content": "torch found nothing it could load in torch-compile.bin",
+}
+
+
+@pytest.mark.parametrize("damage", list(WANT))
 def test_a_corrupt_cache_file_is_rebuilt_not_trusted(tmp_path, monkeypatch, caplog, damage):
     folder = tmp_path / "compile-cache"
     made(folder, monkeypatch, tmp_path)
     if damage == "artifacts":  # a torn write: the file shorter than its manifest says
         data = (folder / ARTIFACTS).read_bytes()
         (folder / ARTIFACTS).write_bytes(data[: len(data) // 2])
-    else:
+    elif damage == "manifest":
         (folder / MANIFEST).write_text('{"format": 1, "key": ')
+    else:  # bytes that match their checksum but are no torch artifacts (written so by something else)
+        (folder / ARTIFACTS).write_bytes(b"not torch's")
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest["files"][ARTIFACTS] = cc.file_digest(folder / ARTIFACTS)
+        (folder / MANIFEST).write_text(json.dumps(manifest))
     loads = []
     real_load = torch.compiler.load_cache_artifacts
     monkeypatch.setattr(
@@ -112,14 +124,14 @@ def test_a_corrupt_cache_file_is_rebuilt_not_trusted(tmp_path, monkeypatch, capl
     caplog.set_level(logging.WARNING, "lmpipe.trainer")
     cache = CompileCache(folder, KEY)
     line = cache.open()
-    assert cache.state == REBUILT and loads == [], line
-    want = "does not match its checksum" if damage == "artifacts" else f"its {MANIFEST} is unreadable"
-    assert want in line and said_lines(caplog) == [line]
+    assert cache.state == REBUILT and len(loads) == (damage == "content"), line  # checksums first
+    assert WANT[damage] in line and "not trusted, rebuilt" in line and said_lines(caplog) == [line]
+    assert not (folder / ARTIFACTS).exists()
     new_process(tmp_path / "inductor-rebuilt", monkeypatch)
     compile_once()
     assert cache.save(graphs=1, step=3)  # rebuilt after the first step
     again = CompileCache(folder, KEY)
-    assert again.open().startswith("compile cache: warm") and len(loads) == 1
+    assert again.open().startswith("compile cache: warm") and again.state == WARM
 
 
 def test_no_checkpoint_dir_and_off_keep_no_cache(tmp_path):
