@@ -32,7 +32,8 @@ import torch
 from bench.common import WIKITEXT, free_port_pair, smoke_out, table, write_result
 from bench.trainbench import bench_data
 
-LINE = re.compile(r"first step after ([\d.]+) s: start-up ([\d.]+) s, compile ([\d.]+) s.*?first batch wait "
+# uncompiled (--smoke), the line says "step" where a compile's time would be
+LINE = re.compile(r"first step after ([\d.]+) s: start-up ([\d.]+) s, (?:compile|step) ([\d.]+) s.*?first batch wait "
                   r"([\d.]+) s(?:, compile cache (\w+))?")  # fmt: skip
 # (loader, start, torch's cache folder, fresh: emptied before, checkpoint folder, --resume auto)
 LMPIPE_STARTS = (

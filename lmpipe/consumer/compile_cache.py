@@ -115,9 +115,8 @@ class CompileCache:
         """Check the folder against this run's key and checksums; when all hold, load torch's artifacts (and
         the cuBLASLt plans). Logs and returns one line saying whether the cache is warm, and if not why."""
         if self.folder is None:
-            return self._say(
-                "compile cache: off (--compile-cache off, or no --checkpoint-dir to keep it beside)"
-            )
+            return self._say("compile cache: off (--compile-cache off, or no --checkpoint-dir to keep it in; "
+                             "torch's own local cache still serves this host)")  # fmt: skip
         problem = self._check()
         if problem is None:
             problem = self._load()

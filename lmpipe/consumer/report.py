@@ -159,9 +159,11 @@ class Summary:
                 else ""
             )
         cache = f", cache {sp['compile_cache']}" if sp.get("compile_cache", "off") != "off" else ""
+        # uncompiled: the first step's own time where the compile's would be
+        work = f"compile {sp['compile']:.1f} s{cache}" if sp["compile"] else f"step {sp['first_step']:.1f} s"
         return (
-            f"first step {sp['total']:.1f} s after start (start-up {sp['startup']:.1f} s, compile "
-            f"{sp['compile']:.1f} s{cache}, {sp['first_batch_wait']:.1f} s waiting for data)"
+            f"first step {sp['total']:.1f} s after start (start-up {sp['startup']:.1f} s, {work}, "
+            f"{sp['first_batch_wait']:.1f} s waiting for data)"
         )
 
     def _render_skipped(self) -> str:

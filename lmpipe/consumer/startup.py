@@ -147,8 +147,8 @@ class Startup:
         self, pcfg: PipelineConfig, tcfg: TrainConfig, built: Built, dist: Dist, vocab_size: int
     ) -> None:
         """What build() made: the cache's key (--compile), and what a compile ahead needs."""
-        folder = place(tcfg.compile_cache, tcfg.checkpoint_dir) if tcfg.compile else None
-        if folder is not None:
+        if tcfg.compile:  # a cache with a key, even where it is off: the start says which
+            folder = place(tcfg.compile_cache, tcfg.checkpoint_dir)
             model = model_identity(built.model)
             key = cache_key(pcfg, tcfg, model, built.device, built.precision, built.fast, dist.world_size)
             self.cache = CompileCache(folder, key, writer=dist.is_main)
@@ -179,7 +179,7 @@ class Startup:
         summary.first_step_split = {
             "total": self.done - self.process_start,
             "startup": self.bound - self.process_start,  # imports, model, checkpoint, sockets bound
-            "compile": (self.ready - self.bound) + (first_step if compiled else 0.0),  # cache, ahead, step 1
+            "compile": (self.ready - self.bound + first_step) if compiled else 0.0,  # cache, ahead, step 1
             "first_batch_wait": summary.first_data_wait_seconds,  # the step loop's wait, after the compile
             "first_step": 0.0 if compiled else first_step,  # uncompiled: the step's own time
             "compiled_ahead": self.ahead,
@@ -217,8 +217,9 @@ def say_split(split: dict[str, Any]) -> str:
     cache = f", compile cache {split['compile_cache']}" if split["compile_cache"] != "off" else ""
     again = split.get("first_step_recompiles") or 0  # the first batch's graph was not the one made ahead
     return (
-        f"first step after {split['total']:.1f} s: start-up {split['startup']:.1f} s, compile {split['compile']:.1f} s"
-        f"{' (ahead, while producers connected)' if split['compiled_ahead'] else ''}, "
+        f"first step after {split['total']:.1f} s: start-up {split['startup']:.1f} s, "
+        + (f"compile {split['compile']:.1f} s" if split["compile"] else f"step {split['first_step']:.1f} s")
+        + f"{' (ahead, while producers connected)' if split['compiled_ahead'] else ''}, "
         f"first batch wait {split['first_batch_wait']:.1f} s{cache}"
         + (f"; the first step compiled {again} more graph(s) than the one made ahead" if again else "")
     )

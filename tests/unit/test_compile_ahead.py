@@ -61,3 +61,22 @@ def test_the_first_real_batch_runs_the_graph_compiled_ahead():
     loss, norm = built.runner.step([real], float((real.targets >= 0).sum()), 1e-3)
     assert torch.isfinite(loss) and torch.isfinite(norm)
     assert counters["unique_graphs"] == graphs, "the first real batch compiled again"
+
+
+def test_the_summary_and_the_first_step_line_say_how_the_time_split():
+    from lmpipe.consumer.report import Summary
+    from lmpipe.consumer.startup import say_split
+
+    split = {"total": 12.34, "startup": 4.1, "compile": 7.9, "first_batch_wait": 0.3, "first_step": 0.0,
+             "compiled_ahead": True, "first_step_recompiles": 0, "compile_cache": "warm"}  # fmt: skip
+    assert say_split(split) == ("first step after 12.3 s: start-up 4.1 s, compile 7.9 s (ahead, while producers "
+                                "connected), first batch wait 0.3 s, compile cache warm")  # fmt: skip
+    s = Summary(steps=3, first_step_split=split, losses=[1.0, 0.9])
+    assert (
+        "first step 12.3 s after start (start-up 4.1 s, compile 7.9 s, cache warm, 0.3 s waiting for data)"
+        in (s.render())
+    )
+    plain = {**split, "compile": 0.0, "first_step": 0.2, "compiled_ahead": False, "compile_cache": "off"}
+    assert say_split(plain) == "first step after 12.3 s: start-up 4.1 s, step 0.2 s, first batch wait 0.3 s"
+    again = say_split({**split, "first_step_recompiles": 2})
+    assert again.endswith("; the first step compiled 2 more graph(s) than the one made ahead")
