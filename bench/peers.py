@@ -17,7 +17,10 @@ The consumer is the trainer's consume-only step for every loader: copy the batch
 (non_blocking from pinned memory on CUDA; a converting copy on CPU, as the trainer's feed does).
 
 Figures: steady tokens/s over a window after a warm-up, the share of that time spent waiting for the
-loader, time from start to the first batch consumed (worker or producer start-up included), peak host
+loader, time from start to the first batch delivered (worker or producer start-up included: for a PyTorch
+loader when its iterator hands the batch over, for lmpipe when the trainer has received and validated it)
+and, apart, to the first trained step done (with --model: the model's build and torch.compile are in it, for
+every loader alike; lmpipe compiles while its producers deliver), peak host
 memory (VmHWM summed over the loader's processes: shared pages count once per process, so forked workers
 are over-counted a little), and after a kill -9 of the consumer mid-epoch and a resume from its last
 checkpoint: documents lost or repeated over the epoch. Resume per loader: lmpipe its checkpoints
@@ -35,6 +38,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 import uuid
@@ -259,6 +263,7 @@ def child_throughput(a) -> dict:
     step = ModelStep(a) if a.model != "none" else (lambda batch: consume(batch, device))
     dl = make_loader(a.loader, a.workers, a, epochs=0)
     first = start = None
+    first_step = 0.0
     tokens = 0
     waited = 0.0
     while True:  # streaming: one pass per epoch; the others never end
@@ -272,7 +277,10 @@ def child_throughput(a) -> dict:
             now = time.perf_counter()
             real = step(batch)
             if first is None:
-                first, warm = now - t0, now
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # the first step's real end (a compiled one: its compile)
+                first, warm = now - t0, time.perf_counter()
+                first_step = warm - t0
             elif start is None:
                 if now - warm >= a.warmup:
                     start, tokens, waited = now, 0, 0.0
@@ -286,7 +294,7 @@ def child_throughput(a) -> dict:
                     memory = tree_peak_rss(os.getpid())
                     del it
                     return {"tokens_per_second": tokens / elapsed, "data_wait": waited / elapsed,
-                            "first_batch": first, "memory": memory}  # fmt: skip
+                            "first_batch": first, "first_step": first_step, "memory": memory}  # fmt: skip
 
 
 def lmpipe_throughput(a, t0: float) -> dict:
@@ -304,6 +312,7 @@ def lmpipe_throughput(a, t0: float) -> dict:
     trainer = Trainer(pcfg, tcfg)
     reg = trainer.metrics.registry
     marks: dict[str, tuple] = {}
+    delivered = watch_first_batch(reg)
 
     def progress(step: int, stats: dict) -> None:
         now = time.perf_counter()
@@ -325,7 +334,29 @@ def lmpipe_throughput(a, t0: float) -> dict:
         stop(procs)
     (ta, ka, wa), (tb, kb, wb) = marks["a"], marks["b"]
     return {"tokens_per_second": (kb - ka) / (tb - ta), "data_wait": (wb - wa) / (tb - ta),
-            "first_batch": trainer._started + summary.time_to_first_step - t0, "memory": marks["memory"][0]}  # fmt: skip
+            "first_batch": (delivered[0] if delivered else float("nan")) - t0,
+            "first_step": trainer._started + summary.time_to_first_step - t0, "memory": marks["memory"][0]}  # fmt: skip
+
+
+def watch_first_batch(registry, every: float = 0.002) -> list[float]:
+    """When the trainer first holds a received, validated batch (its received counter leaves 0), by a thread
+    that polls the registry: a list that gets the time.perf_counter() of that moment. The step loop may take
+    it later (after a compile): that is not the loader's time."""
+    got: list[float] = []
+
+    def received() -> float:
+        return sum(s.value for m in registry.collect() if m.name == "lmpipe_trainer_batches_received"
+                   for s in m.samples if s.name.endswith("_total"))  # fmt: skip
+
+    def poll() -> None:
+        deadline = time.monotonic() + 3600
+        while not got and time.monotonic() < deadline:
+            if received() > 0:
+                got.append(time.perf_counter())
+            time.sleep(every)
+
+    threading.Thread(target=poll, name="first-batch", daemon=True).start()
+    return got
 
 
 def child_train(a) -> None:
@@ -526,6 +557,7 @@ def main() -> None:
                 r |= kill_and_resume(name, n, a, lengths)
             results[(name, n)] = r
             print(f"{name}, {n} worker(s): {r['tokens_per_second']:,.0f} tokens/s, first batch {r['first_batch']:.2f} s, "
+                  f"first step {r['first_step']:.2f} s, "
                   f"{r['memory'] / 2**20:,.0f} MiB" + (f", lost {r['lost']}, repeated {r['repeated']}" if a.resume else ""),
                   flush=True)  # fmt: skip
 
@@ -536,7 +568,7 @@ def main() -> None:
         best = max(v["tokens_per_second"] for (x, k), v in results.items() if k == n and INPUT[x] == kind)
         row = [name, kind, n, r["tokens_per_second"], r["tokens_per_second"] / ref["tokens_per_second"] if ref else "",
                "yes" if r["tokens_per_second"] == best else "", 100 * r["data_wait"], r["first_batch"],
-               r["memory"] / 2**20]  # fmt: skip
+               r["first_step"], r["memory"] / 2**20]  # fmt: skip
         if a.resume:
             row += [f"{r['killed_at']} / {r['resumed']}" + ("" if r["valid"] else " (epoch ended first)"),
                     r["lost"], r["repeated"], r["resume_seconds"]]  # fmt: skip
@@ -549,7 +581,8 @@ def main() -> None:
         "vs lmpipe (same input)",
         "fastest (same input)",
         "wait %",
-        "first batch s",
+        "first batch delivered s",
+        "first step s",
         "peak MiB",
     ]
     if a.resume:
@@ -560,7 +593,13 @@ def main() -> None:
         + ("the trainer's consume-only step" if a.model == "none" else f"lmpipe's trainer training {a.model}")
         + f" on {a.device}. "
         f"{cores} cores, one per worker or producer. tokens/s over {a.seconds:.0f} s after {a.warmup:.0f} s of "
-        f"warm-up; wait %: the consumer's time blocked on the loader. Kill -9 runs: T={a.resume_seq_len}, "
+        f"warm-up; wait %: the consumer's time blocked on the loader. First batch delivered: from the start to "
+        "the first batch in the consumer's hands (a PyTorch loader's iterator returned it; lmpipe's trainer "
+        "received and validated it), the loader's own start-up; first step: to the end of the first step on "
+        "it, the consumer's build"
+        + (" and compile" if a.model != "none" and a.compile and a.device.startswith("cuda") else "")
+        + " included, alike for every loader (lmpipe compiles while its producers deliver). "
+        f"Kill -9 runs: T={a.resume_seq_len}, "
         f"{a.resume_batch_size} rows, one epoch, a checkpoint every {a.checkpoint_every} steps, the consumer "
         f"killed after {a.kill_at} steps and resumed from its last checkpoint (a plain DataLoader, which has "
         "no state, starts the epoch again); a document counts as lost if a token of it was never trained, "

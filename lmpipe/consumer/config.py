@@ -148,6 +148,20 @@ class TrainConfig:
         help="torch.compile mode (reduce-overhead: CUDA graphs; autotune-attention: FlexAttention's tiles "
         "tuned at the first step, matmuls left to cuBLAS)",
     )
+    # A restart (requeue, preemption, crash loop) loads what the last run compiled instead of compiling again:
+    # consumer/compile_cache.py, checked against torch, CUDA, the GPU and these settings before it is used
+    compile_cache: str = setting(
+        "auto",
+        check=lambda v: None if v.strip() else "must be auto, off or a folder",
+        metavar="auto|off|DIR",
+        help="with --compile, where compiled kernels are kept for restarts: auto: compile-cache/ in "
+        "--checkpoint-dir (none without it; torch's own cache still serves this host), off, or a folder",
+    )
+    compile_ahead: bool = setting(
+        True,
+        help="with --compile, compile on a blank batch while producers connect and fill the slots, instead "
+        "of after the first batch arrives (--strategy pack and pad: one shape)",
+    )
     # Under torchrun, DDP all-reduces fp32 gradients; bf16 halves the bytes on the wire (torch's
     # bf16_compress_hook: each bucket cast to bf16, averaged, cast back), at bf16's 8-bit mantissa in the sum.
     # On NVLink it is slower (0.934 vs 0.949 per GPU at 4 H200s, bench/results/ddp-*.md): for slow links.

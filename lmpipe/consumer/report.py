@@ -59,6 +59,10 @@ class Summary:
     # measured from its end to the end of the run; time to first step (start-up, waiting for producers,
     # compilation) is reported on its own.
     time_to_first_step: float = float("nan")
+    # from the process's start to the end of the first step: total, startup (imports, model, checkpoint,
+    # sockets), compile (the compile cache, the compile ahead and the first step), first_batch_wait (after the
+    # compile), first_step (uncompiled: the step itself), compiled_ahead, compile_cache (consumer/startup.py)
+    first_step_split: dict = field(default_factory=dict)
     steady_tokens: int = 0
     steady_seconds: float = 0.0
     steady_mfu: float | None = None  # None: no steady state, or no known peak (CPU, an unlisted GPU)
@@ -132,12 +136,7 @@ class Summary:
                 else "no steady tok/s (no step after the first --log-every interval)"
             )
             + (f", MFU {100 * self.steady_mfu:.1f}%" if self.steady_mfu else "")
-            + f" ({self.tokens_per_second:,.0f} overall, first step after {self.time_to_first_step:.1f} s"
-            + (
-                f" ({self.first_data_wait_seconds:.1f} s waiting for data)) | "
-                if self.first_data_wait_seconds >= 0.05
-                else ") | "
-            )
+            + f" ({self.tokens_per_second:,.0f} overall, {self._render_first_step()}) | "
             + f"padding efficiency {100 * self.padding_efficiency:.1f}% | "
             f"data wait {100 * self.data_wait_fraction:.1f}% | "
             f"batches dropped: {self.rejected} malformed, {self.stale} stale"
@@ -149,6 +148,22 @@ class Summary:
                 else ""
             )
             + (self._render_consume() if self.consume else "")
+        )
+
+    def _render_first_step(self) -> str:
+        sp = self.first_step_split
+        if not sp:
+            return f"first step after {self.time_to_first_step:.1f} s" + (
+                f" ({self.first_data_wait_seconds:.1f} s waiting for data)"
+                if self.first_data_wait_seconds >= 0.05
+                else ""
+            )
+        cache = f", cache {sp['compile_cache']}" if sp.get("compile_cache", "off") != "off" else ""
+        # uncompiled: the first step's own time where the compile's would be
+        work = f"compile {sp['compile']:.1f} s{cache}" if sp["compile"] else f"step {sp['first_step']:.1f} s"
+        return (
+            f"first step {sp['total']:.1f} s after start (start-up {sp['startup']:.1f} s, {work}, "
+            f"{sp['first_batch_wait']:.1f} s waiting for data)"
         )
 
     def _render_skipped(self) -> str:

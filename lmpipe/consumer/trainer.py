@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lmpipe.consumer import startup
 from lmpipe.consumer.build import build
 from lmpipe.consumer.checkpoint import (
     NO_MODEL,
@@ -69,6 +70,7 @@ class Trainer:
         pins it. A resumed checkpoint's own "data" and "data_content" override them; its "data_versions" join
         them. `data_objects`: each remote object's version (Corpus.object_versions), kept in checkpoints so that
         a refused resume names a rewritten object (lmpipe/checks.py)."""
+        self._startup = startup.Startup()  # the compile cache, the compile ahead, the time to the first step
         check_bind(pcfg.host, pcfg.trusted_network, pcfg.curve_dir)
         self.dist = from_env(tcfg.device)
         if self.dist.enabled:
@@ -98,6 +100,7 @@ class Trainer:
             )
             self.model, self.optimizer, self.scaler = built.model, built.optimizer, built.scaler
             self.step_model, self.runner = built.step_model, built.runner
+            self._startup.built(pcfg, tcfg, built, self.dist, self.tok.vocab_size)
         self.pipe = Pipeline(
             pcfg, self.tok, self.device, shards=tcfg.shards, slots=tcfg.slots or 2 * tcfg.accum + 2,
             copy_stream=tcfg.copy_stream, attention=tcfg.attention, wait_timeout=tcfg.wait_timeout,
@@ -350,6 +353,7 @@ class Trainer:
             self.cfg.shards,
             f"; metrics on :{port}" if port else "",
         )
+        self._startup.warm_up()  # while producers connect: the compile cache, the compile ahead
 
     def run(self, progress: Progress | None = None) -> Summary:
         """Train until `steps`, the end of the data, or request_stop(). `progress(step, stats)` is called
@@ -398,6 +402,7 @@ class Trainer:
                     stats.report()
             raise
         stats.close_tail(self.step)
+        self._startup.save(self.step)  # graphs compiled after the first step, if any
         # at the end, and after SIGTERM/SIGINT once the current step is done (rank 0 decides for all)
         if self.dist.broadcast(self.writer is not None and self.step and not self.writer.holds(self.step)):
             stats.check_finite(self.step)
@@ -445,7 +450,7 @@ class Trainer:
                 # torch.compile traces and compiles in the first step: minutes on a large model, said as it goes
                 with (
                     Announce("compiling the model (torch.compile, first step)", log)
-                    if first and cfg.compile
+                    if first and cfg.compile and not self._startup.ahead
                     else nullcontext()
                 ):
                     loss_sum, norm = self.runner.step(micro, all_targets / self.dist.world_size, lr)
@@ -454,6 +459,8 @@ class Trainer:
             m.last_step_time.set(time.time())
             if first:
                 stats.first_step_done()
+                self._startup.first_step_done(stats.summary, stats.run_start, cfg.compile and self.model is not None,
+                                              self.step, say=self.dist.is_main)  # fmt: skip
             stats.add_step(metas, loss_sum, waited, lr)
             self.pipe.release_done()
             m.step_seconds.observe(time.perf_counter() - t0 + waited)

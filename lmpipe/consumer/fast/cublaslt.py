@@ -29,6 +29,15 @@ _nvmath_log.setLevel(logging.WARNING)
 AUTOTUNED_SHAPES = 16
 
 _plans: dict[tuple, Any] = {}  # nvmath Matmul objects
+# Autotuned picks, kept across restarts in the compile cache (consumer/compile_cache.py, keyed by GPU, CUDA,
+# nvmath and lmpipe versions): per GEMM (pick_key), the rank of the fastest algorithm among the heuristic's
+# candidates and what identifies it. A restart plans the same GEMM, finds the same algorithm at that rank and
+# takes it without timing the candidates again; where the candidates differ (another pointer alignment, a
+# library update) it times them as before.
+_picks: dict[str, dict[str, Any]] = {}  # this process's picks (timed or reused): what the cache saves
+_known: dict[str, dict[str, Any]] = {}  # picks read from the cache
+_IDENTITY = ("algorithm_id", "tile", "stages", "split_k", "reduction_scheme", "cta_swizzling", "custom_option",
+             "inner_shape", "cluster_shape")  # fmt: skip
 _workspaces: dict[torch.device, torch.Tensor] = {}  # one a device: every call is ordered on its stream
 DIRECT = True  # False: every call through Matmul.execute() (bench.host compares the two)
 
@@ -63,9 +72,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, epilog=None, aux: torch.Tensor | None
     mm = _plans.get(key)
     if mm is None:
         mm = Matmul(a, b, options={"blocking": "auto", "logger": _nvmath_log}, stream=stream)
-        mm.plan(epilog=epilog, epilog_inputs=inputs, stream=stream)
+        candidates = mm.plan(epilog=epilog, epilog_inputs=inputs, stream=stream)
         if len(_plans) < AUTOTUNED_SHAPES:
-            mm.autotune(iterations=5, stream=stream)
+            _tune(mm, candidates, pick_key(epilog, a, b), epilog, inputs, stream)
         _plans[key] = mm
     elif DIRECT and _direct_ok(mm):
         return _direct(mm, a, b, inputs, stream)
@@ -74,6 +83,73 @@ def gemm(a: torch.Tensor, b: torch.Tensor, epilog=None, aux: torch.Tensor | None
     out = mm.execute(stream=stream)
     mm.release_operands()  # keep no activation alive between calls
     return out
+
+
+def pick_key(epilog, a: torch.Tensor, b: torch.Tensor) -> str:
+    """A GEMM as the cache names it: epilogue, shapes, strides and dtypes (the card is in the cache's key)."""
+    name = getattr(epilog, "name", str(epilog))
+    return f"{name}|{list(a.shape)}:{list(a.stride())}|{list(b.shape)}:{list(b.stride())}|{a.dtype}|{b.dtype}"
+
+
+def identity(algorithm) -> dict[str, Any]:
+    """What tells one cuBLASLt algorithm from another: its id and configuration, as JSON values."""
+    out: dict[str, Any] = {}
+    for name in _IDENTITY:
+        try:
+            v = getattr(algorithm, name)
+        except Exception:  # an attribute this algorithm (or nvmath version) does not have
+            continue
+        out[name] = [int(x) for x in v] if isinstance(v, (tuple, list)) else int(v) if _is_int(v) else str(v)
+    return out
+
+
+def _is_int(v) -> bool:
+    try:
+        return int(v) == v
+    except (TypeError, ValueError):
+        return False
+
+
+def pick_rank(candidates, known: dict[str, Any] | None) -> int | None:
+    """The rank among `candidates` (the heuristic's, in its order) of the algorithm `known` records, if that
+    rank holds the same algorithm; None: time them (no pick, or the candidates changed)."""
+    if not known or not isinstance(known.get("rank"), int) or not isinstance(known.get("algorithm"), dict):
+        return None
+    rank = known["rank"]
+    if not 0 <= rank < len(candidates) or identity(candidates[rank]) != known["algorithm"]:
+        return None
+    return rank
+
+
+def picks() -> dict[str, dict[str, Any]]:
+    """The picks of this process (timed or reused), for the compile cache."""
+    return dict(_picks)
+
+
+def load_picks(saved: dict[str, Any]) -> None:
+    """Picks read back from the compile cache; an entry of another form is ignored (timed again)."""
+    _known.update({k: v for k, v in saved.items() if isinstance(k, str) and isinstance(v, dict)})
+
+
+def _tune(mm, candidates, key: str, epilog, inputs, stream) -> None:
+    """Take the cached pick for this GEMM if its candidates hold it, else time them (nvmath's autotune); record
+    the pick either way. A cached pick that nvmath refuses is timed again: the cache never fails a GEMM."""
+    candidates = list(candidates or [])
+    rank = pick_rank(candidates, _known.get(key))
+    if rank is not None:
+        try:
+            mm.plan(epilog=epilog, epilog_inputs=inputs, algorithms=[candidates[rank]], stream=stream)
+            _picks[key] = _known[key]
+            return
+        except Exception:
+            mm.plan(epilog=epilog, epilog_inputs=inputs, stream=stream)
+    mm.autotune(iterations=5, stream=stream)
+    try:
+        best = mm.algorithms[0]
+        rank = next(i for i, c in enumerate(candidates) if identity(c) == identity(best))
+        _picks[key] = {"rank": rank, "algorithm": identity(best)}
+    except Exception:  # nothing to record: the next start times this GEMM again
+        pass
 
 
 def _direct_ok(mm) -> bool:
