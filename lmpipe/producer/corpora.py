@@ -30,14 +30,31 @@ def source_config(cfg: PipelineConfig, data: tuple[str, ...]) -> PipelineConfig:
     return replace(cfg, data=list(data), mix=[], mix_file=None)
 
 
+def open_source(cfg: PipelineConfig, name: str, data: tuple[str, ...], vocab_size: int | None) -> Corpus:
+    """A source's corpus; what is wrong with it says the source's name."""
+    try:
+        return Corpus.of(source_config(cfg, data), vocab_size)
+    except (OSError, ValueError) as exc:
+        raise (OSError if isinstance(exc, OSError) else ValueError)(f"source {name!r}: {exc}") from None
+
+
 class Corpora:
-    def __init__(self, cfg: PipelineConfig, vocab_size: int | None = None, mix: Mix | None = None):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        vocab_size: int | None = None,
+        mix: Mix | None = None,
+        *,
+        corpora: list[Corpus] | None = None,  # opened already (lmpipe/checks.py), in source order
+    ):
         self.cfg = cfg
         self.mix = mix if mix is not None else cfg.mixture()
-        if self.mix is None:
+        if corpora is not None:
+            self.corpora = corpora
+        elif self.mix is None:
             self.corpora = [Corpus.of(cfg, vocab_size)]
         else:
-            self.corpora = [Corpus.of(source_config(cfg, s.data), vocab_size) for s in self.mix.sources]
+            self.corpora = [open_source(cfg, s.name, s.data, vocab_size) for s in self.mix.sources]
         self.spec = BatchSpec.of(cfg)
         self._scans: dict[int, SharedScan] = {}  # source -> the producer's one read of it (scan.py)
 

@@ -211,6 +211,11 @@ class PipelineConfig:
             d["mix"] = mix.fingerprint()
         return d
 
+    def all_data(self) -> list[str]:
+        """Every --data item the run reads: --data's, or each source's of the mixture, in order."""
+        mix = self.mixture()
+        return list(self.data) if mix is None else [d for s in mix.sources for d in s.data]
+
     def mixture(self) -> Mix | None:
         """The mixture --mix or --mix-file gives (sources without epochs of their own take --epochs); None
         without one: the run reads --data as before."""
