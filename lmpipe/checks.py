@@ -260,7 +260,8 @@ def _check_files(path: object, header: dict, had: object, now: str, corpus: Corp
             "once: that checkpoint's record ids cannot be followed; start a new run"
         )
     raise SettingsError(
-        f"{path} was trained on other {who} ({_corpus_difference(had_list, now_list)}): resume with the same {who}"
+        f"{path} was trained on other {who} ({_corpus_difference(had_list, now_list, who)}): resume with the "
+        f"same {who}"
     )
 
 
@@ -295,13 +296,14 @@ def _named(items: list[str], few: int = 3) -> str:
     return ", ".join(repr(i) for i in items[:few]) + more
 
 
-def _corpus_difference(had: list[str], now: list[str]) -> str:
+def _corpus_difference(had: list[str], now: list[str], who: str = "--data") -> str:
     """The files ("name:size") in one corpus and not the other, a few of each named: a changed object in a
     corpus of thousands reads as one line, not the two lists."""
     had_set, now_set = set(had), set(now)  # once: a corpus may hold thousands of files
     gone, new = [f for f in had if f not in now_set], [f for f in now if f not in had_set]
-    out = [f"trained on, not in --data now: {_named(gone)}"] if gone else []
-    out += [f"in --data now, not trained on: {_named(new)}"] if new else []
+    where = who if who == "--data" else "it"
+    out = [f"trained on, not in {where} now: {_named(gone)}"] if gone else []
+    out += [f"in {where} now, not trained on: {_named(new)}"] if new else []
     return "; ".join(out) or "the same files in another order"
 
 

@@ -94,16 +94,16 @@ def train(
     facts = check_inputs(cfg, tcfg, local_producers)
     check_outputs(cfg, tcfg, opts, facts.inputs)
     say_no_effect(cfg, tcfg)
-    mix = cfg.mixture()
     if local_producers:
         say_left_out(cfg.all_data())
-    if mix is not None:  # the mixture as the trainer weighs it (the producers read the sources)
-        log.info("data: a mixture of %d sources: %s", len(mix.sources), mix.describe())
-    elif local_producers and not cfg.data:  # so that a run on the wrong corpus shows it at its start
+    # so that a run on the wrong corpus shows it at its start (a mixture's trainer names its sources)
+    if local_producers and not cfg.data and not cfg.mixture():
         log.info(
             "data: the built-in corpus (%s generated documents); --data names yours", f"{cfg.builtin_docs:,}"
         )
-    if local_producers and not tcfg.steps and not cfg.epochs:  # both documented; together they mean no end
+    mix = cfg.mixture()  # a mixture ends when a source of a finite number of epochs runs out
+    finite = any(s.epochs for s in mix.sources) if mix is not None else cfg.epochs
+    if local_producers and not tcfg.steps and not finite:  # both documented; together they mean no end
         log.info("--steps 0 and --epochs 0: this run trains until it is stopped (Ctrl-C or SIGTERM)")
     procs: list[LocalProducer] = []
     if local_producers:  # forked now, before torch is imported (lmpipe/procs.py says why)
