@@ -118,3 +118,18 @@ def test_a_resume_sees_one_source_rewritten_in_place(files):
     (files / "math.jsonl").write_text(json.dumps({"text": "2 + 2 = 4"}) + "\n")  # same size
     with pytest.raises(SettingsError, match="same names and sizes, but their contents changed"):
         check_resume_corpus(_corpora(files, web="web.txt", math="math.jsonl"), ck)
+
+
+def test_the_producers_of_a_run_and_of_the_library_get_the_mixture(files):
+    """`lmpipe run` forks its producers with its rank's settings (per_rank); the Loader spawns them with
+    the settings as JSON (procs.spawn_producers): both carry the mixture whole."""
+    from dataclasses import asdict
+
+    from lmpipe.consumer.config import per_rank
+
+    f = files / "mix.toml"
+    f.write_text(f"[sources.web]\ndata = '{files / 'web.txt'}'\nweight = 2\nepochs = 1\n")
+    for cfg in (PipelineConfig(mix=[f"web={files / 'web.txt'}:0.7"]), PipelineConfig(mix_file=str(f))):
+        rank_cfg, _ = per_rank(cfg, TrainConfig(), 1, 2)
+        assert rank_cfg.mixture() == cfg.mixture() and rank_cfg.rank == 1
+        assert PipelineConfig(**json.loads(json.dumps(asdict(rank_cfg)))).mixture() == cfg.mixture()

@@ -10,9 +10,11 @@ import numpy as np
 
 from lmpipe.producer.batching import BatchSpec
 from lmpipe.producer.corpora import Corpora
+from lmpipe.producer.formats.kinds import DataFile
 from lmpipe.producer.held import Holdings
-from lmpipe.producer.sources import Corpus
+from lmpipe.producer.sources import OBJECT_DIGEST, Corpus
 from lmpipe.producer.stream import DocStream
+from lmpipe.shared import messages
 from lmpipe.shared.batch import Cursor
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.messages import Assign, Welcome
@@ -112,3 +114,44 @@ def test_without_a_mixture_the_facts_are_the_corpus_s(tmp_path):
     )
     assert c.locate(3, 5) == (0, 3, 5) and c.plan(3, 5) == (BatchSpec.of(cfg), 3)
     assert c.seed(0) == 4 and c.split_problem(Welcome("s", 0, shards=7)) is None
+
+
+class _Store:
+    """What a corpus asks of a remote object's store here: its URL."""
+
+    def key(self, path: str) -> str:
+        return path.removeprefix("s3://")
+
+    def url(self, key: str) -> str:
+        return f"s3://{key}"
+
+
+def _objects(bucket: str, versions: list[str]) -> Corpus:
+    c = Corpus()
+    c.paths = [
+        DataFile(f"s3://{bucket}/p{i}.txt", "text", size=100, remote=_Store(), version=v)  # type: ignore[arg-type]
+        for i, v in enumerate(versions)
+    ]
+    return c
+
+
+def test_the_remote_versions_of_every_source_are_pinned_and_a_rewrite_named(tmp_path):
+    f = _files(tmp_path, web="one\n")
+    cfg = PipelineConfig(mix=[f"web={f['web']}:1", "code=s3://code/:1", "math=s3://math/:1"])
+    mix = cfg.mixture()
+
+    def corpora(code: list[str], math: list[str]) -> Corpora:
+        return Corpora(
+            cfg, mix=mix, corpora=[Corpus([f["web"]]), _objects("code", code), _objects("math", math)]
+        )
+
+    before = corpora(["c0", "c1"], ["m0", "m1", "m2"])
+    versions, kept = before.version_digest(), before.object_versions()
+    assert messages.VERSIONS_SHAPE.fullmatch(versions), "a hello may carry it"
+    ((where, digests),) = kept.items()
+    assert where == messages.version_location(versions) and len(digests) == 5 * OBJECT_DIGEST
+    assert before.rewritten(digests) == []
+    after = corpora(["c0", "c1"], ["m0", "x1", "m2"])  # one object of one source rewritten
+    assert after.version_digest() != versions and messages.version_location(after.version_digest()) == where
+    assert after.rewritten(digests) == ["s3://math/p1.txt"]
+    assert after.rewritten(digests[:-1]) == [] and after.rewritten(None) == []
