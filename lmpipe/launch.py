@@ -158,15 +158,18 @@ def check_inputs(cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) 
     facts = CorpusFacts()
     if cfg.tokenizer and os.path.isfile(cfg.tokenizer):
         facts.inputs.append(("the --tokenizer", cfg.tokenizer))
-    # `lmpipe train --data X` trains on X, not on what a producer serves; `train --mix` takes the sources'
-    # names and weights, and the first producer pins their files (they may be on the producers' hosts only)
-    if not (local_producers or cfg.data):
+    # `lmpipe train --data X` trains on X, not on what a producer serves
+    mix = cfg.mixture()
+    if not (local_producers or cfg.data or mix):
         return facts
     try:
         corpora = check_corpus(cfg, tok)
     except SettingsError as exc:
         if local_producers:
             raise
+        if mix is not None:  # the sources may be on the producers' hosts only: the first producer pins them
+            log.info("%s; the trainer reads the mixture's weights, and the producers its data", exc)
+            return facts
         raise SettingsError(
             f"{exc} (the trainer opens its --data to refuse producers of another corpus; where the corpus "
             "is only on the producers' hosts, leave --data off the trainer)"
