@@ -120,7 +120,12 @@ class PipelineConfig:
         check=between(1, 100_000_000),
         help="size of the built-in corpus (a demo: your --data for more)",
     )
-    epochs: int = setting(0, check=at_least(0), help="passes over the corpus; 0: until the trainer stops")
+    epochs: int = setting(
+        0,
+        check=at_least(0),
+        help="passes over the corpus (a mixture: over each source without epochs of its own); 0: until the "
+        "trainer stops",
+    )
     producers: int = setting(
         2,
         check=at_least(1),
