@@ -16,7 +16,7 @@ import json
 from dataclasses import replace
 
 from lmpipe.producer.batching import BatchSpec
-from lmpipe.producer.scan import SharedScan
+from lmpipe.producer.scan import SCAN_BUDGET_BYTES, SharedScan
 from lmpipe.producer.shards import check_prepared_with
 from lmpipe.producer.sources import MAX_FINGERPRINT, Corpus
 from lmpipe.shared.config import PipelineConfig
@@ -117,8 +117,9 @@ class Corpora:
     def scan(self, i: int, shards: int) -> SharedScan:
         """Source i's shared read for `shards` global shards (a new split: nothing carries over)."""
         scan = self._scans.get(i)
-        if scan is None or scan.total != shards:
-            scan = self._scans[i] = SharedScan(self.corpora[i], shards)
+        if scan is None or scan.total != shards:  # the sources share the read-ahead budget
+            budget = max(SCAN_BUDGET_BYTES // len(self.corpora), 16 << 20)
+            scan = self._scans[i] = SharedScan(self.corpora[i], shards, budget)
         return scan
 
     # -- what the hello says about the data ----------------------------------------------------------
