@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 
+from lmpipe.producer import manager
 from lmpipe.producer.batching import BatchSpec
 from lmpipe.producer.corpora import Corpora
 from lmpipe.producer.formats.kinds import DataFile
@@ -155,3 +156,20 @@ def test_the_remote_versions_of_every_source_are_pinned_and_a_rewrite_named(tmp_
     assert after.version_digest() != versions and messages.version_location(after.version_digest()) == where
     assert after.rewritten(digests) == ["s3://math/p1.txt"]
     assert after.rewritten(digests[:-1]) == [] and after.rewritten(None) == []
+
+
+def test_a_ranks_source_shard_is_read_as_that_sources_global_shard(tmp_path):
+    """Under torchrun, rank 1 of 2 with 2 shards a source: its shard 3 is source 1's shard 1, global shard
+    1*2+1 of 4 of that source's records, with that source's seed (the stream a --data run of it would read)."""
+    f = _files(tmp_path, web="a\n\nb\n", math="c\n\nd\n")
+    cfg = PipelineConfig(
+        mix=[f"web={f['web']}:1", f"math={f['math']}:1"],
+        rank=1,
+        world_size=2,
+        runtime_dir=str(tmp_path / "r"),
+    )
+    p = manager.Producer(cfg, manager.ProducerOptions())
+    stream = p._stream(3, 4)
+    assert (stream.worker_global, stream.total_workers, stream.seed) == (3, 4, source_seed(0, "math"))
+    assert stream.corpus is p.corpora.corpora[1] and stream.scan is not None and stream.scan.total == 4
+    assert p.holdings._plan(3, 4) == (p.corpora.batch_spec(1), 0)
