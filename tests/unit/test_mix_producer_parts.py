@@ -43,7 +43,7 @@ def _next_shards(h: Holdings, k: int) -> list[int | None]:
 def test_the_least_advanced_shard_with_credit_goes_next():
     h = _holdings(3)
     assert _next_shards(h, 4) == [0, 1, 2, None]  # one each, then none has credit
-    assert h.waiting_for_credit()
+    assert not any(x.can_send() for x in h.shards.values())
     h.grant({2: 3, 7: 9})  # a shard not held is left alone
     assert _next_shards(h, 3) == [2, 2, None]
     h.grant({0: 2, 2: 1})  # a credit only raises
@@ -59,7 +59,6 @@ def test_without_credit_nothing_limits_a_shard():
     h.start(0, 1, "L", Cursor(), 1)
     h.grant({0: 1})  # unlimited stays unlimited
     assert _next_shards(h, 5) == [0, 0, 0, 0, None]  # three batches and the end
-    assert not h.waiting_for_credit()
 
 
 def _files(tmp_path, **texts: str) -> dict[str, str]:
