@@ -134,7 +134,7 @@ class Corpora:
         source's name to its corpus's, each within its share of MAX_FINGERPRINT (a hello stays small)."""
         if self.mix is None:
             return self.corpora[0].fingerprint()
-        limit = max(256, MAX_FINGERPRINT // len(self.corpora))
+        limit = MAX_FINGERPRINT // len(self.corpora)
         parts = {s.name: c.fingerprint(limit) for s, c in zip(self.mix.sources, self.corpora)}
         return json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
 

@@ -17,7 +17,7 @@ from lmpipe.producer.sources import OBJECT_DIGEST, Corpus
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
 from lmpipe.shared.batch import Cursor
-from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.messages import Assign, Welcome
 from lmpipe.shared.mix import source_seed
 from lmpipe.shared.tokenizer import load_tokenizer
@@ -172,3 +172,21 @@ def test_a_ranks_source_shard_is_read_as_that_sources_global_shard(tmp_path):
     assert (stream.worker_global, stream.total_workers, stream.seed) == (3, 4, source_seed(0, "math"))
     assert stream.corpus is p.corpora.corpora[1] and stream.scan is not None and stream.scan.total == 4
     assert p.holdings._plan(3, 4) == (p.corpora.batch_spec(1), 0)
+
+
+def test_a_hello_of_the_largest_mixture_stays_small(tmp_path):
+    """64 sources (the most), with long names and files: the fingerprint's `data` keeps each source within
+    its share, so the hello (with a full list of skipped counts) decodes within the control limit."""
+    names = [f"source-with-a-long-name-{i:08d}" for i in range(64)]
+    for i in range(64):
+        (tmp_path / f"s{i}").mkdir()
+        for k in range(5):
+            (tmp_path / f"s{i}" / f"a-corpus-file-with-a-long-name-{k:04d}.txt").write_text(f"doc {k}\n")
+    cfg = PipelineConfig(mix=[f"{n}={tmp_path / f's{i}'}/:1" for i, n in enumerate(names)])
+    c = Corpora(cfg)
+    assert list(json.loads(c.fingerprint())) == names
+    skipped = {f"{s}:a_long_reason_name_here": 10**9 for s in range(messages.SKIPPED_PER_MESSAGE)}
+    hello = messages.Hello(fingerprint=fingerprint(cfg, "f" * 64, 50257, c.fingerprint()), skipped=skipped,
+                           data_content=c.content_digest(), host="h" * 64)  # fmt: skip
+    raw = messages.pack(hello)
+    assert len(raw) < messages.MAX_CONTROL_BYTES and messages.unpack(raw).fingerprint == hello.fingerprint
