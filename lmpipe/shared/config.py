@@ -186,12 +186,13 @@ class PipelineConfig:
 
     def cross_check(self) -> list[str]:
         out = []
+        data = " ".join(self.data)  # `--data X`: the CLI names LMPIPE_DATA where the variable gave it
         if self.mix and self.data:
-            out.append("--mix and --data exclude each other: a mixture names each source's data")
+            out.append(f"--mix and --data {data} exclude each other: a mixture names each source's data")
         if self.mix and self.mix_file:
-            out.append("--mix and --mix-file exclude each other: give the mixture one way")
+            out.append(f"--mix and --mix-file {self.mix_file} exclude each other: give the mixture one way")
         if self.mix_file and self.data:
-            out.append("--mix-file and --data exclude each other: the file names each source's data")
+            out.append(f"--mix-file and --data {data} exclude each other: the file names each source's data")
         if self.rank >= self.world_size:
             out.append(f"--rank {self.rank} must be below --world-size {self.world_size}")
         if self.batch_size * self.seq_len > MAX_BATCH_TOKENS:

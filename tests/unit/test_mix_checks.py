@@ -82,7 +82,9 @@ def test_a_mix_file_source_is_named_with_the_file(lmpipe, files, port):
 
 def test_the_settings_mistakes_are_one_line(lmpipe, files):
     code, err = lmpipe("run", "--mix", f"web={files / 'web.txt'}:0.7", "--data", str(files / "web.txt"))
-    assert code == 2 and err.count("\n") == 1 and "--mix and --data exclude each other" in err, err
+    assert (
+        code == 2 and err.count("\n") == 1 and "--mix and --data " in err and "exclude each other" in err
+    ), err
     code, err = lmpipe("produce", "--mix", f"web={files / 'web.txt'}")
     assert code == 2 and err.count("\n") == 1 and "NAME=SOURCE:WEIGHT" in err, err
 
