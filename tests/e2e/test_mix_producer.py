@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import time
 
 import zmq
@@ -28,6 +29,13 @@ def _corpus(tmp_path, word: str, n: int):
     path = tmp_path / f"{word}.jsonl"
     path.write_text("".join(json.dumps({"text": f"{word} {word} {word} {i}"}) + "\n" for i in range(n)))
     return path
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class StandIn:
@@ -106,9 +114,11 @@ def test_a_mixture_producer_serves_each_source_paced_by_credits(tmp_path, port, 
             t.send(messages.Welcome("s", s, lease=f"L{s}", shards=len(shards), credit=2))
         # (a) two messages a shard, then nothing while hellos keep coming
         t.until(lambda: all(len(t.got[s]) == 2 for s in shards), "the first credit's messages")
-        hellos = t.hellos
+        hellos, cpu = t.hellos, _cpu_seconds(p.pid)
         assert t.pump(2.5) == 0, "sent past its credit"
         assert t.hellos > hellos, "no hellos while it waited for credit"
+        # it waited on its control queue: a loop spinning for credit would have used most of a core
+        assert _cpu_seconds(p.pid) - cpu < 1.0
         assert all([m.header["seq"] for m in t.got[s]] == [1, 2] for s in shards)
         # granted more: it goes on, each shard up to its credit
         granted = {s: 2 for s in shards}
