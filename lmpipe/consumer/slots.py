@@ -32,6 +32,9 @@ class SlotMeta:
     doc_start: np.ndarray
     doc_len: np.ndarray
     received_at: float = 0.0
+    # a mixture's assembled batch (consumer/mixer.py): where its runs of rows came from (the doc log's)
+    parts: list | None = None
+    row_bounds: np.ndarray | None = None  # per row, the end of its pieces (the mixer's, computed once)
 
 
 class HostSlot:

@@ -1,0 +1,347 @@
+"""The mixer: which source's rows are trained next, decided in one place, by token counts.
+
+A mixture's sources (shared/mix.py) each own `shards_per_source` consecutive shards of the ledger (source
+i: shards i*S .. i*S+S-1). For each row of the next training batch the mixer picks the source furthest
+behind its target in tokens (Megatron's BlendedDataset rule, counted in tokens: every row adds
+weights_at(step)[i] * row_tokens to each source's target and row_tokens to the chosen source's trained
+count; ties go to the lower source index). Within a source its open shards take turns one BATCH at a time:
+shard j's next batch is sliced row by row until it is used up, then shard j+1's. Nothing here depends on
+which producer sent a batch or when: the same data and weights give the same rows in the same order.
+
+The chosen rows are copied into an assembly slot (a pinned HostSlot): tokens, seg (per row, as the model
+reads it), lengths, loss_mask and each row's document pieces, with `parts` naming where each run of rows
+came from (the doc log's source, shard and seq). A batch counts as consumed (`consumed`: the ledger's
+record, its slot released, the shard's credit raised) when its LAST row is taken; the rows already taken of
+the batch after the ledger's cursor are in `state_dict()`, so a resumed run skips them in the regenerated
+batch and trains the identical sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from lmpipe.consumer.slots import HostSlot, SlotMeta
+from lmpipe.shared.batch import Batch, Cursor
+
+log = logging.getLogger("lmpipe.trainer")
+
+END = "end"  # fetch(): the shard sent its `end` (finished its epochs)
+STOP = "stop"  # fetch(): stop waiting (the run stops): hand out what is assembled
+# A schedule moves the weights a little at every step between its points: a line when one moved this much
+SAY_MOVE = 0.05
+
+
+class Weights(Protocol):
+    """What the mixer reads of a mixture (shared/mix.py's Mix)."""
+
+    def names(self) -> tuple[str, ...]: ...
+
+    def weights_at(self, step: int) -> tuple[float, ...]: ...
+
+
+Fetch = Callable[[int], "HostSlot | str"]  # shard -> its next batch's slot, END or STOP (may block)
+Consumed = Callable[[int, HostSlot], None]  # shard, the slot of its batch whose last row was taken
+
+
+@dataclass
+class SourceState:
+    target: float = 0.0  # tokens it should have had by now
+    trained: int = 0  # tokens taken from it
+    rr: int = 0  # which of its shards is sliced now (index within the source)
+    epoch: int = 0  # the least epoch among its shards' consumed cursors
+
+
+@dataclass
+class Part:
+    """A run of rows of one received batch in an assembled batch (the doc log's entry)."""
+
+    source: str
+    shard: int
+    seq: int
+    session: str
+    rows: int = 0
+    pieces: list[tuple[int, int]] = field(default_factory=list)  # [from, to) in the assembled pieces
+
+
+class SourceExhausted(Exception):
+    """A source whose every shard ended (its finite epochs) was due next: the run stops."""
+
+    def __init__(self, source: str):
+        super().__init__(source)
+        self.source = source
+
+
+class Mixer:
+    def __init__(self, mix: Weights, shards_per_source: int, batch_size: int, seq_len: int):
+        self.mix, self.S, self.batch_size, self.seq_len = mix, shards_per_source, batch_size, seq_len
+        self.names = mix.names()
+        n = len(self.names)
+        self.sources = [SourceState() for _ in range(n)]
+        self.rows_taken = [0] * (n * shards_per_source)  # per shard: rows taken of the batch after its cursor
+        self.ended = [False] * (n * shards_per_source)
+        self.current: list[HostSlot | None] = [None] * (n * shards_per_source)  # the batch being sliced
+        self.step = 0  # the optimizer step the next batch is for (a take() per step)
+        self.exhausted = ""  # the source that ran out, once one did
+        self.shard_epochs = [0] * (n * shards_per_source)  # per shard: its consumed cursor's epoch
+        self._weights: tuple[float, ...] = ()  # this step's
+        self._said_weights: tuple[float, ...] | None = None  # the last said (or the checkpoint's)
+        self._resumed = False
+
+    def source_of(self, shard: int) -> int:
+        return shard // self.S
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "names": list(self.names),
+            "step": self.step,
+            "sources": [
+                {"target": s.target, "trained": s.trained, "rr": s.rr, "epoch": s.epoch} for s in self.sources
+            ],
+            "rows_taken": list(self.rows_taken),
+            "weights": list(self._weights),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], finished: Sequence[bool] = ()) -> None:
+        """Before the first batch. `finished`: the ledger's finished shards (they send nothing more)."""
+        names = [str(x) for x in state["names"]]
+        if names != list(self.names):
+            raise ValueError(f"the checkpoint mixes sources {names}, this run {list(self.names)}")
+        rows = [int(x) for x in state["rows_taken"]]
+        if len(rows) != len(self.rows_taken) or len(state["sources"]) != len(self.sources):
+            raise ValueError(
+                f"the checkpoint's mixture has {len(rows)} shards, this run {len(self.rows_taken)}"
+            )
+        self.step = int(state["step"])
+        for s, d in zip(self.sources, state["sources"]):
+            s.target, s.trained, s.rr, s.epoch = (
+                float(d["target"]),
+                int(d["trained"]),
+                int(d["rr"]),
+                int(d["epoch"]),
+            )
+        self.rows_taken = rows
+        self.ended = [bool(f) for f in finished] or self.ended
+        saved = tuple(float(w) for w in state.get("weights") or ())
+        self._said_weights, self._resumed = (saved or None), True  # a change is said with the first batch
+
+    # -- choosing rows -------------------------------------------------------------------------------
+
+    def weights(self) -> tuple[float, ...]:
+        """This step's weights, said in one line when they differ from the checkpoint's (new weights at
+        resume) or, along a schedule, once they moved by SAY_MOVE from the last said."""
+        w = tuple(float(x) for x in self.mix.weights_at(self.step))
+        said = self._said_weights
+        if said is None:
+            self._said_weights = w
+        elif _moved(said, w, 1e-9 if self._resumed else SAY_MOVE):
+            log.info("mixture weights at step %d: %s", self.step, _describe(self.names, said, w))
+            self._said_weights = w
+        self._resumed = False
+        self._weights = w
+        return w
+
+    def choose(self) -> int:
+        """The source furthest behind its target (ties: the lower index)."""
+        best, best_gap = 0, -float("inf")
+        for i, s in enumerate(self.sources):
+            gap = s.target - s.trained
+            if gap > best_gap:
+                best, best_gap = i, gap
+        return best
+
+    def _next(self, i: int, fetch: Fetch) -> tuple[HostSlot, int, int, bool] | None:
+        """Source i's next row: (its batch's slot, row, shard, whether it is the batch's last); None to
+        stop. Raises SourceExhausted when every shard of the source ended."""
+        S, src = self.S, self.sources[i]
+        while True:
+            open_ = [j for j in range(S) if not self.ended[i * S + j]]
+            if not open_:
+                raise SourceExhausted(self.names[i])
+            if src.rr not in open_:
+                src.rr = next((j for j in open_ if j > src.rr), open_[0])
+            shard = i * S + src.rr
+            slot = self.current[shard]
+            if slot is None:
+                got = fetch(shard)
+                if got == STOP:
+                    return None
+                if not isinstance(got, HostSlot):  # END: it finished its epochs
+                    self.ended[shard], self.rows_taken[shard] = True, 0
+                    continue
+                slot = self.current[shard] = got
+            assert slot.meta is not None
+            r = self.rows_taken[shard]
+            last = r + 1 >= slot.meta.rows
+            if last:  # the next batch is the next shard's
+                self.current[shard], self.rows_taken[shard] = None, 0
+                src.rr = (src.rr + 1) % S
+            else:
+                self.rows_taken[shard] = r + 1
+            return slot, r, shard, last
+
+    def assemble(self, out: HostSlot, fetch: Fetch, consumed: Consumed, session: str) -> int:
+        """Fill `out` with up to batch_size rows and return how many (0: none). Fewer when fetch says stop,
+        or when a source due next has no data left (`exhausted` then names it)."""
+        w = self.weights()
+        asm = _Assembly(out, self.seq_len)
+        while asm.rows < self.batch_size and not self.exhausted:
+            i = self.choose()
+            try:
+                got = self._next(i, fetch)
+            except SourceExhausted as exc:
+                self.exhausted = exc.source
+                break
+            if got is None:
+                break
+            slot, r, shard, last = got
+            assert slot.meta is not None
+            if r < slot.meta.rows and int(slot._np_lengths[r]) > 0:  # an empty row carries nothing: skipped
+                n = asm.add(slot, r, self.names[i], shard)
+                for k, s in enumerate(self.sources):
+                    s.target += w[k] * n
+                self.sources[i].trained += n
+            if last:
+                self._epoch(i, shard, slot.meta.cursor)
+                consumed(shard, slot)
+        asm.finish(session)
+        if asm.rows:
+            self.step += 1
+        return asm.rows
+
+    # -- epochs --------------------------------------------------------------------------------------
+
+    def set_epochs(self, epochs: Sequence[int]) -> None:
+        """Each shard's epoch from the ledger's cursors (at resume)."""
+        self.shard_epochs = [int(e) for e in epochs]
+        for i, s in enumerate(self.sources):
+            s.epoch = min(self.shard_epochs[i * self.S : (i + 1) * self.S])
+
+    def _epoch(self, i: int, shard: int, cursor: Cursor) -> None:
+        self.shard_epochs[shard] = cursor.epoch
+        e = min(self.shard_epochs[i * self.S : (i + 1) * self.S])
+        if e > self.sources[i].epoch:
+            self.sources[i].epoch = e
+            log.info("source %s: every shard is past epoch %d; now in epoch %d", self.names[i], e - 1, e)
+
+    def shares(self) -> dict[str, dict[str, float]]:
+        """Per source: tokens trained, realized share, this step's target share, epoch (the summary's)."""
+        total = sum(s.trained for s in self.sources)
+        w = self._weights or tuple(float(x) for x in self.mix.weights_at(self.step))
+        return {
+            n: {
+                "tokens": s.trained,
+                "share": s.trained / total if total else 0.0,
+                "target": w[i],
+                "epoch": s.epoch,
+            }
+            for i, (n, s) in enumerate(zip(self.names, self.sources))
+        }
+
+
+def _moved(old: Sequence[float], new: Sequence[float], by: float) -> bool:
+    return len(old) != len(new) or any(abs(a - b) >= by for a, b in zip(old, new))
+
+
+def _describe(names: Sequence[str], old: Sequence[float], new: Sequence[float]) -> str:
+    if len(old) != len(new):
+        old = [float("nan")] * len(new)
+    return ", ".join(f"{n} {a:.3g} -> {b:.3g}" for n, a, b in zip(names, old, new))
+
+
+class _Assembly:
+    """Rows copied into an assembly slot: laid out at a stride of seq_len, then compacted to the widest
+    row's batch width (pack: always seq_len, nothing moves). seg is per row in every batch (the index of
+    the document within its row, as the model reads it), so a row keeps its own."""
+
+    def __init__(self, out: HostSlot, seq_len: int):
+        self.out, self.T = out, seq_len
+        self.rows = 0
+        self.widths: list[int] = []
+        self.masked: list[bool] = []  # per row: its batch had a loss mask
+        self.pieces: list[np.ndarray] = []  # per row: [k, 3] doc_id, doc_start, doc_len
+        self.npieces = 0
+        self.parts: list[Part] = []
+        self.strategy = ""
+        self.has_seg = False
+
+    def add(self, slot: HostSlot, r: int, source: str, shard: int) -> int:
+        """Copy row r of `slot`; its real tokens."""
+        m, out, T, k = slot.meta, self.out, self.T, self.rows
+        assert m is not None
+        W = m.width
+        out._np_tokens[k * T : k * T + W] = slot._np_tokens[r * W : (r + 1) * W]
+        if W < T:
+            out._np_tokens[k * T + W : (k + 1) * T] = 0
+        if slot.has_seg:
+            out._np_seg[k * T : k * T + W] = slot._np_seg[r * W : (r + 1) * W]
+        if slot.has_loss_mask:
+            out._np_loss_mask[k * T : k * T + W] = slot._np_loss_mask[r * W : (r + 1) * W]
+        n = int(slot._np_lengths[r])
+        out._np_lengths[k] = n
+        if m.row_bounds is None:  # pieces are row-major and none crosses a row (checked on receipt)
+            ends = np.cumsum(m.doc_len, dtype=np.int64)
+            m.row_bounds = np.searchsorted(
+                ends, np.cumsum(slot._np_lengths[: m.rows], dtype=np.int64), "right"
+            )
+        a, b = (int(m.row_bounds[r - 1]) if r else 0), int(m.row_bounds[r])
+        self.pieces.append(np.stack([m.doc_id[a:b], m.doc_start[a:b], m.doc_len[a:b]], axis=1))
+        p = self.parts[-1] if self.parts else None
+        if p is None or (p.shard, p.seq, p.session) != (shard, m.seq, m.session):
+            p = Part(source, shard, m.seq, m.session, pieces=[self.npieces, self.npieces])
+            self.parts.append(p)
+        p.rows += 1
+        self.npieces += b - a
+        p.pieces[1] = self.npieces
+        self.widths.append(W)
+        self.masked.append(slot.has_loss_mask)
+        self.strategy, self.has_seg = m.strategy, slot.has_seg
+        self.rows += 1
+        return n
+
+    def finish(self, session: str) -> None:
+        out, T, B = self.out, self.T, self.rows
+        if not B:
+            out.meta = None
+            return
+        W = max(self.widths)
+        masked = any(self.masked)
+        if masked:  # rows of batches without a mask train every target
+            for k, has in enumerate(self.masked):
+                if not has:
+                    out._np_loss_mask[k * T : (k + 1) * T] = 1
+        if W < T:  # forward, row by row: each row's new place starts before its old one
+            for a in [out._np_tokens] + [out._np_seg] * self.has_seg + [out._np_loss_mask] * masked:
+                for k in range(1, B):
+                    a[k * W : (k + 1) * W] = a[k * T : k * T + W]
+        out.has_seg, out.has_loss_mask = self.has_seg, masked
+        pieces = np.concatenate(self.pieces) if self.pieces else np.zeros((0, 3), np.int64)
+        doc_id, doc_start, doc_len = (
+            pieces[:, 0].astype(np.int64),
+            pieces[:, 1].astype(np.int32),
+            pieces[:, 2].astype(np.int32),
+        )
+        n = B * W
+        batch = Batch(
+            tokens=out._np_tokens[:n].reshape(B, W),
+            lengths=out._np_lengths[:B],
+            doc_id=doc_id,
+            doc_start=doc_start,
+            doc_len=doc_len,
+            strategy=self.strategy,
+            cursor=Cursor(),
+            seg=out._np_seg[:n].reshape(B, W) if self.has_seg else None,
+            loss_mask=out._np_loss_mask[:n].reshape(B, W) if masked else None,
+        )
+        real = batch.real_tokens
+        out.meta = SlotMeta(
+            shard=-1, seq=0, session=session, cursor=Cursor(), strategy=self.strategy, rows=B, width=W,
+            real_tokens=real, pad_tokens=B * W - real, n_targets=batch.num_targets(), doc_id=doc_id,
+            doc_start=doc_start, doc_len=doc_len, parts=self.parts,
+        )  # fmt: skip
