@@ -14,6 +14,7 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lmpipe.shared.mix import Mix, load_mix_file, parse_mix
 from lmpipe.shared.settings import at_least, between, existing_dir, from_args, setting, to_argv, validate
 from lmpipe.shared.wire import STRATEGIES
 
@@ -27,6 +28,22 @@ BATCHING = "data and batching (must match between producers and trainer)"
 NETWORK = "network"
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"{_LABEL}(\.{_LABEL})*\.?")
+
+
+def mix_problem(items: list[str]) -> str | None:
+    try:
+        parse_mix(items)
+    except ValueError as exc:
+        return str(exc).removeprefix("--mix ")
+    return None
+
+
+def mix_file_problem(path: str) -> str | None:
+    try:
+        load_mix_file(path)
+    except ValueError as exc:
+        return str(exc).removeprefix(f"--mix-file {path}: ")
+    return None
 
 
 def host_problem(host: str) -> str | None:
@@ -53,6 +70,21 @@ class PipelineConfig:
         metavar="PATH",
         help="corpus files (text, JSONL, .gz/.zst, Parquet, Arrow), directories or fsspec URLs (s3://...) of "
         "them, or a prepared shard directory; none: the built-in corpus (see README, Corpora)",
+    )
+    mix: list[str] = setting(
+        [],
+        metavar="NAME=SOURCE:WEIGHT",
+        check=lambda v: mix_problem(v) if v else None,
+        help="a mixture of named, weighted sources instead of --data, e.g. web=data/web/:0.7 "
+        "code='s3://b/code/*.parquet':0.3; SOURCE is anything --data takes, weights need not sum to 1 "
+        "(docs/mixtures.md)",
+    )
+    mix_file: str | None = setting(
+        None,
+        metavar="FILE",
+        check=mix_file_problem,
+        help="a mixture in a TOML file: sources with their data, weight and epochs, and a schedule of "
+        "weights over steps (docs/mixtures.md)",
     )
     tokenizer: str | None = setting(
         None, metavar="FILE", help="Hugging Face tokenizer.json (none: the built-in BPE)"
@@ -149,6 +181,12 @@ class PipelineConfig:
 
     def cross_check(self) -> list[str]:
         out = []
+        if self.mix and self.data:
+            out.append("--mix and --data exclude each other: a mixture names each source's data")
+        if self.mix and self.mix_file:
+            out.append("--mix and --mix-file exclude each other: give the mixture one way")
+        if self.mix_file and self.data:
+            out.append("--mix-file and --data exclude each other: the file names each source's data")
         if self.rank >= self.world_size:
             out.append(f"--rank {self.rank} must be below --world-size {self.world_size}")
         if self.batch_size * self.seq_len > MAX_BATCH_TOKENS:
@@ -165,10 +203,22 @@ class PipelineConfig:
         d = asdict(self)
         for k in (
             "data", "tokenizer", "host", "port", "trusted_network", "curve_dir", "runtime_dir", "metrics_host",
-            "producers",
+            "producers", "mix", "mix_file",
         ):  # fmt: skip
             d.pop(k)
+        mix = self.mixture()
+        if mix is not None:  # the sources' names and epochs; not the weights (the trainer's, may change)
+            d["mix"] = mix.fingerprint()
         return d
+
+    def mixture(self) -> Mix | None:
+        """The mixture --mix or --mix-file gives (sources without epochs of their own take --epochs); None
+        without one: the run reads --data as before."""
+        if self.mix:
+            return parse_mix(self.mix, epochs=self.epochs)
+        if self.mix_file:
+            return load_mix_file(self.mix_file, epochs=self.epochs)
+        return None
 
 
 def fingerprint(cfg: PipelineConfig, tokenizer_hash: str, vocab_size: int, data: str = "") -> dict[str, Any]:

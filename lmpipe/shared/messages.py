@@ -4,7 +4,8 @@ Each message is a single msgpack map with a `type`. Producers say `hello` when t
 version: the trainer refuses another at once) and repeat it every HELLO_EVERY seconds as a heartbeat,
 naming the shards they hold; the trainer answers `assign` (the
 whole set of shards this producer holds now, possibly none: it stands by), one `welcome` per shard to
-start or restart (session, shard, cursor, next sequence number, lease), `refuse` (with the reason; the
+start or restart (session, shard, cursor, next sequence number, lease; in a mixture, its credit: how far
+it may send), `credit` (a mixture's: how far each shard may now send), `refuse` (with the reason; the
 producer exits, as nothing it could retry would be answered otherwise) or `stop`, which a producer acknowledges with `bye`. A hello that names an old
 session is answered like a new producer's: that is how a restarted trainer sends producers back to its
 checkpointed cursors. A hello whose shards differ from the trainer's assignment is answered with what
@@ -99,6 +100,20 @@ class Welcome:
     # make this producer rewind. Sent only on this producer's control connection.
     lease: str = ""
     shards: int = 1  # the run's number of shards
+    # a mixture's pacing: the producer may send this shard's messages (batches and its end) up to this
+    # sequence number, until a `credit` raises it; None: no limit (a run without a mixture)
+    credit: int | None = None
+
+
+@dataclass
+class Credit:
+    """Trainer -> producer, in a mixture: each named shard's messages may now be sent up to its sequence
+    number (`grants`: shard -> upto_seq; a shard this producer does not hold in `session` is ignored). On
+    the wire the shards are string keys (msgpack maps here take string keys); at most GRANTS_PER_MESSAGE
+    a message: `credits()` splits a larger set."""
+
+    session: str
+    grants: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,22 +134,35 @@ class Bye:
     skipped: dict[str, int] = field(default_factory=dict)  # as in Hello: its final count
 
 
+GRANTS_PER_MESSAGE = 200  # a Credit's grants at most (msgpack maps are limited to 256 here: wire.py)
+
+
+def credits(session: str, grants: dict[int, int]) -> list[Credit]:
+    """`grants` as Credit messages of at most GRANTS_PER_MESSAGE grants each (none for no grants)."""
+    items = sorted(grants.items())
+    k = GRANTS_PER_MESSAGE
+    return [Credit(session, dict(items[i : i + k])) for i in range(0, len(items), k)]
+
+
 TYPES: dict[str, type] = {
     "hello": Hello,
     "welcome": Welcome,
+    "credit": Credit,
     "assign": Assign,
     "refuse": Refuse,
     "stop": Stop,
     "bye": Bye,
 }
 _NAMES = {cls: name for name, cls in TYPES.items()}
-_PY = {
+_PY: dict[str, type | tuple[type, ...]] = {
     "int": int,
     "str": str,
     "bool": bool,
     "dict[str, Any]": dict,
     "dict[str, int]": dict,
     "list[int]": list,
+    "int | None": (int, type(None)),
+    "dict[int, int]": dict,
 }
 MAX_SHARDS = 4096  # a shard list longer than this, or naming a shard beyond it, is malformed
 _SCALARS = (str, int, float, bool, type(None))  # what a fingerprint value may be
@@ -149,7 +177,21 @@ def _check_map(name: str, val: dict, values: tuple[type, ...]) -> None:
 
 
 def pack(msg: Any) -> bytes:
-    return msgpack.packb({"type": _NAMES[type(msg)], **asdict(msg)}, use_bin_type=True)
+    body = asdict(msg)
+    if isinstance(msg, Credit):  # msgpack maps here take string keys
+        body["grants"] = {str(k): v for k, v in msg.grants.items()}
+    return msgpack.packb({"type": _NAMES[type(msg)], **body}, use_bin_type=True)
+
+
+def _grants(val: dict) -> dict[int, int]:
+    out = {}
+    for k, v in val.items():
+        if not (isinstance(k, str) and k.isdigit() and len(k) <= 4 and int(k) < MAX_SHARDS):
+            raise WireError("bad_control", f"credit.grants names no shard: {k!r}")
+        if type(v) is not int or v < 0:  # type(v) is int: no bools
+            raise WireError("bad_control", f"credit.grants[{k!r}] is not a sequence number")
+        out[int(k)] = v
+    return out
 
 
 def unpack(raw: bytes | memoryview) -> Any:
@@ -166,13 +208,17 @@ def unpack(raw: bytes | memoryview) -> Any:
                 raise WireError("bad_control", f"{name} lacks field {f.name!r}")
             continue
         val = obj[f.name]
-        want = _PY[f.type] if isinstance(f.type, str) else f.type
+        want = _PY[f.type] if isinstance(f.type, str) else cast(type, f.type)
         if isinstance(val, bool) and want is not bool or not isinstance(val, want):
             raise WireError("bad_control", f"{name}.{f.name} has type {type(val).__name__}")
         if f.type == "dict[str, Any]":
             _check_map(f"{name}.{f.name}", cast(dict, val), _SCALARS)
         elif f.type == "dict[str, int]":
             _check_map(f"{name}.{f.name}", cast(dict, val), (int,))
+        elif f.type == "dict[int, int]":
+            val = _grants(cast(dict, val))
+        elif f.type == "int | None" and val is not None and cast(int, val) < 0:
+            raise WireError("bad_control", f"{name}.{f.name} is negative")
         elif f.type == "list[int]":
             items = cast(list, val)
             if len(items) > MAX_SHARDS or not all(

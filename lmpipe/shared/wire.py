@@ -23,7 +23,9 @@ import numpy as np
 # 4: "shard" where a shard is meant: the batch header's and Welcome's `worker` became `shard`, Hello's
 # `worker` (the producer's own number) became `producer`, optional, so an older producer's hello still
 # decodes and is refused by its version, not as malformed.
-WIRE_VERSION = 4
+# 5: mixtures: the trainer paces each shard with credits (messages.Credit, Welcome.credit); a version-4
+# producer would ignore them and flood the trainer with a source it does not need yet.
+WIRE_VERSION = 5
 
 # name -> little-endian numpy dtype. Anything else is refused before it is read.
 DTYPES: dict[str, np.dtype] = {
