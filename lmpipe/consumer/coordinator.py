@@ -84,6 +84,9 @@ class Coordinator:
         self.stopping = asyncio.Event()  # set once the run is over (the receive thread's loop)
         self.stop_reason = ""
         self.awaiting_bye: dict[bytes, str] = {}  # identity -> "p1 (host:pid)" told to stop, not yet gone
+        # a mixture's pacing (consumer/mixfeed.py): a holder may send this many messages of a shard past the
+        # last consumed one; 0: no limit (welcomes carry credit None), a run without a mixture
+        self.credit_window = 0
         self.all_said_bye = asyncio.Event()
         for w in range(len(ledger)):
             metrics.stream_resets.labels(str(w))
@@ -211,7 +214,10 @@ class Coordinator:
             self._count_skipped(hello.skipped)
             for s in p.shards:
                 self.ledger[s].last_seen = now
-            return self._reconcile(p, hello)
+            self._reconcile(p, hello)
+            if self.credit_window and self._settled:  # a lost credit heals within a heartbeat
+                self.grant(p.shards)
+            return None
         twin = self._twin(where, hello)
         if twin is not None and hello.session == self.session:
             if not hello.rejoin:  # queued on a connection it has replaced since: nothing to answer
@@ -417,8 +423,24 @@ class Coordinator:
                 force,
                 lease=w.lease,
                 shards=len(self.ledger),
+                credit=w.last_seq + self.credit_window if self.credit_window else None,
             )
         self._send(w.identity, welcome)
+
+    def grant(self, shards: set[int]) -> None:
+        """Send each holder of `shards` how far it may send them now (a mixture's credits), coalesced: one
+        Credit per producer (split past messages.GRANTS_PER_MESSAGE)."""
+        if not self.credit_window or self.stopping.is_set():
+            return
+        by_holder: dict[bytes, dict[int, int]] = {}
+        with self.ledger.lock:
+            for s in shards:
+                w = self.ledger[s]
+                if w.identity is not None and w.open():
+                    by_holder.setdefault(w.identity, {})[s] = w.last_seq + self.credit_window
+        for identity, grants in by_holder.items():
+            for msg in messages.credits(self.session, grants):
+                self._send(identity, msg)
 
     def _send_assign(self, p: Producer) -> None:
         self._send(

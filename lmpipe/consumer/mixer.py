@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lmpipe.consumer.slots import HostSlot, SlotMeta
-from lmpipe.shared.batch import Batch, Cursor
+from lmpipe.shared.batch import Cursor
 
 log = logging.getLogger("lmpipe.trainer")
 
@@ -65,7 +65,8 @@ class Part:
     seq: int
     session: str
     rows: int = 0
-    pieces: list[tuple[int, int]] = field(default_factory=list)  # [from, to) in the assembled pieces
+    pieces: list[int] = field(default_factory=list)  # [from, to) in the assembled batch's pieces
+    targets: int = 0  # its rows' targets
 
 
 class SourceExhausted(Exception):
@@ -85,7 +86,7 @@ class Mixer:
         self.rows_taken = [0] * (n * shards_per_source)  # per shard: rows taken of the batch after its cursor
         self.ended = [False] * (n * shards_per_source)
         self.current: list[HostSlot | None] = [None] * (n * shards_per_source)  # the batch being sliced
-        self.step = 0  # the optimizer step the next batch is for (a take() per step)
+        self.step = 0  # the optimizer step the next batch is for (its feed counts them)
         self.exhausted = ""  # the source that ran out, once one did
         self.shard_epochs = [0] * (n * shards_per_source)  # per shard: its consumed cursor's epoch
         self._weights: tuple[float, ...] = ()  # this step's
@@ -211,8 +212,6 @@ class Mixer:
                 self._epoch(i, shard, slot.meta.cursor)
                 consumed(shard, slot)
         asm.finish(session)
-        if asm.rows:
-            self.step += 1
         return asm.rows
 
     # -- epochs --------------------------------------------------------------------------------------
@@ -328,20 +327,29 @@ class _Assembly:
             pieces[:, 2].astype(np.int32),
         )
         n = B * W
-        batch = Batch(
-            tokens=out._np_tokens[:n].reshape(B, W),
-            lengths=out._np_lengths[:B],
-            doc_id=doc_id,
-            doc_start=doc_start,
-            doc_len=doc_len,
-            strategy=self.strategy,
-            cursor=Cursor(),
-            seg=out._np_seg[:n].reshape(B, W) if self.has_seg else None,
-            loss_mask=out._np_loss_mask[:n].reshape(B, W) if masked else None,
-        )
-        real = batch.real_tokens
+        lengths = out._np_lengths[:B]
+        seg = out._np_seg[:n].reshape(B, W) if self.has_seg else None
+        per_row = _row_targets(lengths, seg, out._np_loss_mask[:n].reshape(B, W) if masked else None)
+        k = 0
+        for p in self.parts:
+            p.targets = int(per_row[k : k + p.rows].sum())
+            k += p.rows
+        real = int(lengths.sum())
         out.meta = SlotMeta(
             shard=-1, seq=0, session=session, cursor=Cursor(), strategy=self.strategy, rows=B, width=W,
-            real_tokens=real, pad_tokens=B * W - real, n_targets=batch.num_targets(), doc_id=doc_id,
+            real_tokens=real, pad_tokens=B * W - real, n_targets=int(per_row.sum()), doc_id=doc_id,
             doc_start=doc_start, doc_len=doc_len, parts=self.parts,
         )  # fmt: skip
+
+
+def _row_targets(lengths: np.ndarray, seg: np.ndarray | None, loss_mask: np.ndarray | None) -> np.ndarray:
+    """Per row, the targets the loss is taken on (Batch.num_targets, row by row)."""
+    if seg is None and loss_mask is None:
+        return np.maximum(lengths.astype(np.int64) - 1, 0)
+    W = (seg if seg is not None else loss_mask).shape[1]  # type: ignore[union-attr]
+    valid = np.arange(W - 1)[None, :] < (lengths[:, None] - 1)
+    if seg is not None:
+        valid &= seg[:, 1:] == seg[:, :-1]
+    if loss_mask is not None:
+        valid &= loss_mask[:, 1:] != 0
+    return valid.sum(axis=1)

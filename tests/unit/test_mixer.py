@@ -6,51 +6,15 @@ at resume said in one line, and rows of other widths and loss masks copied as th
 from __future__ import annotations
 
 import logging
-import random
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
 from lmpipe.consumer.mixer import END, Mixer
 from lmpipe.consumer.slots import HostSlot
-from lmpipe.producer.batching import BatchSpec, batches
+from lmpipe.producer.batching import BatchSpec
 from lmpipe.shared.batch import Batch
-from tests.helpers import ListStream
-
-T, B, S = 16, 4, 2  # seq_len, rows per batch, shards per source
-
-
-@dataclass
-class FixedMix:
-    weights: tuple[float, ...]
-    schedule: tuple[tuple[int, tuple[float, ...]], ...] = ()
-    names_: tuple[str, ...] = ("web", "code", "math")
-
-    def names(self) -> tuple[str, ...]:
-        return self.names_[: len(self.weights)]
-
-    def weights_at(self, step: int) -> tuple[float, ...]:
-        w = self.weights
-        if self.schedule:  # piecewise-linear, flat past the ends
-            pts = self.schedule
-            w = pts[0][1] if step <= pts[0][0] else pts[-1][1]
-            for (s0, w0), (s1, w1) in zip(pts, pts[1:]):
-                if s0 <= step < s1:
-                    f = (step - s0) / (s1 - s0)
-                    w = tuple(a + f * (b - a) for a, b in zip(w0, w1))
-        total = sum(w)
-        return tuple(x / total for x in w)
-
-
-def shard_batches(shard: int, ndocs: int, spec: BatchSpec, seed: int = 0) -> list[Batch]:
-    """A shard's deterministic batches: documents of 1..12 tokens, ids unique across shards."""
-    rng = random.Random(shard * 1000 + seed)
-    docs = [[rng.randrange(1, 90) for _ in range(rng.randint(1, 12))] for _ in range(ndocs)]
-    out = list(batches(ListStream(docs), spec, epochs=1))
-    for b in out:
-        b.doc_id = b.doc_id + shard * 100_000
-    return out
+from tests.mixtures import B, FixedMix, S, T, rows_of, shard_batches
 
 
 class Feed:
@@ -74,11 +38,6 @@ class Feed:
         self.consumed.append((shard, slot.meta.seq))
 
 
-def rows_of(slot: HostSlot) -> list[tuple[int, ...]]:
-    tokens, lengths, _ = slot.views()
-    return [tuple(tokens[r, : int(lengths[r])].tolist()) for r in range(tokens.shape[0])]
-
-
 def run(mixer: Mixer, feed: Feed, n: int) -> list[tuple[int, ...]]:
     rows = []
     for _ in range(n):
@@ -86,6 +45,7 @@ def run(mixer: Mixer, feed: Feed, n: int) -> list[tuple[int, ...]]:
         got = mixer.assemble(out, feed.fetch, feed.done, "s")
         if not got:
             break
+        mixer.step += 1
         rows += rows_of(out)
     return rows
 
@@ -101,6 +61,7 @@ def test_token_shares_stay_within_one_row_of_the_weights() -> None:
     for _ in range(40):
         out = HostSlot(B, T, np.dtype("<u2"), pin=False)
         assert mixer.assemble(out, feed.fetch, feed.done, "s") == B
+        mixer.step += 1
         total = sum(s.trained for s in mixer.sources)
         for w, s in zip(mix.weights_at(0), mixer.sources):
             assert abs(s.trained - w * total) <= T, (s.trained, w * total)
@@ -120,6 +81,7 @@ def test_a_schedule_keeps_every_source_within_one_row_of_its_moving_target() -> 
     for step in range(30):
         out = HostSlot(B, T, np.dtype("<u2"), pin=False)
         mixer.assemble(out, feed.fetch, feed.done, "s")
+        mixer.step += 1
         w = mix.weights_at(step)
         tokens = out.meta.real_tokens
         expected = [e + wi * tokens for e, wi in zip(expected, w)]
