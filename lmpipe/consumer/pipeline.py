@@ -57,8 +57,6 @@ class Pipeline:
         self.wait_timeout, self.metrics_port = wait_timeout, metrics_port
         self.metrics = TrainerMetrics()
         self.metrics.producers_expected.set(pcfg.producers)
-        for w in range(shards):
-            self.metrics.received.labels(str(w))
         self.mask_cache = MaskCache(
             on_hit=self.metrics.cache_hits.labels(MaskCache.name).inc,
             on_miss=self.metrics.cache_misses.labels(MaskCache.name).inc,
@@ -68,6 +66,8 @@ class Pipeline:
         self.mix = pcfg.mixture()
         self.mixer = Mixer(self.mix, shards, pcfg.batch_size, pcfg.seq_len) if self.mix else None
         self.table = Ledger(shards * (len(self.mix.sources) if self.mix else 1), self.session)
+        for w in range(len(self.table)):
+            self.metrics.received.labels(str(w))
         pin = device.type == "cuda"
         dt = token_dtype(tok.vocab_size)
         # with a mixture `slots` assemble batches; received ones get their own pool (consumer/mixfeed.py)
