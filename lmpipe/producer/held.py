@@ -6,6 +6,11 @@ after the last batch it accepted). A shard's stream depends only on (corpus, see
 shards, cursor), so a shard restarted here, or at another producer, makes the very same batches with the
 very same sequence numbers: the trainer keeps the first copy of each and drops the others. Batches are
 built for the least advanced shard first (see next_message).
+
+In a mixture the trainer paces each shard with credits (messages.Credit, Welcome.credit): a shard's next
+message (batch or end) is built only while its sequence number is within the shard's credit; a shard
+without credit waits, and the others go on. Each shard also has its source's batch settings (its seed) and
+epochs (the `plan` given to Holdings).
 """
 
 from __future__ import annotations
@@ -28,12 +33,29 @@ class HeldShard:
     finished: bool = False  # its `end` is built: nothing more to send
     end_cursor: Cursor = field(default_factory=Cursor)
     docs_counted: int = 0  # documents of its stream already counted in the producer's metric
+    credit: int | None = None  # the highest sequence number it may send (a mixture's); None: no limit
+    spec: BatchSpec | None = None  # its source's batch settings (None: the producer's)
+    epochs: int = 0  # its source's epochs (0: until stopped)
+
+    def can_send(self) -> bool:
+        return not self.finished and (self.credit is None or self.seq < self.credit)
+
+
+Plan = Callable[[int, int], tuple[BatchSpec, int]]  # (shard, number of shards) -> its spec and epochs
 
 
 class Holdings:
-    def __init__(self, make_stream: Callable[[int, int], DocStream], spec: BatchSpec, epochs: int, dtype):
+    def __init__(
+        self,
+        make_stream: Callable[[int, int], DocStream],
+        spec: BatchSpec,
+        epochs: int,
+        dtype,
+        plan: Plan | None = None,
+    ):
         self._make_stream = make_stream  # (shard, number of shards) -> its DocStream
         self.spec, self.epochs, self.dtype = spec, epochs, dtype
+        self._plan = plan or (lambda shard, total: (self.spec, self.epochs))
         self.shards: dict[int, HeldShard] = {}
         self.total = 0  # the run's number of shards, as the trainer said
         # The shards of the last assign: no batch is built while one of them still awaits its welcome, so
@@ -46,8 +68,11 @@ class Holdings:
     def held(self) -> list[int]:
         return sorted(self.shards)
 
-    def start(self, shard: int, total: int, lease: str, cursor: Cursor, next_seq: int) -> HeldShard:
-        """(Re)start `shard` at `cursor`; its next message gets sequence number `next_seq`."""
+    def start(
+        self, shard: int, total: int, lease: str, cursor: Cursor, next_seq: int, credit: int | None = None
+    ) -> HeldShard:
+        """(Re)start `shard` at `cursor`; its next message gets sequence number `next_seq`, and it may send
+        up to sequence number `credit` (None: no limit)."""
         if total != self.total:  # another split (a new trainer session): no stream carries over
             assigned = self.assigned
             self.clear()
@@ -58,7 +83,8 @@ class Holdings:
             old.gen.close()
         self.assigned.add(shard)
         stream.hold()
-        h = HeldShard(shard, stream, lease, next_seq - 1)
+        spec, epochs = self._plan(shard, total)
+        h = HeldShard(shard, stream, lease, next_seq - 1, credit=credit, spec=spec, epochs=epochs)
         h.docs_counted = stream.stats.documents
         h.gen = self._batches(h, cursor)
         self.shards[shard] = h
@@ -79,6 +105,19 @@ class Holdings:
     def clear(self) -> None:
         self.keep_only([])
 
+    def grant(self, grants: dict[int, int]) -> None:
+        """A credit: each held shard may send up to its sequence number (only ever raised here; a welcome
+        sets it). Shards not held, and shards without a limit, are left alone."""
+        for shard, upto in grants.items():
+            h = self.shards.get(shard)
+            if h is not None and h.credit is not None:
+                h.credit = max(h.credit, upto)
+
+    def waiting_for_credit(self) -> bool:
+        """Every shard with something left to send waits for credit (and at least one does)."""
+        live = [h for h in self.shards.values() if not h.finished]
+        return bool(live) and all(not h.can_send() for h in live)
+
     def next_message(self, session: str) -> tuple[HeldShard, list, Batch | None] | None:
         """The next message to send: (its shard, frames, the batch or None for an `end`), from the shard
         with data left that has sent the fewest (lowest seq; ties: lowest shard). That is round robin
@@ -86,8 +125,8 @@ class Holdings:
         depends only on the cursors: a producer restarted from a checkpoint's cursors sends its batches
         in the order an uninterrupted one would have. None when nothing is left to send. An exception from
         the stream (the producer's keepalive, stopping it) leaves that shard's batches unusable: the producer
-        exits."""
-        live = [h for h in self.shards.values() if not h.finished]
+        exits. In a mixture, only shards with credit left are considered (None: none has any)."""
+        live = [h for h in self.shards.values() if h.can_send()]
         if not live or not self.assigned <= self.shards.keys():
             return None
         h = min(live, key=lambda x: (x.seq, x.shard))
@@ -101,8 +140,8 @@ class Holdings:
         return h, batch.to_frames(session, h.shard, h.seq, h.lease), batch
 
     def _batches(self, h: HeldShard, cursor: Cursor) -> Generator[Batch, None, None]:
-        h.end_cursor = Cursor(max(self.epochs, cursor.epoch))
-        for b in batches(h.stream, self.spec, cursor, self.epochs, dtype=self.dtype):
+        h.end_cursor = Cursor(max(h.epochs, cursor.epoch))
+        for b in batches(h.stream, h.spec or self.spec, cursor, h.epochs, dtype=self.dtype):
             h.end_cursor = b.cursor
             yield b
         h.stream.release()  # every epoch read: no later pass keeps its records

@@ -19,7 +19,8 @@ sleeps check, so it ends the batch being built at once (never sent: the trainer'
 shard resumes). When the control connection drops (the trainer died), the producer holds its batches until
 a trainer welcomes it again, instead of streaming into a session that is gone; the hellos say `rejoin`.
 A producer the trainer refuses (another wire version, another config, a stopped shard) exits 2 with the
-reason at once: a refusal is never retried.
+reason at once: a refusal is never retried. In a mixture (producer/corpora.py) each shard sends only as far
+as the trainer's credit for it goes; with no shard able to send, the loop waits on the control queue.
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ import zmq
 from lmpipe.producer import remote
 from lmpipe.producer.batching import BatchSpec
 from lmpipe.producer.control import ControlChannel, Item
+from lmpipe.producer.corpora import Corpora
 from lmpipe.producer.held import HeldShard, Holdings
-from lmpipe.producer.scan import SharedScan
-from lmpipe.producer.shards import check_prepared_with
-from lmpipe.producer.sources import BadRecords, Corpus
+from lmpipe.producer.sources import BadRecords
 from lmpipe.producer.stream import DocStream
 from lmpipe.shared import messages
 from lmpipe.shared.batch import Batch, Cursor, token_dtype
@@ -99,22 +99,25 @@ class Producer:
         remote.WAITS.spent = lambda seconds: self.metrics.storage_wait.inc(seconds)
         remote.WAITS.retrying = self._retrying
         remote.WAITS.sleep = self._storage_sleep
-        self.tok = load_tokenizer(cfg.tokenizer, cfg.data)
-        self.corpus = Corpus.of(cfg, self.tok.vocab_size)
-        if self.corpus.shards is not None:
-            check_prepared_with(self.corpus.shards, self.tok)
+        mix = cfg.mixture()  # None: one corpus, as --data says
+        self.tok = load_tokenizer(
+            cfg.tokenizer, cfg.data if mix is None else [d for s in mix.sources for d in s.data]
+        )
+        self.corpora = Corpora(cfg, self.tok.vocab_size, mix)  # a mixture's sources, or the one corpus
+        self.corpus = self.corpora.corpora[0]
+        self.corpora.check_prepared(self.tok)
         self.spec = BatchSpec.of(cfg)
         self.dtype = token_dtype(self.tok.vocab_size)
         # per shard, by reason, for the trainer's summary: what the shard's current stream has skipped
         self._skipped: dict[int, dict[str, int]] = {}
         self._skipped_sent: dict[str, int] = {}  # what the trainer was last told, "<shard>:<reason>" -> n
-        self._scan: SharedScan | None = None  # one read of the corpus for the shards held (scan.py)
-        self.holdings = Holdings(self._stream, self.spec, cfg.epochs, self.dtype)
+        self.holdings = Holdings(self._stream, self.spec, cfg.epochs, self.dtype, plan=self.corpora.plan)
         for m in (self.metrics.tokens, self.metrics.padding):
             m.labels(cfg.strategy)
-        self.fingerprint = fingerprint(cfg, self.tok.hash, self.tok.vocab_size, self.corpus.fingerprint())
-        self.data_content = self.corpus.content_digest()  # the files' contents as found (hello, receiver.py)
-        self.data_versions = self.corpus.version_digest()  # or the remote objects' versions
+        # every source's files (names and sizes), their contents as found, or the remote objects' versions
+        self.fingerprint = fingerprint(cfg, self.tok.hash, self.tok.vocab_size, self.corpora.fingerprint())
+        self.data_content = self.corpora.content_digest()
+        self.data_versions = self.corpora.version_digest()
         self.session = ""
         check_connect(cfg.host, cfg.trusted_network, cfg.curve_dir)
         self.endpoints = endpoints(cfg)  # creates and checks the runtime directory (ValueError if unsafe)
@@ -134,14 +137,14 @@ class Producer:
                 "worker": str(self.worker),
                 "strategy": cfg.strategy,
                 "tokenizer": self.tok.hash,
-                "corpus": short_hash(self.corpus.fingerprint()),  # an id, not prose (the log describes it)
+                "corpus": short_hash(self.corpora.fingerprint()),  # an id, not prose (the log describes it)
             }
         )
 
     def _stream(self, shard: int, total: int) -> DocStream:
-        shards = total * self.cfg.world_size  # a stream's key in the scan is its global shard number
-        if self._scan is None or self._scan.total != shards:  # a new split: nothing carries over
-            self._scan = SharedScan(self.corpus, shards)
+        # a mixture's shard is its source's shard `local` of `per` (corpora.py); the one corpus's is itself
+        source, local, per = self.corpora.locate(shard, total)
+        shards = per * self.cfg.world_size  # a stream's key in the scan is its global shard number
         counts = self._skipped[shard] = {}  # a new stream reads the shard again from its epoch's start
 
         def bad_record(reason: str, where: str, detail: str) -> None:
@@ -154,18 +157,18 @@ class Producer:
                 self._bad_record(reason, where, detail)
 
         return DocStream(
-            self.corpus,
+            self.corpora.corpora[source],
             self.tok,
-            shard,
-            total,
+            local,
+            per,
             rank=self.cfg.rank,
             world_size=self.cfg.world_size,
-            seed=self.cfg.seed,
+            seed=self.corpora.seed(source),
             shuffle_window=self.cfg.shuffle_window,
             on_bad=bad_record,
             on_tokenize=self.metrics.tokenize.observe,
             keepalive=self._check_stop,
-            scan=self._scan,
+            scan=self.corpora.scan(source, shards),
         )
 
     # -- bookkeeping -------------------------------------------------------------------------------
@@ -355,8 +358,7 @@ class Producer:
         elif all(x.finished for x in self.holdings.shards.values()):
             log.info(
                 "finished %s on shard(s) %s%s",
-                # --epochs 0 (until stopped) ends early only where the shards own no documents
-                f"its {self.cfg.epochs} epoch(s)" if self.cfg.epochs else "(its shards own no documents)",
+                self.corpora.finished_what(),
                 ",".join(map(str, self.holdings.held())),
                 # this process's count; the run's is the trainer's summary
                 f"; {self._bad.summary()} in the shards it read (the trainer's summary counts the run's)"
@@ -423,6 +425,10 @@ class Producer:
                 self.metrics.connected.set(1)
             elif held:
                 log.info("the trainer welcomed this producer back; carrying on")
+        if isinstance(msg, messages.Credit):  # a mixture's pacing: how far each shard may now send
+            return self.holdings.grant(msg.grants) if msg.session == self.session else None
+        if isinstance(msg, (messages.Assign, messages.Welcome)) and (why := self.corpora.split_problem(msg)):
+            raise Refused(why)
         if isinstance(msg, messages.Assign):
             return self._assigned(msg)
         if isinstance(msg, messages.Welcome):
@@ -454,6 +460,8 @@ class Producer:
     def _welcomed(self, msg: messages.Welcome) -> None:
         h = self.holdings.shards.get(msg.shard)
         if h is not None and h.lease == msg.lease and not msg.force and self.holdings.total == msg.shards:
+            if msg.credit is not None:
+                self.holdings.grant({msg.shard: msg.credit})
             return  # already serving it as told (a repeated welcome)
         cursor = Cursor.from_dict(msg.cursor)
         how = (
@@ -464,7 +472,7 @@ class Producer:
             else "restarting"
         )
         self._drop_pending([msg.shard])
-        self.holdings.start(msg.shard, msg.shards, msg.lease, cursor, msg.next_seq)
+        self.holdings.start(msg.shard, msg.shards, msg.lease, cursor, msg.next_seq, msg.credit)
         self.metrics.shards_held.set(len(self.holdings))
         if h is not None:
             self.metrics.resets.inc()

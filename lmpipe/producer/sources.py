@@ -147,8 +147,9 @@ class Corpus:
             return f"built-in corpus ({self.builtin_docs} documents, seed {self.builtin_seed})"
         return ", ".join(str(p) for p in self.paths)
 
-    def fingerprint(self) -> str:
-        """Identifies the data for the handshake and checkpoints: names and sizes, not contents."""
+    def fingerprint(self, limit: int = MAX_FINGERPRINT) -> str:
+        """Identifies the data for the handshake and checkpoints: names and sizes, not contents; the files
+        beyond `limit` characters as their digest (a mixture's sources share MAX_FINGERPRINT)."""
         if self.shards is not None:
             return self.shards.fingerprint()
         if self.builtin:
@@ -158,7 +159,7 @@ class Corpus:
         if self.text_column != "text":
             parts.append(f"column={self.text_column}")
         files = "|".join(parts)
-        if len(files) > MAX_FINGERPRINT:  # thousands of files: their digest, so that a hello stays small
+        if len(files) > limit:  # thousands of files: their digest, so that a hello stays small
             digest = hashlib.sha256(files.encode()).hexdigest()[:16]
             files = f"{len(self.paths)} files of {sum(p.size for p in self.paths):,} bytes, sha256 {digest}"
         return f"{self.doc_split}|{files}"
