@@ -96,7 +96,7 @@ def train(
     say_no_effect(cfg, tcfg)
     if local_producers:
         say_left_out(cfg.data)
-    if local_producers and not cfg.data:  # so that a run on the wrong corpus shows it at its start
+    if local_producers and not (cfg.data or cfg.mix or cfg.mix_file):  # a run on the wrong corpus shows it
         log.info(
             "data: the built-in corpus (%s generated documents); --data names yours", f"{cfg.builtin_docs:,}"
         )
@@ -123,9 +123,11 @@ def rank_settings(
         )
     rank_cfg, rank_tcfg = per_rank(cfg, tcfg, rank, world) if world > 1 else (cfg, tcfg)
     check_ports(rank_cfg)
-    if local_producers and rank_cfg.producers > rank_tcfg.shards:  # forked, each idle: thousands hung the run
+    mix = cfg.mixture()
+    shards = rank_tcfg.shards * (len(mix.sources) if mix else 1)  # a mixture: --shards per source
+    if local_producers and rank_cfg.producers > shards:  # forked, each idle: thousands hung the run
         raise SettingsError(
-            f"--producers {cfg.producers}: more than the {rank_tcfg.shards} shards the corpus is split into "
+            f"--producers {cfg.producers}: more than the {shards} shards the corpus is split into "
             "(--shards), and a producer without a shard only stands by; "
             + (
                 f"give --shards {rank_cfg.producers} too, or fewer producers"
@@ -153,9 +155,11 @@ def check_inputs(cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) 
     if cfg.tokenizer and os.path.isfile(cfg.tokenizer):
         facts.inputs.append(("the --tokenizer", cfg.tokenizer))
     if not (
-        local_producers or cfg.data
+        local_producers or cfg.data or cfg.mix or cfg.mix_file
     ):  # `lmpipe train --data X` trains on X, not on what a producer serves
         return facts
+    if (mix := cfg.mixture()) is not None:
+        return _mixture_facts(cfg, tok, mix, facts)
     try:
         corpus = check_corpus(cfg, tok)
     except SettingsError as exc:
@@ -170,6 +174,23 @@ def check_inputs(cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) 
     facts.data, facts.content = corpus.fingerprint(), corpus.content_digest()
     facts.versions, facts.objects = corpus.version_digest(), corpus.object_versions()
     facts.inputs += [("the --data file", f.path) for f in corpus.paths if f.remote is None]
+    return facts
+
+
+def _mixture_facts(cfg: PipelineConfig, tok, mix, facts: CorpusFacts) -> CorpusFacts:
+    """A mixture's corpus facts: every source's corpus opened and checked as --data's is, and the facts
+    producers say in their hello (producer/corpora.py's, so that they are the very same strings)."""
+    from lmpipe.producer.corpora import Corpora, source_config
+
+    for s in mix.sources:
+        try:
+            check_corpus(source_config(cfg, s.data), tok)
+        except SettingsError as exc:
+            raise SettingsError(f"--mix source {s.name}: {exc}") from None
+    corpora = Corpora(cfg, tok.vocab_size, mix)
+    facts.data, facts.content = corpora.fingerprint(), corpora.content_digest()
+    facts.versions, facts.objects = corpora.version_digest(), corpora.object_versions()
+    facts.inputs += [("a --mix file", f.path) for c in corpora.corpora for f in c.paths if f.remote is None]
     return facts
 
 
