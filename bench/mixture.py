@@ -75,7 +75,7 @@ def one_run(data: list[str], args: argparse.Namespace, work: Path, tag: str, slo
     train = [sys.executable, "-m", "lmpipe", "train", *pipe, "--model", args.model, "--device", args.device,
              "--steps", str(args.steps), "--log-every", str(max(1, args.steps // 6)), "--metrics-port", "-1",
              "--summary-json", str(summary), *(["--precision", args.precision] if args.precision else []),
-             *(["--compile"] if args.compile else [])]  # fmt: skip
+             *(["--compile"] if args.compile else []), *(["--consume-only"] if args.consume_only else [])]  # fmt: skip
     log = open(work / f"trainer-{tag}.log", "wb")  # noqa: SIM115 - closed below
     trainer = subprocess.Popen(train, stdout=log, stderr=subprocess.STDOUT, env=_env())
     producers = [
@@ -147,6 +147,9 @@ def main() -> None:
     p.add_argument(
         "--slow", type=float, default=0.0, help="also measure with one producer stopped this fraction"
     )
+    p.add_argument(
+        "--consume-only", action="store_true", help="no model: the pipeline alone (how fast it feeds)"
+    )
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--work", default="/tmp/lmpipe-bench")
     p.add_argument("--out", default=None, help="results directory (default: bench/results)")
@@ -174,7 +177,7 @@ def main() -> None:
             )
         )
     body = (
-        f"{args.model} on {args.device} ({card()}), {args.producers} producers, pack, T={args.seq_len}, "
+        f"{'no model (--consume-only)' if args.consume_only else args.model} on {args.device} ({card()}), {args.producers} producers, pack, T={args.seq_len}, "
         f"B={args.batch_size}, {args.steps} steps a run, {args.rounds} rounds; one source: `--data` the three "
         f"files; mixture: 0.5/0.3/0.2 of them by tokens. Medians over rounds.\n\n"
         + table(

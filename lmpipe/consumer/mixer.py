@@ -162,10 +162,10 @@ class Mixer:
         stop. Raises SourceExhausted when every shard of the source ended."""
         S, src = self.S, self.sources[i]
         while True:
-            open_ = [j for j in range(S) if not self.ended[i * S + j]]
-            if not open_:
-                raise SourceExhausted(self.names[i])
-            if src.rr not in open_:
+            if self.ended[i * S + src.rr]:
+                open_ = [j for j in range(S) if not self.ended[i * S + j]]
+                if not open_:
+                    raise SourceExhausted(self.names[i])
                 src.rr = next((j for j in open_ if j > src.rr), open_[0])
             shard = i * S + src.rr
             slot = self.current[shard]
@@ -203,12 +203,15 @@ class Mixer:
                 break
             slot, r, shard, last = got
             assert slot.meta is not None
-            if r < slot.meta.rows and int(slot._np_lengths[r]) > 0:  # an empty row carries nothing: skipped
+            if (
+                r < slot.meta.rows and RowIndex.of(slot).lengths[r] > 0
+            ):  # an empty row carries nothing: skipped
                 n = asm.add(slot, r, self.names[i], shard)
                 for k, s in enumerate(self.sources):
                     s.target += w[k] * n
                 self.sources[i].trained += n
             if last:
+                asm.flush()  # its rows are copied before its slot goes back
                 self._epoch(i, shard, slot.meta.cursor)
                 consumed(shard, slot)
         asm.finish(session)
@@ -254,91 +257,131 @@ def _describe(names: Sequence[str], old: Sequence[float], new: Sequence[float]) 
     return ", ".join(f"{n} {a:.3g} -> {b:.3g}" for n, a, b in zip(names, old, new))
 
 
+@dataclass
+class RowIndex:
+    """A received batch's rows as the mixer reads them, made once per batch: each row's real tokens and
+    the end of its document pieces (pieces are row-major and none crosses a row: checked on receipt), and
+    the pieces as one [k, 3] array (doc_id, doc_start, doc_len)."""
+
+    lengths: list[int]
+    ends: list[int]
+    pieces: np.ndarray
+
+    @classmethod
+    def of(cls, slot: HostSlot) -> RowIndex:
+        m = slot.meta
+        assert m is not None
+        if m.row_index is None:
+            lengths = slot._np_lengths[: m.rows]
+            ends = np.searchsorted(
+                np.cumsum(m.doc_len, dtype=np.int64), np.cumsum(lengths, dtype=np.int64), "right"
+            )
+            pieces = np.stack([m.doc_id, m.doc_start.astype(np.int64), m.doc_len.astype(np.int64)], axis=1)
+            m.row_index = cls(lengths.tolist(), ends.tolist(), pieces)
+        return m.row_index
+
+
 class _Assembly:
     """Rows copied into an assembly slot: laid out at a stride of seq_len, then compacted to the widest
-    row's batch width (pack: always seq_len, nothing moves). seg is per row in every batch (the index of
-    the document within its row, as the model reads it), so a row keeps its own."""
+    row's batch width (pack: always seq_len, nothing moves). Consecutive rows of one received batch form a
+    run, copied in one go when the run ends (flush: before its batch's slot is released). seg is per row
+    in every batch (the index of the document within its row, as the model reads it): a row keeps its own."""
 
     def __init__(self, out: HostSlot, seq_len: int):
         self.out, self.T = out, seq_len
         self.rows = 0
-        self.widths: list[int] = []
-        self.masked: list[bool] = []  # per row: its batch had a loss mask
-        self.pieces: list[np.ndarray] = []  # per row: [k, 3] doc_id, doc_start, doc_len
+        self.runs: list[tuple[int, int, bool]] = []  # per run: rows, width, loss-masked
+        self.pieces: list[np.ndarray] = []  # per run: its rows' pieces, [k, 3]
+        self.row_pieces: list[int] = []  # per row: how many pieces it holds
         self.npieces = 0
         self.parts: list[Part] = []
         self.strategy = ""
         self.has_seg = False
+        self._open: tuple[HostSlot, int, RowIndex] | None = None  # the run being added to: slot, first row
 
     def add(self, slot: HostSlot, r: int, source: str, shard: int) -> int:
-        """Copy row r of `slot`; its real tokens."""
-        m, out, T, k = slot.meta, self.out, self.T, self.rows
-        assert m is not None
-        W = m.width
-        out._np_tokens[k * T : k * T + W] = slot._np_tokens[r * W : (r + 1) * W]
-        if W < T:
-            out._np_tokens[k * T + W : (k + 1) * T] = 0
-        if slot.has_seg:
-            out._np_seg[k * T : k * T + W] = slot._np_seg[r * W : (r + 1) * W]
-        if slot.has_loss_mask:
-            out._np_loss_mask[k * T : k * T + W] = slot._np_loss_mask[r * W : (r + 1) * W]
-        n = int(slot._np_lengths[r])
-        out._np_lengths[k] = n
-        if m.row_bounds is None:  # pieces are row-major and none crosses a row (checked on receipt)
-            ends = np.cumsum(m.doc_len, dtype=np.int64)
-            m.row_bounds = np.searchsorted(
-                ends, np.cumsum(slot._np_lengths[: m.rows], dtype=np.int64), "right"
-            )
-        a, b = (int(m.row_bounds[r - 1]) if r else 0), int(m.row_bounds[r])
-        self.pieces.append(np.stack([m.doc_id[a:b], m.doc_start[a:b], m.doc_len[a:b]], axis=1))
-        p = self.parts[-1] if self.parts else None
-        if p is None or (p.shard, p.seq, p.session) != (shard, m.seq, m.session):
-            p = Part(source, shard, m.seq, m.session, pieces=[self.npieces, self.npieces])
-            self.parts.append(p)
-        p.rows += 1
-        self.npieces += b - a
-        p.pieces[1] = self.npieces
-        self.widths.append(W)
-        self.masked.append(slot.has_loss_mask)
-        self.strategy, self.has_seg = m.strategy, slot.has_seg
+        """Add row r of `slot` (copied at the end of its run); its real tokens."""
+        run = self._open
+        if run is None or run[0] is not slot or r != run[1] + self.parts[-1].rows:
+            self.flush()
+            m = slot.meta
+            assert m is not None
+            run = self._open = (slot, r, RowIndex.of(slot))
+            self.parts.append(Part(source, shard, m.seq, m.session))
+        self.parts[-1].rows += 1
         self.rows += 1
-        return n
+        return run[2].lengths[r]
+
+    def flush(self) -> None:
+        """Copy the open run: tokens, seg, loss mask and lengths, and its pieces."""
+        if self._open is None:
+            return
+        slot, r0, ix = self._open
+        self._open = None
+        m, out, T, p = slot.meta, self.out, self.T, self.parts[-1]
+        assert m is not None
+        n, W, k0 = p.rows, m.width, self.rows - p.rows
+        arrays = [(out._np_tokens, slot._np_tokens)]
+        if slot.has_seg:
+            arrays.append((out._np_seg, slot._np_seg))
+        if slot.has_loss_mask:
+            arrays.append((out._np_loss_mask, slot._np_loss_mask))
+        if W == T:  # n whole rows: one block
+            for dst, src in arrays:
+                dst[k0 * T : (k0 + n) * T] = src[r0 * T : (r0 + n) * T]
+        else:
+            for dst, src in arrays:
+                dst[: self.rows * T].reshape(-1, T)[k0:, :W] = src[: m.rows * W].reshape(-1, W)[r0 : r0 + n]
+            out._np_tokens[: self.rows * T].reshape(-1, T)[k0:, W:] = 0
+        out._np_lengths[k0 : self.rows] = ix.lengths[r0 : r0 + n]
+        a = ix.ends[r0 - 1] if r0 else 0
+        b = ix.ends[r0 + n - 1]
+        self.pieces.append(ix.pieces[a:b])
+        prev = a
+        for e in ix.ends[r0 : r0 + n]:
+            self.row_pieces.append(e - prev)
+            prev = e
+        p.pieces = [self.npieces, self.npieces + b - a]
+        self.npieces += b - a
+        self.runs.append((n, W, slot.has_loss_mask))
+        self.strategy, self.has_seg = m.strategy, slot.has_seg
 
     def finish(self, session: str) -> None:
+        self.flush()
         out, T, B = self.out, self.T, self.rows
         if not B:
             out.meta = None
             return
-        W = max(self.widths)
-        masked = any(self.masked)
+        W = max(w for _, w, _ in self.runs)
+        masked = any(has for _, _, has in self.runs)
         if masked:  # rows of batches without a mask train every target
-            for k, has in enumerate(self.masked):
+            k = 0
+            for n, _, has in self.runs:
                 if not has:
-                    out._np_loss_mask[k * T : (k + 1) * T] = 1
+                    out._np_loss_mask[k * T : (k + n) * T] = 1
+                k += n
         if W < T:  # forward, row by row: each row's new place starts before its old one
             for a in [out._np_tokens] + [out._np_seg] * self.has_seg + [out._np_loss_mask] * masked:
                 for k in range(1, B):
                     a[k * W : (k + 1) * W] = a[k * T : k * T + W]
         out.has_seg, out.has_loss_mask = self.has_seg, masked
         pieces = np.concatenate(self.pieces) if self.pieces else np.zeros((0, 3), np.int64)
-        doc_id, doc_start, doc_len = (
-            pieces[:, 0].astype(np.int64),
-            pieces[:, 1].astype(np.int32),
-            pieces[:, 2].astype(np.int32),
-        )
-        n = B * W
         lengths = out._np_lengths[:B]
-        seg = out._np_seg[:n].reshape(B, W) if self.has_seg else None
-        per_row = _row_targets(lengths, seg, out._np_loss_mask[:n].reshape(B, W) if masked else None)
+        if masked:
+            n = B * W
+            seg = out._np_seg[:n].reshape(B, W) if self.has_seg else None
+            per_row: list[int] = _row_targets(lengths, seg, out._np_loss_mask[:n].reshape(B, W)).tolist()
+        else:  # a row of k pieces has a target at every token but each piece's last
+            per_row = [max(n - k, 0) for n, k in zip(lengths.tolist(), self.row_pieces)]
         k = 0
         for p in self.parts:
-            p.targets = int(per_row[k : k + p.rows].sum())
+            p.targets = int(sum(per_row[k : k + p.rows]))
             k += p.rows
         real = int(lengths.sum())
         out.meta = SlotMeta(
             shard=-1, seq=0, session=session, cursor=Cursor(), strategy=self.strategy, rows=B, width=W,
-            real_tokens=real, pad_tokens=B * W - real, n_targets=int(per_row.sum()), doc_id=doc_id,
-            doc_start=doc_start, doc_len=doc_len, parts=self.parts,
+            real_tokens=real, pad_tokens=B * W - real, n_targets=int(sum(per_row)), doc_id=pieces[:, 0].copy(),
+            doc_start=pieces[:, 1].astype(np.int32), doc_len=pieces[:, 2].astype(np.int32), parts=self.parts,
         )  # fmt: skip
 
 

@@ -108,6 +108,10 @@ class Pipeline:
         if self.mixer is not None and isinstance(state, dict):
             self.mixer.load_state_dict(state["mix"])
 
+    def finished(self) -> bool:
+        """No more batches will come: every shard finished its epochs, or a mixture's source ran out."""
+        return self.table.all_finished() or bool(self.mixer is not None and self.mixer.exhausted)
+
     def mixture(self) -> dict[str, dict[str, float]]:
         """Per source: tokens trained, realized share, target share, epoch ({} without a mixture)."""
         return self.mixer.shares() if self.mixer is not None else {}

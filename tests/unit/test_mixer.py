@@ -38,6 +38,15 @@ class Feed:
         self.consumed.append((shard, slot.meta.seq))
 
 
+def assembled(out: HostSlot) -> Batch:
+    """The assembled slot as a Batch, to count its targets as a received batch's are counted."""
+    m = out.meta
+    tokens, lengths, seg = out.views()
+    mask = out.loss_mask_view()
+    return Batch(tokens.numpy(), lengths.numpy(), m.doc_id, m.doc_start, m.doc_len, m.strategy, m.cursor,
+                 None if seg is None else seg.numpy(), None if mask is None else mask.numpy())  # fmt: skip
+
+
 def run(mixer: Mixer, feed: Feed, n: int) -> list[tuple[int, ...]]:
     rows = []
     for _ in range(n):
@@ -67,6 +76,7 @@ def test_token_shares_stay_within_one_row_of_the_weights() -> None:
             assert abs(s.trained - w * total) <= T, (s.trained, w * total)
         m = out.meta
         assert m is not None and m.real_tokens == sum(len(r) for r in rows_of(out))
+        assert m.n_targets == assembled(out).num_targets()  # what the loss is averaged over
         assert sum(p.rows for p in m.parts) == B  # every row named by its source's part
     assert [round(s.trained / total, 2) for s in mixer.sources] == [0.6, 0.3, 0.1]
     # round robin within a source, one batch at a time: web's shards 0 and 1 alternate
@@ -164,4 +174,4 @@ def test_rows_of_other_widths_and_loss_masks_are_copied_as_they_were() -> None:
     web_rows = [k for k, p in enumerate(x for p in m.parts for x in [p] * p.rows) if p.source == "web"]
     for k in web_rows:  # rows without a mask train every target
         assert bool(mask[k, : int(lengths[k])].all())
-    assert m.n_targets < m.real_tokens
+    assert m.n_targets == assembled(out).num_targets() < m.real_tokens
