@@ -5,6 +5,7 @@ process started. Each raises SettingsError; the CLI prints it and exits 2."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import socket
@@ -18,6 +19,7 @@ from lmpipe.shared.settings import SettingsError
 
 if TYPE_CHECKING:
     from lmpipe.consumer.config import TrainConfig  # the trainer's: not imported by producers
+    from lmpipe.producer.corpora import Corpora
     from lmpipe.producer.sources import Corpus, Record
     from lmpipe.shared.tokenizer import TokenizerInfo
 
@@ -96,7 +98,7 @@ def check_tokenizer(cfg: PipelineConfig) -> TokenizerInfo:
     from lmpipe.shared.tokenizer import load_tokenizer
 
     try:
-        return load_tokenizer(cfg.tokenizer, cfg.data)
+        return load_tokenizer(cfg.tokenizer, cfg.all_data())
     except (OSError, ValueError) as exc:
         raise SettingsError(f"--tokenizer: {exc}") from None
 
@@ -110,16 +112,32 @@ def open_corpus(cfg: PipelineConfig, vocab_size: int | None = None) -> Corpus:
         raise SettingsError(f"--data: {exc}") from None
 
 
-def check_corpus(cfg: PipelineConfig, tok: TokenizerInfo) -> Corpus:
+def check_corpus(cfg: PipelineConfig, tok: TokenizerInfo) -> Corpora:
     """The corpus opens, has a document, and, if it is prepared shards, was made with this tokenizer: a
-    mistake is one line now, not a producer that stops after the trainer has started."""
+    mistake is one line now, not a producer that stops after the trainer has started. A mixture: each
+    source's data, the line naming the source."""
+    from lmpipe.producer.corpora import Corpora, source_config
     from lmpipe.producer.shards import check_prepared_with
 
-    corpus = open_corpus(cfg, tok.vocab_size)
-    if corpus.shards is not None:
-        check_prepared_with(corpus.shards, tok)
-    first_document(corpus)
-    return corpus
+    mix = cfg.mixture()
+    if mix is None:
+        corpus = open_corpus(cfg, tok.vocab_size)
+        if corpus.shards is not None:
+            check_prepared_with(corpus.shards, tok)
+        first_document(corpus)
+        return Corpora(cfg, tok.vocab_size, corpora=[corpus])
+    flag = "--mix" if cfg.mix else f"--mix-file {cfg.mix_file}"
+    opened = []
+    for s in mix.sources:
+        try:
+            corpus = open_corpus(source_config(cfg, s.data), tok.vocab_size)
+            if corpus.shards is not None:
+                check_prepared_with(corpus.shards, tok)
+            first_document(corpus)
+        except (SettingsError, OSError, ValueError) as exc:
+            raise SettingsError(f"{flag}: source {s.name!r}: {str(exc).removeprefix('--data: ')}") from None
+        opened.append(corpus)
+    return Corpora(cfg, tok.vocab_size, mix, corpora=opened)
 
 
 _LOCKS: list[int] = []  # the checkpoint folders' lock files this process holds, until it exits
@@ -165,17 +183,58 @@ def check_not_overwritten(tcfg: TrainConfig) -> None:
         )
 
 
-def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
+def check_resume_corpus(corpus: Corpus | Corpora, tcfg: TrainConfig) -> None:
     """A checkpoint resumes on the corpus it was trained on: said now, in one line, not by the producers'
-    refusal after the model is built (consumer/checkpoint.py reads headers without torch)."""
+    refusal after the model is built (consumer/checkpoint.py reads headers without torch). A mixture's:
+    the same sources, each on the files it was trained on (the weights may change)."""
     from lmpipe.consumer.checkpoint import CheckpointError, read_header, resolve_resume
+    from lmpipe.producer.corpora import Corpora
 
     try:
         path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
         header = read_header(path) if path is not None else {}
     except CheckpointError:
         return  # the trainer names what is wrong with the checkpoint itself
-    had, now = header.get("data"), corpus.fingerprint()
+    corpora = corpus if isinstance(corpus, Corpora) else None
+    had = header.get("data")
+    trained_mix = _mixture_data(had)
+    if corpora is None or corpora.mix is None:
+        one = corpus if corpora is None else corpora.corpora[0]
+        assert not isinstance(one, Corpora)
+        if trained_mix is not None:
+            raise SettingsError(f"{path} was trained on a mixture ({', '.join(trained_mix)}): resume it with "
+                                "the same --mix or --mix-file")  # fmt: skip
+        _check_files(path, header, had, one.fingerprint(), one, "--data")
+        _check_contents(path, header, one, "--data files" if had else "")
+        return
+    names = list(corpora.mix.names())
+    if trained_mix is None and had:
+        raise SettingsError(f"{path} was trained without a mixture (on --data): a mixture cannot resume it; "
+                            "resume with its --data, or start a new run")  # fmt: skip
+    if trained_mix is not None and list(trained_mix) != names:
+        raise SettingsError(f"{path} was trained on the sources {', '.join(trained_mix)}, this run names "
+                            f"{', '.join(names)}: resume with the same sources in the same order (their "
+                            "weights may change)")  # fmt: skip
+    now = json.loads(corpora.fingerprint())
+    for i, name in enumerate(names):
+        was = trained_mix.get(name) if trained_mix is not None else None
+        _check_files(path, header, was, now[name], corpora.corpora[i], f"data in source {name!r}")
+    _check_contents(path, header, corpora, "files" if had else "")
+
+
+def _mixture_data(had: object) -> dict[str, str] | None:
+    """A checkpoint's `data` as a mixture's (corpora.py: a JSON map of source to files), else None."""
+    if not isinstance(had, str) or not had.startswith("{"):
+        return None
+    try:
+        parts = json.loads(had)
+    except ValueError:
+        return None
+    return parts if isinstance(parts, dict) else None
+
+
+def _check_files(path: object, header: dict, had: object, now: str, corpus: Corpus, who: str) -> None:
+    """The same files (names and sizes), read the same way, as the checkpoint's `had`."""
     stream = header.get("stream")
     had_lines = stream.get("max_line_bytes") if isinstance(stream, dict) else None
     if had and had == now and not corpus.random_access and had_lines not in (None, corpus.max_line_bytes):
@@ -184,27 +243,6 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
             f"{corpus.max_line_bytes}: resume with the same --max-line-bytes"
         )
     if not had or had == now:
-        # the same names and sizes: the same contents, where the checkpoint says them ("": not checked)
-        had_content, content = str(header.get("data_content") or ""), corpus.content_digest()
-        had_versions = header.get("data_versions")
-        versions = corpus.version_digest()
-        pinned = (
-            {version_location(str(v)): str(v) for v in had_versions} if isinstance(had_versions, list) else {}
-        )
-        other_content = bool(had_content and content and had_content != content)
-        other_versions = bool(versions) and pinned.get(version_location(versions), versions) != versions
-        if had and (other_content or other_versions):
-            what = "their contents" if other_content else "their versions in the store"
-            # which objects, where the checkpoint kept each one's version (Corpus.object_versions)
-            kept = header.get("data_objects")
-            objs = kept.get(version_location(versions)) if isinstance(kept, dict) else None
-            changed = corpus.rewritten(objs) if not other_content else []
-            named = f" (rewritten: {_named(changed)})" if changed else ""
-            raise SettingsError(
-                f"{path} was trained on --data files of the same names and sizes, but {what} changed "
-                f"since it was written{named}: its cursors would not follow; resume with the files it was "
-                "trained on, or start a new run"
-            )
         return
     # a file corpus's fingerprint is "<doc split>|<files>" (Corpus.fingerprint)
     (had_split, _, had_files), (split, _, files) = str(had).partition("|"), now.partition("|")
@@ -218,12 +256,38 @@ def check_resume_corpus(corpus: Corpus, tcfg: TrainConfig) -> None:
     # lmpipe before 2026-11-27 read a file reached twice (a link, a folder and a file in it) twice an epoch
     if had_split == split and set(had_list) == set(now_list) and len(had_list) > len(now_list):
         raise SettingsError(
-            f"{path} was trained reading a file of --data more than once an epoch, which lmpipe now reads "
+            f"{path} was trained reading a file of {who} more than once an epoch, which lmpipe now reads "
             "once: that checkpoint's record ids cannot be followed; start a new run"
         )
     raise SettingsError(
-        f"{path} was trained on other --data ({_corpus_difference(had_list, now_list)}): resume with the same --data"
+        f"{path} was trained on other {who} ({_corpus_difference(had_list, now_list, who)}): resume with the "
+        f"same {who}"
     )
+
+
+def _check_contents(path: object, header: dict, corpus: Corpus | Corpora, files: str) -> None:
+    """The same contents, and the same versions of remote objects, where the checkpoint says them ("": not
+    checked). `files`: what the message calls the files ("": the checkpoint named no data)."""
+    had_content, content = str(header.get("data_content") or ""), corpus.content_digest()
+    had_versions = header.get("data_versions")
+    versions = corpus.version_digest()
+    pinned = (
+        {version_location(str(v)): str(v) for v in had_versions} if isinstance(had_versions, list) else {}
+    )
+    other_content = bool(had_content and content and had_content != content)
+    other_versions = bool(versions) and pinned.get(version_location(versions), versions) != versions
+    if files and (other_content or other_versions):
+        what = "their contents" if other_content else "their versions in the store"
+        # which objects, where the checkpoint kept each one's version (Corpus.object_versions)
+        kept = header.get("data_objects")
+        objs = kept.get(version_location(versions)) if isinstance(kept, dict) else None
+        changed = corpus.rewritten(objs) if not other_content else []
+        named = f" (rewritten: {_named(changed)})" if changed else ""
+        raise SettingsError(
+            f"{path} was trained on {files} of the same names and sizes, but {what} changed "
+            f"since it was written{named}: its cursors would not follow; resume with the files it was "
+            "trained on, or start a new run"
+        )
 
 
 def _named(items: list[str], few: int = 3) -> str:
@@ -232,13 +296,14 @@ def _named(items: list[str], few: int = 3) -> str:
     return ", ".join(repr(i) for i in items[:few]) + more
 
 
-def _corpus_difference(had: list[str], now: list[str]) -> str:
+def _corpus_difference(had: list[str], now: list[str], who: str = "--data") -> str:
     """The files ("name:size") in one corpus and not the other, a few of each named: a changed object in a
     corpus of thousands reads as one line, not the two lists."""
     had_set, now_set = set(had), set(now)  # once: a corpus may hold thousands of files
     gone, new = [f for f in had if f not in now_set], [f for f in now if f not in had_set]
-    out = [f"trained on, not in --data now: {_named(gone)}"] if gone else []
-    out += [f"in --data now, not trained on: {_named(new)}"] if new else []
+    where = who if who == "--data" else "it"
+    out = [f"trained on, not in {where} now: {_named(gone)}"] if gone else []
+    out += [f"in {where} now, not trained on: {_named(new)}"] if new else []
     return "; ".join(out) or "the same files in another order"
 
 

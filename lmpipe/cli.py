@@ -84,7 +84,8 @@ def build_parser() -> Parser:
 
     for name, func, what in (
         ("run", cmd_run, ("start N producers and the trainer on this machine", "Start --producers producer "
-                          "processes and train in this process; with no --data, on the built-in corpus and tokenizer.")),
+                          "processes and train in this process; with no --data (nor --mix), on the built-in corpus and "
+                          "tokenizer.")),
         ("train", cmd_train, ("run the trainer", "Bind, wait for producers, train.")),
     ):  # fmt: skip
         t = command(

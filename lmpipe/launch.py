@@ -95,12 +95,15 @@ def train(
     check_outputs(cfg, tcfg, opts, facts.inputs)
     say_no_effect(cfg, tcfg)
     if local_producers:
-        say_left_out(cfg.data)
-    if local_producers and not (cfg.data or cfg.mix or cfg.mix_file):  # a run on the wrong corpus shows it
+        say_left_out(cfg.all_data())
+    # so that a run on the wrong corpus shows it at its start (a mixture's trainer names its sources)
+    if local_producers and not cfg.data and not cfg.mixture():
         log.info(
             "data: the built-in corpus (%s generated documents); --data names yours", f"{cfg.builtin_docs:,}"
         )
-    if local_producers and not tcfg.steps and not cfg.epochs:  # both documented; together they mean no end
+    mix = cfg.mixture()  # a mixture ends when a source of a finite number of epochs runs out
+    finite = any(s.epochs for s in mix.sources) if mix is not None else cfg.epochs
+    if local_producers and not tcfg.steps and not finite:  # both documented; together they mean no end
         log.info("--steps 0 and --epochs 0: this run trains until it is stopped (Ctrl-C or SIGTERM)")
     procs: list[LocalProducer] = []
     if local_producers:  # forked now, before torch is imported (lmpipe/procs.py says why)
@@ -123,12 +126,13 @@ def rank_settings(
         )
     rank_cfg, rank_tcfg = per_rank(cfg, tcfg, rank, world) if world > 1 else (cfg, tcfg)
     check_ports(rank_cfg)
-    mix = cfg.mixture()
-    shards = rank_tcfg.shards * (len(mix.sources) if mix else 1)  # a mixture: --shards per source
+    mix = cfg.mixture()  # a mixture has --shards shards a source
+    shards = rank_tcfg.shards * (len(mix.sources) if mix is not None else 1)
     if local_producers and rank_cfg.producers > shards:  # forked, each idle: thousands hung the run
         raise SettingsError(
             f"--producers {cfg.producers}: more than the {shards} shards the corpus is split into "
-            "(--shards), and a producer without a shard only stands by; "
+            f"(--shards{', for each source of the mixture' if mix is not None else ''}), and a producer without a "
+            "shard only stands by; "
             + (
                 f"give --shards {rank_cfg.producers} too, or fewer producers"
                 if rank_cfg.producers <= 4096
@@ -154,43 +158,29 @@ def check_inputs(cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) 
     facts = CorpusFacts()
     if cfg.tokenizer and os.path.isfile(cfg.tokenizer):
         facts.inputs.append(("the --tokenizer", cfg.tokenizer))
-    if not (
-        local_producers or cfg.data or cfg.mix or cfg.mix_file
-    ):  # `lmpipe train --data X` trains on X, not on what a producer serves
+    # `lmpipe train --data X` trains on X, not on what a producer serves
+    mix = cfg.mixture()
+    if not (local_producers or cfg.data or mix):
         return facts
-    if (mix := cfg.mixture()) is not None:
-        return _mixture_facts(cfg, tok, mix, facts)
     try:
-        corpus = check_corpus(cfg, tok)
+        corpora = check_corpus(cfg, tok)
     except SettingsError as exc:
         if local_producers:
             raise
+        if mix is not None:  # the sources may be on the producers' hosts only: the first producer pins them
+            log.info("%s; the trainer reads the mixture's weights, and the producers its data", exc)
+            return facts
         raise SettingsError(
             f"{exc} (the trainer opens its --data to refuse producers of another corpus; where the corpus "
             "is only on the producers' hosts, leave --data off the trainer)"
         ) from None
     if tcfg.resume:
-        check_resume_corpus(corpus, tcfg)
-    facts.data, facts.content = corpus.fingerprint(), corpus.content_digest()
-    facts.versions, facts.objects = corpus.version_digest(), corpus.object_versions()
-    facts.inputs += [("the --data file", f.path) for f in corpus.paths if f.remote is None]
-    return facts
-
-
-def _mixture_facts(cfg: PipelineConfig, tok, mix, facts: CorpusFacts) -> CorpusFacts:
-    """A mixture's corpus facts: every source's corpus opened and checked as --data's is, and the facts
-    producers say in their hello (producer/corpora.py's, so that they are the very same strings)."""
-    from lmpipe.producer.corpora import Corpora, source_config
-
-    for s in mix.sources:
-        try:
-            check_corpus(source_config(cfg, s.data), tok)
-        except SettingsError as exc:
-            raise SettingsError(f"--mix source {s.name}: {exc}") from None
-    corpora = Corpora(cfg, tok.vocab_size, mix)
+        check_resume_corpus(corpora, tcfg)
     facts.data, facts.content = corpora.fingerprint(), corpora.content_digest()
     facts.versions, facts.objects = corpora.version_digest(), corpora.object_versions()
-    facts.inputs += [("a --mix file", f.path) for c in corpora.corpora for f in c.paths if f.remote is None]
+    facts.inputs += [
+        ("the --data file", f.path) for c in corpora.corpora for f in c.paths if f.remote is None
+    ]
     return facts
 
 
@@ -212,7 +202,7 @@ def check_outputs(
         log.warning("%s without --checkpoint-dir: this run writes no checkpoint, and its steps are lost "
                     "when it ends; give --checkpoint-dir to keep them", given)  # fmt: skip
     check_writable("--doc-log", tcfg.doc_log)
-    check_not_read_back("--doc-log", tcfg.doc_log, cfg.data)
+    check_not_read_back("--doc-log", tcfg.doc_log, cfg.all_data())
     check_writable("--summary-json", opts.summary_json)
     check_not_an_input([("--doc-log", tcfg.doc_log), ("--summary-json", opts.summary_json)], inputs)
 

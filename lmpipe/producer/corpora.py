@@ -16,7 +16,7 @@ import json
 from dataclasses import replace
 
 from lmpipe.producer.batching import BatchSpec
-from lmpipe.producer.scan import SharedScan
+from lmpipe.producer.scan import SCAN_BUDGET_BYTES, SharedScan
 from lmpipe.producer.shards import check_prepared_with
 from lmpipe.producer.sources import MAX_FINGERPRINT, Corpus
 from lmpipe.shared.config import PipelineConfig
@@ -30,14 +30,31 @@ def source_config(cfg: PipelineConfig, data: tuple[str, ...]) -> PipelineConfig:
     return replace(cfg, data=list(data), mix=[], mix_file=None)
 
 
+def open_source(cfg: PipelineConfig, name: str, data: tuple[str, ...], vocab_size: int | None) -> Corpus:
+    """A source's corpus; what is wrong with it says the source's name."""
+    try:
+        return Corpus.of(source_config(cfg, data), vocab_size)
+    except (OSError, ValueError) as exc:
+        raise (OSError if isinstance(exc, OSError) else ValueError)(f"source {name!r}: {exc}") from None
+
+
 class Corpora:
-    def __init__(self, cfg: PipelineConfig, vocab_size: int | None = None, mix: Mix | None = None):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        vocab_size: int | None = None,
+        mix: Mix | None = None,
+        *,
+        corpora: list[Corpus] | None = None,  # opened already (lmpipe/checks.py), in source order
+    ):
         self.cfg = cfg
         self.mix = mix if mix is not None else cfg.mixture()
-        if self.mix is None:
+        if corpora is not None:
+            self.corpora = corpora
+        elif self.mix is None:
             self.corpora = [Corpus.of(cfg, vocab_size)]
         else:
-            self.corpora = [Corpus.of(source_config(cfg, s.data), vocab_size) for s in self.mix.sources]
+            self.corpora = [open_source(cfg, s.name, s.data, vocab_size) for s in self.mix.sources]
         self.spec = BatchSpec.of(cfg)
         self._scans: dict[int, SharedScan] = {}  # source -> the producer's one read of it (scan.py)
 
@@ -100,8 +117,9 @@ class Corpora:
     def scan(self, i: int, shards: int) -> SharedScan:
         """Source i's shared read for `shards` global shards (a new split: nothing carries over)."""
         scan = self._scans.get(i)
-        if scan is None or scan.total != shards:
-            scan = self._scans[i] = SharedScan(self.corpora[i], shards)
+        if scan is None or scan.total != shards:  # the sources share the read-ahead budget
+            budget = max(SCAN_BUDGET_BYTES // len(self.corpora), 16 << 20)
+            scan = self._scans[i] = SharedScan(self.corpora[i], shards, budget)
         return scan
 
     # -- what the hello says about the data ----------------------------------------------------------
@@ -116,7 +134,7 @@ class Corpora:
         source's name to its corpus's, each within its share of MAX_FINGERPRINT (a hello stays small)."""
         if self.mix is None:
             return self.corpora[0].fingerprint()
-        limit = max(256, MAX_FINGERPRINT // len(self.corpora))
+        limit = MAX_FINGERPRINT // len(self.corpora)
         parts = {s.name: c.fingerprint(limit) for s, c in zip(self.mix.sources, self.corpora)}
         return json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
 

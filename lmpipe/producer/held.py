@@ -113,11 +113,6 @@ class Holdings:
             if h is not None and h.credit is not None:
                 h.credit = max(h.credit, upto)
 
-    def waiting_for_credit(self) -> bool:
-        """Every shard with something left to send waits for credit (and at least one does)."""
-        live = [h for h in self.shards.values() if not h.finished]
-        return bool(live) and all(not h.can_send() for h in live)
-
     def next_message(self, session: str) -> tuple[HeldShard, list, Batch | None] | None:
         """The next message to send: (its shard, frames, the batch or None for an `end`), from the shard
         with data left that has sent the fewest (lowest seq; ties: lowest shard). That is round robin

@@ -100,9 +100,7 @@ class Producer:
         remote.WAITS.retrying = self._retrying
         remote.WAITS.sleep = self._storage_sleep
         mix = cfg.mixture()  # None: one corpus, as --data says
-        self.tok = load_tokenizer(
-            cfg.tokenizer, cfg.data if mix is None else [d for s in mix.sources for d in s.data]
-        )
+        self.tok = load_tokenizer(cfg.tokenizer, cfg.all_data())
         self.corpora = Corpora(cfg, self.tok.vocab_size, mix)  # a mixture's sources, or the one corpus
         self.corpus = self.corpora.corpora[0]
         self.corpora.check_prepared(self.tok)

@@ -120,7 +120,12 @@ class PipelineConfig:
         check=between(1, 100_000_000),
         help="size of the built-in corpus (a demo: your --data for more)",
     )
-    epochs: int = setting(0, check=at_least(0), help="passes over the corpus; 0: until the trainer stops")
+    epochs: int = setting(
+        0,
+        check=at_least(0),
+        help="passes over the corpus (a mixture: over each source without epochs of its own); 0: until the "
+        "trainer stops",
+    )
     producers: int = setting(
         2,
         check=at_least(1),
@@ -181,12 +186,13 @@ class PipelineConfig:
 
     def cross_check(self) -> list[str]:
         out = []
+        data = " ".join(self.data)  # `--data X`: the CLI names LMPIPE_DATA where the variable gave it
         if self.mix and self.data:
-            out.append("--mix and --data exclude each other: a mixture names each source's data")
+            out.append(f"--mix and --data {data} exclude each other: a mixture names each source's data")
         if self.mix and self.mix_file:
-            out.append("--mix and --mix-file exclude each other: give the mixture one way")
+            out.append(f"--mix and --mix-file {self.mix_file} exclude each other: give the mixture one way")
         if self.mix_file and self.data:
-            out.append("--mix-file and --data exclude each other: the file names each source's data")
+            out.append(f"--mix-file and --data {data} exclude each other: the file names each source's data")
         if self.rank >= self.world_size:
             out.append(f"--rank {self.rank} must be below --world-size {self.world_size}")
         if self.batch_size * self.seq_len > MAX_BATCH_TOKENS:
@@ -210,6 +216,11 @@ class PipelineConfig:
         if mix is not None:  # the sources' names and epochs; not the weights (the trainer's, may change)
             d["mix"] = mix.fingerprint()
         return d
+
+    def all_data(self) -> list[str]:
+        """Every --data item the run reads: --data's, or each source's of the mixture, in order."""
+        mix = self.mixture()
+        return list(self.data) if mix is None else [d for s in mix.sources for d in s.data]
 
     def mixture(self) -> Mix | None:
         """The mixture --mix or --mix-file gives (sources without epochs of their own take --epochs); None

@@ -1,10 +1,12 @@
 """A real producer process serving a two-source mixture to a stand-in trainer on real sockets (a ROUTER and a
 PULL speaking the real messages): it sends nothing past its credit and goes on when granted more, while its
 hellos keep coming; each shard carries its own source's documents; a source with epochs = 1 ends with
-`end`, one with epochs = 0 passes into epoch 1 in another order."""
+`end`, one with epochs = 0 passes into epoch 1 in another order; and a source keeps its format, its
+compression and object storage."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 
@@ -15,7 +17,8 @@ from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.sockets import TRAINER_CONTROL, TRAINER_DATA, endpoints, open_socket
 from lmpipe.shared.tokenizer import load_tokenizer
 from lmpipe.shared.wire import decode
-from tests.helpers import small_run
+from tests.helpers import lmpipe_env, small_run
+from tests.s3server import S3Server
 
 PER_SOURCE = 2  # shards per source: shards 0, 1 are source a's, 2, 3 source b's
 A_DOCS, B_DOCS = 16, 24
@@ -164,3 +167,52 @@ def test_a_mixture_producer_serves_each_source_paced_by_credits(tmp_path, port, 
         assert procs.wait(p, 30) == 0
     finally:
         t.close()
+
+
+def test_each_source_keeps_its_format_compression_and_object_storage(tmp_path, port, procs):
+    """A local gzip-compressed JSONL source beside a source of two objects on a real S3-compatible server
+    (moto's, its own process): each shard carries its own source's documents, every document of each source
+    once in its one epoch, then `end`; the hello pins the remote objects' versions."""
+    root = tmp_path / "s3"
+    (root / "mix" / "code").mkdir(parents=True)
+    for k in range(2):
+        lines = "".join(
+            json.dumps({"text": f"omega omega {k} {i}"}) + "\n" for i in range(k * 10, k * 10 + 10)
+        )
+        (root / "mix" / "code" / f"part-{k}.jsonl").write_text(lines)
+    with gzip.open(tmp_path / "web.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": f"alpha alpha {i}"}) + "\n" for i in range(A_DOCS)))
+    server = S3Server(root, tmp_path / "s3.log")
+    server.start()
+    env = {**lmpipe_env(), **server.env()}
+    run = tmp_path / "run"
+    cfg = PipelineConfig(port=port, runtime_dir=str(run))
+    t = StandIn(cfg)
+    try:
+        p = procs.start(
+            "produce", *small_run(port, runtime_dir=run, strategy="pad", seq_len=32, batch_size=2, epochs=1),
+            "--mix", f"web={tmp_path / 'web.jsonl.gz'}:1", "code=s3://mix/code/:1", name="producer", env=env,
+        )  # fmt: skip
+        t.until(lambda: t.hello is not None, "no hello")
+        assert t.hello is not None and messages.VERSIONS_SHAPE.fullmatch(t.hello.data_versions)
+        shards = list(range(2 * PER_SOURCE))
+        t.send(messages.Assign("s", shards, len(shards), 1))
+        for s in shards:
+            t.send(messages.Welcome("s", s, lease=f"L{s}", shards=len(shards), credit=100))
+        t.until(lambda: all(t.got[s] and t.got[s][-1].header["kind"] == "end" for s in shards), "the ends")
+        tok = load_tokenizer().tokenizer
+        texts: dict[str, list[str]] = {"alpha": [], "omega": []}
+        for s in shards:
+            word, other = ("alpha", "omega") if s < PER_SOURCE else ("omega", "alpha")
+            for m in t.got[s][:-1]:
+                for row, n in zip(m.arrays["tokens"], m.arrays["lengths"]):
+                    text = tok.decode([int(x) for x in row[:n]])
+                    assert word in text and other not in text, (s, text)
+                    texts[word].append(text.split()[-1])
+        assert sorted(map(int, texts["alpha"])) == list(range(A_DOCS))
+        assert sorted(map(int, texts["omega"])) == list(range(20))
+        t.send(messages.Stop("test over"))
+        assert procs.wait(p, 30) == 0
+    finally:
+        t.close()
+        server.kill()

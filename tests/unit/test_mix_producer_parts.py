@@ -8,13 +8,16 @@ import json
 
 import numpy as np
 
+from lmpipe.producer import manager
 from lmpipe.producer.batching import BatchSpec
 from lmpipe.producer.corpora import Corpora
+from lmpipe.producer.formats.kinds import DataFile
 from lmpipe.producer.held import Holdings
-from lmpipe.producer.sources import Corpus
+from lmpipe.producer.sources import OBJECT_DIGEST, Corpus
 from lmpipe.producer.stream import DocStream
+from lmpipe.shared import messages
 from lmpipe.shared.batch import Cursor
-from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.messages import Assign, Welcome
 from lmpipe.shared.mix import source_seed
 from lmpipe.shared.tokenizer import load_tokenizer
@@ -40,7 +43,7 @@ def _next_shards(h: Holdings, k: int) -> list[int | None]:
 def test_the_least_advanced_shard_with_credit_goes_next():
     h = _holdings(3)
     assert _next_shards(h, 4) == [0, 1, 2, None]  # one each, then none has credit
-    assert h.waiting_for_credit()
+    assert not any(x.can_send() for x in h.shards.values())
     h.grant({2: 3, 7: 9})  # a shard not held is left alone
     assert _next_shards(h, 3) == [2, 2, None]
     h.grant({0: 2, 2: 1})  # a credit only raises
@@ -56,7 +59,6 @@ def test_without_credit_nothing_limits_a_shard():
     h.start(0, 1, "L", Cursor(), 1)
     h.grant({0: 1})  # unlimited stays unlimited
     assert _next_shards(h, 5) == [0, 0, 0, 0, None]  # three batches and the end
-    assert not h.waiting_for_credit()
 
 
 def _files(tmp_path, **texts: str) -> dict[str, str]:
@@ -112,3 +114,79 @@ def test_without_a_mixture_the_facts_are_the_corpus_s(tmp_path):
     )
     assert c.locate(3, 5) == (0, 3, 5) and c.plan(3, 5) == (BatchSpec.of(cfg), 3)
     assert c.seed(0) == 4 and c.split_problem(Welcome("s", 0, shards=7)) is None
+
+
+class _Store:
+    """What a corpus asks of a remote object's store here: its URL."""
+
+    def key(self, path: str) -> str:
+        return path.removeprefix("s3://")
+
+    def url(self, key: str) -> str:
+        return f"s3://{key}"
+
+
+def _objects(bucket: str, versions: list[str]) -> Corpus:
+    c = Corpus()
+    c.paths = [
+        DataFile(f"s3://{bucket}/p{i}.txt", "text", size=100, remote=_Store(), version=v)  # type: ignore[arg-type]
+        for i, v in enumerate(versions)
+    ]
+    return c
+
+
+def test_the_remote_versions_of_every_source_are_pinned_and_a_rewrite_named(tmp_path):
+    f = _files(tmp_path, web="one\n")
+    cfg = PipelineConfig(mix=[f"web={f['web']}:1", "code=s3://code/:1", "math=s3://math/:1"])
+    mix = cfg.mixture()
+
+    def corpora(code: list[str], math: list[str]) -> Corpora:
+        return Corpora(
+            cfg, mix=mix, corpora=[Corpus([f["web"]]), _objects("code", code), _objects("math", math)]
+        )
+
+    before = corpora(["c0", "c1"], ["m0", "m1", "m2"])
+    versions, kept = before.version_digest(), before.object_versions()
+    assert messages.VERSIONS_SHAPE.fullmatch(versions), "a hello may carry it"
+    ((where, digests),) = kept.items()
+    assert where == messages.version_location(versions) and len(digests) == 5 * OBJECT_DIGEST
+    assert before.rewritten(digests) == []
+    after = corpora(["c0", "c1"], ["m0", "x1", "m2"])  # one object of one source rewritten
+    assert after.version_digest() != versions and messages.version_location(after.version_digest()) == where
+    assert after.rewritten(digests) == ["s3://math/p1.txt"]
+    assert after.rewritten(digests[:-1]) == [] and after.rewritten(None) == []
+
+
+def test_a_ranks_source_shard_is_read_as_that_sources_global_shard(tmp_path):
+    """Under torchrun, rank 1 of 2 with 2 shards a source: its shard 3 is source 1's shard 1, global shard
+    1*2+1 of 4 of that source's records, with that source's seed (the stream a --data run of it would read)."""
+    f = _files(tmp_path, web="a\n\nb\n", math="c\n\nd\n")
+    cfg = PipelineConfig(
+        mix=[f"web={f['web']}:1", f"math={f['math']}:1"],
+        rank=1,
+        world_size=2,
+        runtime_dir=str(tmp_path / "r"),
+    )
+    p = manager.Producer(cfg, manager.ProducerOptions())
+    stream = p._stream(3, 4)
+    assert (stream.worker_global, stream.total_workers, stream.seed) == (3, 4, source_seed(0, "math"))
+    assert stream.corpus is p.corpora.corpora[1] and stream.scan is not None and stream.scan.total == 4
+    assert p.holdings._plan(3, 4) == (p.corpora.batch_spec(1), 0)
+
+
+def test_a_hello_of_the_largest_mixture_stays_small(tmp_path):
+    """64 sources (the most), with long names and files: the fingerprint's `data` keeps each source within
+    its share, so the hello (with a full list of skipped counts) decodes within the control limit."""
+    names = [f"source-with-a-long-name-{i:08d}" for i in range(64)]
+    for i in range(64):
+        (tmp_path / f"s{i}").mkdir()
+        for k in range(5):
+            (tmp_path / f"s{i}" / f"a-corpus-file-with-a-long-name-{k:04d}.txt").write_text(f"doc {k}\n")
+    cfg = PipelineConfig(mix=[f"{n}={tmp_path / f's{i}'}/:1" for i, n in enumerate(names)])
+    c = Corpora(cfg)
+    assert list(json.loads(c.fingerprint())) == names
+    skipped = {f"{s}:a_long_reason_name_here": 10**9 for s in range(messages.SKIPPED_PER_MESSAGE)}
+    hello = messages.Hello(fingerprint=fingerprint(cfg, "f" * 64, 50257, c.fingerprint()), skipped=skipped,
+                           data_content=c.content_digest(), host="h" * 64)  # fmt: skip
+    raw = messages.pack(hello)
+    assert len(raw) < messages.MAX_CONTROL_BYTES and messages.unpack(raw).fingerprint == hello.fingerprint

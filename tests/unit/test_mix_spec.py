@@ -175,9 +175,9 @@ def test_the_settings_travel_by_flag_variable_and_argv(clean_env, tmp_path):
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["--mix", "web=a.txt:1", "--data", "b.txt"], "--mix and --data exclude each other"),
-        (["--mix", "web=a.txt:1", "--mix-file", "{f}"], "--mix and --mix-file exclude each other"),
-        (["--mix-file", "{f}", "--data", "b.txt"], "--mix-file and --data exclude each other"),
+        (["--mix", "web=a.txt:1", "--data", "b.txt"], "--mix and --data b.txt exclude each other"),
+        (["--mix", "web=a.txt:1", "--mix-file", "{f}"], "--mix and --mix-file {f} exclude each other"),
+        (["--mix-file", "{f}", "--data", "b.txt"], "--mix-file and --data b.txt exclude each other"),
         (["--mix", "web=a.txt:0"], "--mix web=a.txt:0: 'web=a.txt:0': the weight '0' must be"),
         (["--mix", "web=a.txt:1", "web=b.txt:1"], "'web' is given twice"),
         (["--mix-file", "{f}.missing"], "--mix-file {f}.missing: No such file"),
@@ -196,6 +196,10 @@ def test_bad_variable_names_the_variable(clean_env):
     clean_env("LMPIPE_MIX", "web=a.txt:zero")
     with pytest.raises(SettingsError, match=r"^LMPIPE_MIX=web=a.txt:zero: .*is not a number"):
         from_args(build_parser().parse_args(["run"]), PipelineConfig)
+    clean_env("LMPIPE_MIX", "")
+    clean_env("LMPIPE_DATA", "b.txt")  # a compose file's variable, and --mix given: the variable is named
+    with pytest.raises(SettingsError, match=r"^--mix and LMPIPE_DATA=b.txt exclude each other"):
+        from_args(build_parser().parse_args(["run", "--mix", "web=a.txt:1"]), PipelineConfig)
 
 
 def test_the_fingerprint_names_sources_and_epochs_not_weights(tmp_path):
