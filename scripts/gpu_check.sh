@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|hf-feed|elastic|checkpoint-cost|warm-start|all]
+#   scripts/gpu_check.sh [tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|hf-feed|mixture|elastic|checkpoint-cost|warm-start|all]
 #                        [extra benchmark args...]
 # fast: the CUDA tests (each fast path's parity test against --fast none among them), the trainer tests again
 # with LMPIPE_FAST=none (reference-tests alone), and the ablation's "all on" against --fast none, in one run.
@@ -86,11 +86,12 @@ case $stage in
     scaling) run scaling python3 -m bench.scaling --out "$OUT" "$@" ;;&
     peers) run peers python3 -m bench.peers --out "$OUT" "$@" ;;&
     hf-feed) run hf-feed python3 -m bench.hf_feed --out "$OUT" "$@" ;;&
+    mixture) run mixture python3 -m bench.mixture --slow 0.5 --out "$OUT" "$@" ;;&
     checkpoint-cost) run checkpoint-cost python3 -m bench.checkpoint_cost --out "$OUT" "$@" ;;&
     warm-start) run warm-start python3 -m bench.warm_start --out "$OUT" "$@" ;;&
     elastic) run elastic python3 -m bench.elastic --data "$LMPIPE_WIKITEXT"/*.txt --doc-split heading \
         --seq-len 1024 --batch-size 16 --before 1 --after 4 --out "$OUT" "$@" ;;&
-    tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|hf-feed|elastic|checkpoint-cost|warm-start|all) ;;
+    tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|hf-feed|mixture|elastic|checkpoint-cost|warm-start|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

@@ -67,3 +67,10 @@ def balance(holdings: dict[bytes, set[int]], open_shards: set[int]) -> dict[byte
 def shard_list(shards: set[int] | list[int]) -> str:
     """'0,3,5' or 'none', for log lines."""
     return ",".join(map(str, sorted(shards))) or "none"
+
+
+def taken_from(moved: dict[int, tuple[Producer, str]], p: Producer) -> str:
+    """' (from p0, p1)' for a join line: whom its shards came from (`moved`: shard -> (new holder, old
+    holder's name))."""
+    src = sorted({old for new, old in moved.values() if new is p and old})
+    return f" (from {', '.join(src)})" if src else ""

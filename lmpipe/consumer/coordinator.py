@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from lmpipe.consumer.admission import Admission, SkippedRecords, version_skew
-from lmpipe.consumer.assign import Producer, balance, shard_list
+from lmpipe.consumer.assign import Producer, balance, shard_list, taken_from
 from lmpipe.consumer.connections import ControlConnections
 from lmpipe.consumer.ledger import Ledger
 from lmpipe.consumer.quiet import Quiet, Rejects, printable
@@ -58,7 +58,9 @@ class PipelineError(ValueError):
     line and exits non-zero."""
 
 
-BYE_GRACE = 0.5  # seconds a closed control connection's producer has for its bye to be read
+# seconds a closed control connection's producer has for its bye to be read: the close comes from a monitor
+# socket of its own, so the bye may still be queued behind it (counted as `bye`, not as lost)
+BYE_GRACE = 0.5
 
 
 class Coordinator:
@@ -87,6 +89,9 @@ class Coordinator:
         self.stopping = asyncio.Event()  # set once the run is over (the receive thread's loop)
         self.stop_reason = ""
         self.awaiting_bye: dict[bytes, str] = {}  # identity -> "p1 (host:pid)" told to stop, not yet gone
+        # a mixture's pacing (consumer/mixfeed.py): a holder may send this many messages of a shard past the
+        # last consumed one; 0: no limit (welcomes carry credit None), a run without a mixture
+        self.credit_window = 0
         self.all_said_bye = asyncio.Event()
         # identity -> (fd, when its connection closed): left as `closed` once BYE_GRACE passed without its bye
         self._closing: dict[bytes, tuple[int, float]] = {}
@@ -176,9 +181,7 @@ class Coordinator:
         for p in list(self.producers.values()):
             if p.fd == fd:
                 self._said_bye(p.identity)  # gone is as good as a `bye` to a stopping trainer
-                # Its bye may still be queued behind the close (the monitor reports the close on a socket
-                # of its own): wait BYE_GRACE for it before counting the producer as lost.
-                self._closing[p.identity] = (fd, time.monotonic())
+                self._closing[p.identity] = (fd, time.monotonic())  # its bye may be queued behind the close
 
     def _control(self, frames: list[bytes], fd: int = -1) -> None:
         if len(frames) != 2:
@@ -232,7 +235,10 @@ class Coordinator:
             self._count_skipped(hello.skipped)
             for s in p.shards:
                 self.ledger[s].last_seen = now
-            return self._reconcile(p, hello)
+            self._reconcile(p, hello)
+            if self.credit_window and self._settled:  # a lost credit heals within a heartbeat
+                self.grant(p.shards)
+            return None
         twin = self._twin(where, hello)
         if twin is not None and hello.session == self.session:
             if not hello.rejoin:  # queued on a connection it has replaced since: nothing to answer
@@ -261,7 +267,7 @@ class Coordinator:
             p.name,
             where,
             shard_list(p.shards),
-            _taken(moved, p),
+            taken_from(moved, p),
             len(self.producers),
             len(self.ledger),
         )
@@ -439,8 +445,24 @@ class Coordinator:
                 force,
                 lease=w.lease,
                 shards=len(self.ledger),
+                credit=w.last_seq + self.credit_window if self.credit_window else None,
             )
         self._send(w.identity, welcome)
+
+    def grant(self, shards: set[int]) -> None:
+        """Send each holder of `shards` how far it may send them now (a mixture's credits), coalesced: one
+        Credit per producer (split past messages.GRANTS_PER_MESSAGE)."""
+        if not self.credit_window or self.stopping.is_set():
+            return
+        by_holder: dict[bytes, dict[int, int]] = {}
+        with self.ledger.lock:
+            for s in shards:
+                w = self.ledger[s]
+                if w.identity is not None and w.open():
+                    by_holder.setdefault(w.identity, {})[s] = w.last_seq + self.credit_window
+        for identity, grants in by_holder.items():
+            for msg in messages.credits(self.session, grants):
+                self._send(identity, msg)
 
     def _send_assign(self, p: Producer) -> None:
         self._send(
@@ -475,9 +497,3 @@ class Coordinator:
     def _said_bye(self, identity: bytes) -> None:
         if self.awaiting_bye.pop(identity, None) and not self.awaiting_bye:
             self.all_said_bye.set()
-
-
-def _taken(moved: dict[int, tuple[Producer, str]], p: Producer) -> str:
-    """' (from p0, p1)' for a join line: whom its shards came from."""
-    src = sorted({old for new, old in moved.values() if new is p and old})
-    return f" (from {', '.join(src)})" if src else ""

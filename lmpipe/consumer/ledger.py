@@ -53,6 +53,15 @@ class ShardState:
         return not (self.finished or self.failed)
 
 
+def cursor_list(state: list[dict[str, Any]] | dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-shard cursors of a pipeline's state: the list itself, or a mixture's {"shards": ...}."""
+    if isinstance(state, dict):
+        if not isinstance(state.get("shards"), list) or not isinstance(state.get("mix"), dict):
+            raise ValueError("a mixture's state holds its shards' cursors and the mixer's state")
+        return state["shards"]
+    return state
+
+
 class Ledger:
     """Every shard's consumption state in one session, shared by the receive thread and the step loop."""
 
@@ -103,7 +112,8 @@ class Ledger:
                 for w in self.shards
             ]
 
-    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+    def load_state_dict(self, state: list[dict[str, Any]] | dict[str, Any]) -> None:
+        state = cursor_list(state)
         if len(state) != len(self.shards):
             raise ValueError(
                 f"checkpoint has {len(state)} shard cursors, this run has {len(self.shards)} shards"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -28,7 +28,9 @@ import torch
 from lmpipe.consumer.batchdict import batch_dict, cu_seqlens_exact
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.inputs import MaskCache, ModelInputs
-from lmpipe.consumer.ledger import Ledger
+from lmpipe.consumer.ledger import Ledger, cursor_list
+from lmpipe.consumer.mixer import Mixer
+from lmpipe.consumer.mixfeed import CREDIT_WINDOW, Assembly, MixFeed
 from lmpipe.consumer.receiver import Receiver
 from lmpipe.consumer.report import DocLog
 from lmpipe.consumer.slots import HostSlot, SlotMeta
@@ -55,17 +57,25 @@ class Pipeline:
         self.wait_timeout, self.metrics_port = wait_timeout, metrics_port
         self.metrics = TrainerMetrics()
         self.metrics.producers_expected.set(pcfg.producers)
-        for w in range(shards):
-            self.metrics.received.labels(str(w))
         self.mask_cache = MaskCache(
             on_hit=self.metrics.cache_hits.labels(MaskCache.name).inc,
             on_miss=self.metrics.cache_misses.labels(MaskCache.name).inc,
         )
         self.session = uuid.uuid4().hex[:12]
-        self.table = Ledger(shards, self.session)
+        # a mixture (consumer/mixer.py): each source has `shards` shards, and the mixer picks the rows
+        self.mix = pcfg.mixture()
+        self.mixer = Mixer(self.mix, shards, pcfg.batch_size, pcfg.seq_len) if self.mix else None
+        self.table = Ledger(shards * (len(self.mix.sources) if self.mix else 1), self.session)
+        for w in range(len(self.table)):
+            self.metrics.received.labels(str(w))
         pin = device.type == "cuda"
         dt = token_dtype(tok.vocab_size)
-        self.slots = [HostSlot(pcfg.batch_size, pcfg.seq_len, dt, pin) for _ in range(slots)]
+        # with a mixture `slots` assemble batches; received ones get their own pool (consumer/mixfeed.py)
+        received = len(self.table) * CREDIT_WINDOW if self.mix else slots
+        self.slots = [HostSlot(pcfg.batch_size, pcfg.seq_len, dt, pin) for _ in range(received)]
+        self.assembly_slots = (
+            [HostSlot(pcfg.batch_size, pcfg.seq_len, dt, pin) for _ in range(slots)] if self.mix else []
+        )
         self.fingerprint = fingerprint(pcfg, tok.hash, tok.vocab_size, data)
         self.data_content = data_content if data else ""  # the files' contents producers must serve; "": any
         self.data_versions = [data_versions] if (data and data_versions) else []  # remote objects' versions
@@ -73,19 +83,38 @@ class Pipeline:
         self.doc_log = DocLog(doc_log) if doc_log else None  # closed by stop()
         self.receiver: Receiver | None = None
         self.feed: DeviceFeed
+        self.mixfeed: MixFeed | None = None
         self.metrics_bound: int | None = None  # the /metrics port start() bound, if any
 
     # -- cursors ---------------------------------------------------------------------------------------
 
-    def state_dict(self) -> list[dict[str, Any]]:
-        """This rank's cursors: per shard, the cursor and sequence number of the last batch taken."""
-        return self.table.state_dict()
+    def state_dict(self) -> Any:
+        """This rank's cursors: per shard, the cursor and sequence number of the last batch taken; with a
+        mixture {"shards": those, "mix": the mixer's state} (consumer/ledger.py's cursor_list reads both)."""
+        if self.mixer is None:
+            return self.table.state_dict()
+        return {"shards": self.table.state_dict(), "mix": self.mixer.state_dict()}
 
-    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+    def load_state_dict(self, state: list[dict[str, Any]] | dict[str, Any]) -> None:
         """Before start(): producers are sent back to these cursors in their handshake."""
         if self.receiver is not None:
             raise RuntimeError("load_state_dict() after the pipeline started: call it before iterating")
-        self.table.load_state_dict(state)
+        if (self.mixer is None) != isinstance(state, list):
+            raise ValueError(
+                "the state was saved " + ("without" if isinstance(state, list) else "with")
+                + " a mixture and this run has " + ("one" if self.mixer else "none")
+            )  # fmt: skip
+        self.table.load_state_dict(cursor_list(state))
+        if self.mixer is not None and isinstance(state, dict):
+            self.mixer.load_state_dict(state["mix"])
+
+    def finished(self) -> bool:
+        """No more batches will come: every shard finished its epochs, or a mixture's source ran out."""
+        return self.table.all_finished() or bool(self.mixer is not None and self.mixer.exhausted)
+
+    def mixture(self) -> dict[str, dict[str, float]]:
+        """Per source: tokens trained, realized share, target share, epoch ({} without a mixture)."""
+        return self.mixer.shares() if self.mixer is not None else {}
 
     def pinned_data_content(self) -> str:
         """The corpus contents as pinned so far (the receiver pins them from the first producer)."""
@@ -105,13 +134,21 @@ class Pipeline:
             self.pcfg, self.fingerprint, self.slots, self.table, self.metrics, self.tok.vocab_size,
             data_content=self.data_content, data_versions=self.data_versions,
         )  # fmt: skip
+        if self.mixer is not None:
+            self.receiver.coordinator.credit_window = CREDIT_WINDOW
         self.receiver.start()
         self.receiver.bound.wait()
+        assembly = Assembly(self.receiver, self.assembly_slots) if self.mixer is not None else None
         self.feed = DeviceFeed(
-            self.receiver, self.table, self.metrics, self.device, copy_stream=self.copy_stream, rows=rows,
-            attention=self.attention, mask_cache=self.mask_cache, wait_timeout=self.wait_timeout,
+            cast(Receiver, assembly or self.receiver), self.table, self.metrics, self.device,
+            copy_stream=self.copy_stream, rows=rows, attention=self.attention, mask_cache=self.mask_cache,
+            wait_timeout=self.wait_timeout,
         )  # fmt: skip
         self.feed.health_check = self.health_check
+        if self.mixer is not None and assembly is not None:
+            self.mixfeed = MixFeed(self.feed, assembly, self.mixer, self.table, self.metrics)
+            assert self.mix is not None
+            log.info("mixing %d sources by tokens: %s", len(self.mix.sources), self.mix.describe())
         self.feed.check_receiver()
         self.metrics_bound = serve(self.metrics.registry, self.metrics_port, self.pcfg.metrics_host)
 
@@ -121,7 +158,10 @@ class Pipeline:
         return self.receiver.endpoints.describe()
 
     def take(self, n: int, stopping: Callable[[], bool]) -> tuple[list[HostSlot], float, str | None]:
-        """Up to n slots, each the next batch of its shard (DeviceFeed.take)."""
+        """Up to n slots, each the next batch of its shard (DeviceFeed.take); with a mixture, n assembled
+        batches of one optimizer step (consumer/mixfeed.py)."""
+        if self.mixfeed is not None:
+            return self.mixfeed.take(n, stopping)
         return self.feed.take(n, stopping)
 
     def to_device(self, slot: HostSlot) -> ModelInputs:
@@ -147,7 +187,7 @@ class Pipeline:
     def release(self, slot: HostSlot) -> None:
         """Hand back a taken slot that is not copied."""
         assert self.receiver is not None
-        self.receiver.release(slot)
+        self.feed.receiver.release(slot)
 
     def release_done(self) -> None:
         self.feed.release_done()

@@ -66,6 +66,8 @@ class Receiver(threading.Thread):
         self.endpoints = endpoints(cfg)  # creates and checks the runtime directory (ValueError if unsafe)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._free: asyncio.Queue | None = None
+        self._credit_lock = threading.Lock()
+        self._credit_due: set[int] = set()  # shards whose credit rose, to be sent together
 
     @property
     def data_content(self) -> str:
@@ -107,6 +109,21 @@ class Receiver(threading.Thread):
         why = f"sent seq {seq}" if seq is not None else "is out of order"
         assert self._loop is not None  # the thread is running
         self._loop.call_soon_threadsafe(self.coordinator.resends.request, shard, why, arrived)
+
+    def credit(self, shard: int) -> None:
+        """A mixture consumed a batch of `shard`: its holder may send one more. Coalesced: the shards due
+        are sent from the receive thread's loop, one Credit per producer (consumer/coordinator.py)."""
+        with self._credit_lock:
+            first = not self._credit_due
+            self._credit_due.add(shard)
+        if first:
+            assert self._loop is not None  # the thread is running
+            self._loop.call_soon_threadsafe(self._send_credits)
+
+    def _send_credits(self) -> None:
+        with self._credit_lock:
+            due, self._credit_due = self._credit_due, set()
+        self.coordinator.grant(due)
 
     def connected(self, now: float) -> int:
         """Producers heard from lately (any thread: reads a snapshot)."""

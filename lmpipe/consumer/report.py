@@ -68,6 +68,9 @@ class Summary:
     steady_mfu: float | None = None  # None: no steady state, or no known peak (CPU, an unlisted GPU)
     # --consume-only: where the trainer's time went, per batch consumed (see consumer/runstats.py)
     consume: dict[str, float] = field(default_factory=dict)
+    # a mixture's realized mixture: per source, tokens trained, share, target share (the weight at the end)
+    # and epoch, over the whole run (resumes included); {} without a mixture
+    mixture: dict[str, dict] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -148,6 +151,7 @@ class Summary:
                 else ""
             )
             + (self._render_consume() if self.consume else "")
+            + self._render_mixture()
         )
 
     def _render_first_step(self) -> str:
@@ -165,6 +169,15 @@ class Summary:
             f"first step {sp['total']:.1f} s after start (start-up {sp['startup']:.1f} s, {work}, "
             f"{sp['first_batch_wait']:.1f} s waiting for data)"
         )
+
+    def _render_mixture(self) -> str:
+        if not self.mixture:
+            return ""
+        each = ", ".join(
+            f"{name} {100 * s['share']:.1f}% (target {100 * s['target']:.1f}%, epoch {s['epoch']})"
+            for name, s in self.mixture.items()
+        )
+        return f" | mixture, tokens trained: {each}"
 
     def _render_skipped(self) -> str:
         if not self.skipped:
@@ -281,6 +294,9 @@ class DocLog:
     def write(self, step: int, metas: list[SlotMeta]) -> None:
         rows = []
         for m in metas:
+            if m.parts is not None:  # a mixture's batch: an entry per run of rows of one received batch
+                rows += _parts(m)
+                continue
             pieces = [[int(a), int(b), int(c)] for a, b, c in zip(m.doc_id, m.doc_start, m.doc_len)]
             rows.append(
                 {
@@ -303,3 +319,16 @@ class DocLog:
         except OSError as exc:
             if not self._failed:  # else the first failure is said already; the rest was never written
                 raise self._said(exc) from None
+
+
+def _parts(m: SlotMeta) -> list[dict]:
+    """A mixture's assembled batch in the doc log: per run of rows of one received batch, its source."""
+    out = []
+    for p in m.parts or ():
+        a, b = p.pieces
+        pieces = [
+            [int(x), int(y), int(z)] for x, y, z in zip(m.doc_id[a:b], m.doc_start[a:b], m.doc_len[a:b])
+        ]
+        out.append({"worker": p.shard, "seq": p.seq, "session": p.session, "source": p.source, "docs": pieces,
+                    "targets": p.targets})  # fmt: skip
+    return out

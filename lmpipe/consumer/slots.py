@@ -9,6 +9,7 @@ the step loop's copy out of it has completed (see Trainer._release_done).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ class SlotMeta:
     doc_start: np.ndarray
     doc_len: np.ndarray
     received_at: float = 0.0
+    # a mixture's assembled batch (consumer/mixer.py): where its runs of rows came from (the doc log's)
+    parts: list | None = None
+    row_index: Any = None  # the mixer's index of its rows (consumer/mixer.py's RowIndex), made once
 
 
 class HostSlot:

@@ -38,6 +38,7 @@ from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.hf import model_identity
 from lmpipe.consumer.inputs import empty_inputs
+from lmpipe.consumer.ledger import cursor_list
 from lmpipe.consumer.model import GPT
 from lmpipe.consumer.pipeline import Pipeline
 from lmpipe.consumer.receiver import Receiver
@@ -190,7 +191,7 @@ class Trainer:
             return None
         if self.device.type == "cuda" and not self.writer.background:
             torch.cuda.synchronize()
-        by_rank = self.dist.gather(self.table.state_dict())
+        by_rank = self.dist.gather(self.pipe.state_dict())
         if not self.dist.is_main:  # rank 0 writes, then says whether it could: a failure stops every rank
             if not self.dist.broadcast(None):
                 raise OSError("rank 0 could not write the checkpoint (its log says why)")
@@ -257,7 +258,11 @@ class Trainer:
         epochs = self.pcfg.epochs
         before = int((ck.header.get("stream") or {}).get("epochs") or 0)
         more = more_epochs(before, epochs)  # compare() let it through: finished shards go on
-        if epochs and not more and any(rank and all(w.get("finished") for w in rank) for rank in by_rank):
+        if (
+            epochs
+            and not more
+            and any(rank and all(w.get("finished") for w in cursor_list(rank)) for rank in by_rank)
+        ):
             # every shard read its --epochs to the end: it would stop at once, having trained nothing, and
             # exit 0 (the same on every rank: by_rank is every rank's)
             raise CheckpointError(
@@ -277,7 +282,7 @@ class Trainer:
             self.scaler.load_state_dict(st["scaler"])
             self._published = self.scaler.counters()
         self.step = int(st["step"])
-        self.table.load_state_dict(by_rank[self.dist.rank])
+        self.pipe.load_state_dict(by_rank[self.dist.rank])
         if more:
             for w in self.table.shards:
                 w.finished = False  # its producer starts it again at its cursor: the next epoch
@@ -368,6 +373,7 @@ class Trainer:
             for counts in self.dist.gather(dict(self.receiver.skipped)) or []:
                 for reason, n in counts.items():
                     summary.skipped[reason] = summary.skipped.get(reason, 0) + n
+            summary.mixture = self.pipe.mixture()
             return summary
         except Exception as exc:  # the producers are told why, not "training finished"
             why = (

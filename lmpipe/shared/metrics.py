@@ -334,6 +334,16 @@ class TrainerMetrics:
         self.ready_slots = Gauge(
             "lmpipe_trainer_ready_slots", "Filled host slots waiting for the step loop", registry=r
         )
+        # a mixture's sources (label `source`: its name), series created when the mixture starts
+        src = ["source"]
+        self.source_tokens = Counter("lmpipe_trainer_source_tokens", "Real tokens trained per source", src,
+                                     registry=r)  # fmt: skip
+        self.source_share = Gauge("lmpipe_trainer_source_share", "Realized share of the tokens trained, per "
+                                  "source, since the run began (resumes included)", src, registry=r)  # fmt: skip
+        self.source_target_share = Gauge("lmpipe_trainer_source_target_share", "The mixture's weight of each "
+                                         "source at this step (normalized)", src, registry=r)  # fmt: skip
+        self.source_epoch = Gauge("lmpipe_trainer_source_epoch", "Each source's epoch: the least among its "
+                                  "shards", src, registry=r)  # fmt: skip
 
     def _producers(self, r: CollectorRegistry) -> None:
         """Producers joining and leaving, and the shards they hold."""
