@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_mixture import at_most_once, corpus, flags, lengths, mix, sequence, tokens_by_source
 from tests.helpers import doc_log_entries, rank_logs, run_lmpipe, small_run
+from tests.mixruns import at_most_once, corpus, lengths, mix, sequence, tokens_by_source
 
 T, B = 32, 4
 
@@ -19,7 +19,8 @@ def test_two_ranks_each_mix_their_shards_and_stop_together(tmp_path, port, tok):
     weights = (0.5, 0.35, 0.15)
     own = small_run(None, shards=2, threads=1, doc_log=tmp_path / "docs.jsonl", metrics_port=None)
     rc, out = run_lmpipe(tmp_path, "ranks", "run", *mix(files, weights), "--epochs", "1", "--steps", "0",
-                         *flags(port, producers=1), *own, nproc=2)  # fmt: skip
+                         *small_run(port, seq_len=T, batch_size=B, strategy="pack", seed=7, producers=1), *own,
+                         nproc=2)  # fmt: skip
     assert rc == 0, out[-3000:]
     assert "has no more data" in out, "the job ended when a source ran out"
     logs = rank_logs(tmp_path, "docs")
