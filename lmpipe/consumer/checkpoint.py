@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmpipe.consumer.checkpoint_io import BUFFER as _BUFFER
+from lmpipe.consumer.checkpoint_io import HashingFile, save_state
 from lmpipe.shared import __version__
 from lmpipe.shared.config import MAX_LINE_BYTES
 from lmpipe.shared.files import sha256_file
@@ -98,6 +100,9 @@ class CheckpointManager:
     def __init__(self, directory: str | Path, keep: int = 3):
         self.dir = Path(directory)
         self.keep = keep
+        # the last write's parts: state.pt's bytes; seconds to serialize and write it (hashed meanwhile),
+        # of that spent waiting for the hash, to fsync it; and the whole save (set by save)
+        self.last_parts: dict[str, float] = {}
 
     # -- writing -------------------------------------------------------------------------------------
 
@@ -132,24 +137,32 @@ class CheckpointManager:
         os.replace(pointer, self.dir / "latest")
         _fsync_dir(self.dir)
         self._prune(final)
-        log.info("checkpoint %s written in %.2f s%s", final, time.perf_counter() - t0, how and f" ({how})")
+        parts = self.last_parts
+        parts["total"] = time.perf_counter() - t0
+        log.info("checkpoint %s written in %.2f s (%.2f GiB: %.2f s to write, %.2f s to fsync)%s", final,
+                 parts["total"], parts["bytes"] / 2**30, parts["serialize"], parts["fsync"], how and f"; {how}")  # fmt: skip
         return final
 
     def _write(self, tmp: Path, step: int, header: dict[str, Any], state: dict[str, Any]) -> None:
-        """state.pt and header.json into `tmp`, fsynced."""
+        """state.pt and header.json into `tmp`, fsynced; the parts' seconds into last_parts."""
         tmp.mkdir(mode=0o755)  # never writable by group or others, whatever the umask: resume checks it
-        import torch  # here, not at the top: the launcher reads headers before it forks producers, torch-free
-
-        with open(tmp / "state.pt", "wb", opener=_private_open) as f:
-            torch.save(state, f)
+        t0 = time.perf_counter()
+        with open(tmp / "state.pt", "wb", buffering=_BUFFER, opener=_private_open) as f:
+            out = HashingFile(f)
+            try:
+                save_state(state, out)
+            finally:
+                out.close()
             f.flush()
+            t1 = time.perf_counter()
             os.fsync(f.fileno())
+        t2 = time.perf_counter()
         hdr = {
             **header,
             "format_version": FORMAT_VERSION,
             "lmpipe_version": __version__,
             "step": step,
-            "state_sha256": sha256_file(tmp / "state.pt"),
+            "state_sha256": out.sha256.hexdigest(),  # of the bytes written: the file is not read back
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         with open(tmp / "header.json", "w", opener=_private_open) as f:
@@ -157,6 +170,8 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        self.last_parts = {"bytes": out.bytes, "serialize": t1 - t0, "fsync": t2 - t1,
+                           "hash_wait": out.hash_wait}  # fmt: skip
 
     def _prune(self, written: Path) -> None:
         """Keep the `keep` newest writes, the one just written first. By write time, not step: a run resumed
