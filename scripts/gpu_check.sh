@@ -86,7 +86,8 @@ case $stage in
     scaling) run scaling python3 -m bench.scaling --out "$OUT" "$@" ;;&
     peers) run peers python3 -m bench.peers --out "$OUT" "$@" ;;&
     hf-feed) run hf-feed python3 -m bench.hf_feed --out "$OUT" "$@" ;;&
-    checkpoint-cost) run checkpoint-cost python3 -m bench.checkpoint_cost --out "$OUT" "$@" ;;&
+    checkpoint-cost) run checkpoint-write python3 -m bench.checkpoint_write --out "$OUT"  # the write's parts, on the host
+        run checkpoint-cost python3 -m bench.checkpoint_cost --out "$OUT" "$@" ;;&
     elastic) run elastic python3 -m bench.elastic --data "$LMPIPE_WIKITEXT"/*.txt --doc-split heading \
         --seq-len 1024 --batch-size 16 --before 1 --after 4 --out "$OUT" "$@" ;;&
     tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|hf-feed|elastic|checkpoint-cost|all) ;;
