@@ -72,6 +72,6 @@ def save_state(state: dict[str, Any], out: HashingFile) -> None:
         was = torch.serialization.get_crc32_options()
         torch.serialization.set_crc32_options(False)
         try:
-            torch.save(state, out)
+            torch.save(state, out)  # type: ignore[arg-type]  # a file: write and flush are all it calls
         finally:
             torch.serialization.set_crc32_options(was)
