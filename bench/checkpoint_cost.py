@@ -37,9 +37,11 @@ class Cost:
     first_blocked: float = float("nan")  # the first checkpoint's (async: allocates the host buffers)
     writes: list[float] = field(default_factory=list)  # seconds per write (async: in the background)
     # per timed checkpoint, the stop's parts (CheckpointWriter.last_stop): the wait for the write before,
-    # the copy (async; on CUDA only queued) and the rest of save_checkpoint (state dicts, cursors, header)
+    # the copy (async), the write (sync) and the rest of save_checkpoint (state dicts, cursors, header)
     parts: list[dict[str, float]] = field(default_factory=list)
-    copy_device: list[float] = field(default_factory=list)  # async on CUDA: the copy's seconds on the GPU
+    copy_device: list[float] = field(
+        default_factory=list
+    )  # async on CUDA: the copy's GPU seconds (not the first)
     write_parts: list[dict[str, float]] = field(
         default_factory=list
     )  # per write: CheckpointManager.last_parts
@@ -57,7 +59,8 @@ def measure(args: argparse.Namespace, mode: str, tok: str, shards: str) -> Cost:
     trainer = Trainer(pcfg, tcfg)
     # (step, seconds in the trainer's save_checkpoint, its parts) per checkpoint
     blocked: list[tuple[int, float, dict[str, float]]] = []
-    written: list[tuple[float, dict[str, float]]] = []  # (device copy s, write parts) per write
+    written: list[dict[str, float]] = []  # the write's parts, per write
+    copies: list[float] = []  # async on CUDA: the copy's seconds on the GPU, per checkpoint
     save = trainer.save_checkpoint
 
     def timed_save():
@@ -67,15 +70,21 @@ def measure(args: argparse.Namespace, mode: str, tok: str, shards: str) -> Cost:
         parts = dict(trainer.writer.last_stop) if trainer.writer else {}
         parts["rest"] = total - sum(parts.values())
         blocked.append((trainer.step, total, parts))
+        if (
+            trainer.writer is not None
+            and trainer.writer.snapshot is not None
+            and trainer.writer.snapshot.cuda
+        ):
+            copies.append(trainer.writer.snapshot.copy_seconds)
         return path
 
     trainer.save_checkpoint = timed_save  # type: ignore[method-assign]
     if trainer.checkpoints is not None and trainer.writer is not None:
-        manager, writer, write = trainer.checkpoints, trainer.writer, trainer.checkpoints.save
+        manager, write = trainer.checkpoints, trainer.checkpoints.save
 
         def parted_write(*a, **kw):  # in the writer thread when async
             path = write(*a, **kw)
-            written.append((writer.copy_seconds, dict(manager.last_parts)))
+            written.append(dict(manager.last_parts))
             return path
 
         manager.save = parted_write  # type: ignore[method-assign]
@@ -96,7 +105,7 @@ def measure(args: argparse.Namespace, mode: str, tok: str, shards: str) -> Cost:
     count = next((s.value for s in writes if s.name.endswith("_count")), 0.0)
     cost = Cost(tokens / seconds if seconds else 0.0, len(in_window), in_window,
                 blocked[0][1] if blocked else float("nan"), [total / count] if count else [],
-                [parts for _, parts in window], [c for c, _ in written[1:]], [w for _, w in written[1:]])  # fmt: skip
+                [parts for _, parts in window], copies[1:], written[1:])  # fmt: skip
     del trainer.save_checkpoint  # the wrapper refers to the trainer: without it, freed on return
     shutil.rmtree(ck, ignore_errors=True)
     return cost
@@ -127,10 +136,10 @@ def parts_table(costs: dict[str, Cost]) -> str:
             _median([p["total"] for p in w]),
         ])  # fmt: skip
     return (
-        "Where the seconds go, medians. Step-loop stop: waiting for the write before, the copy to host memory "
-        "(on CUDA only queued: the GPU runs it before the next step's kernels; its device seconds are beside), "
-        "the write (sync), and the rest of the checkpoint (state dicts, cursors, header). Write: torch.save of "
-        "state.pt with its sha256 computed meanwhile, of that the wait for the hash, fsync, the whole save.\n\n"
+        "Where the seconds go, medians. Step-loop stop: waiting for the write before, the copy to pinned host "
+        "memory (async; its seconds on the GPU beside), the write (sync), and the rest of the checkpoint (state "
+        "dicts, cursors, header). Write (async: in the background): torch.save of state.pt with its blocks' "
+        "sha256s computed meanwhile, of that the wait for the hashes, the fsync, the whole save.\n\n"
         + table(
             [
                 "checkpoint mode",

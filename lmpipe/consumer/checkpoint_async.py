@@ -2,10 +2,9 @@
 
 At a step boundary `CheckpointWriter.save` copies every tensor of the state (model, optimizer, scaler, RNG)
 into host buffers allocated at the first checkpoint and reused by every later one (pinned on CUDA: the
-copies are queued with non_blocking on a stream of their own, which the training's stream waits for before
-its next kernel; the host does not wait), and deep-copies the rest (the step, every rank's cursors, the
-header). The step loop waits only for that; a thread waits for the device's copy, then writes it with
-CheckpointManager.save, the same write as a synchronous checkpoint's (temporary
+copies are queued with non_blocking on a stream of their own, then waited for once), and deep-copies the
+rest (the step, every rank's cursors, the header). The step loop waits only for that copy; a thread then
+writes the copy with CheckpointManager.save, the same write as a synchronous checkpoint's (temporary
 folder, fsync, rename, header with the state's sha256, the `latest` pointer, keep-K). Training goes on
 meanwhile and never touches the copy: what lands on disk is the state and cursors of the snapshotted step.
 
@@ -61,41 +60,29 @@ class HostSnapshot:
         self.device = device
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._buffers: dict[tuple, torch.Tensor] = {}
-        self._pending: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # a queued copy's events
-        self._sources: list[torch.Tensor] = []  # the device tensors it reads, held until it is done
+        self.copy_seconds = 0.0  # the last copy's, on the device (CUDA)
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def take(self, state: Any) -> Any:
-        """The copy. On CUDA it is queued, not waited for: on a stream of its own, behind the step's queued
-        work, and the trainer's stream waits for it before its next kernel, so no later step changes a tensor
-        before it is copied while the host goes on at once; ready() waits for it (the writer thread). The
-        device tensors copied are held until then (the allocator must not hand their memory to another
-        stream while the copy reads it)."""
+        """The copy; returns once it is complete (on CUDA: after the copies queued behind the step's work).
+        The wait is the step loop's, not the writer thread's: a thread that waits on a CUDA event while the
+        step loop captures its CUDA graphs (consumer/fast/step_graph.py, global capture mode) may break the
+        capture. The trainer checks the step's loss before a checkpoint, which waits for the step, so the wait
+        here is mostly the copy's own: copy_seconds, timed on the device."""
         if self._stream is None:
             return self._copy(state, (), {})
-        main = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(main)  # after the step's last kernels
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the step's last kernels
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
             start.record()
             out = self._copy(state, (), {})
             done.record()
-        # the next step's kernels (its optimizer's updates above all) run after the copy
-        main.wait_event(done)
-        self._pending = (start, done)
+        done.synchronize()  # the one wait of the step loop
+        self.copy_seconds = start.elapsed_time(done) / 1000
         return out
-
-    def ready(self) -> float:
-        """Wait for the copy take() queued; the seconds it took on the device (0 on CPU: take copied)."""
-        if self._pending is None:
-            return 0.0
-        start, done = self._pending
-        done.synchronize()
-        self._pending, self._sources = None, []
-        return start.elapsed_time(done) / 1000
 
     def _copy(self, obj: Any, where: tuple, seen: dict[tuple, torch.Tensor]) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -129,8 +116,6 @@ class HostSnapshot:
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = self._buffers[where] = self._allocate(t)
         buf.copy_(t.detach(), non_blocking=self.cuda and t.is_cuda)
-        if t.is_cuda:
-            self._sources.append(t)
         seen[alias] = buf
         return buf
 
@@ -161,11 +146,10 @@ class CheckpointWriter:
         self._step = 0  # the step of the write in flight
         self._started = 0.0
         self._error: BaseException | None = None
-        # the last checkpoint's stop of the step loop, in parts: the wait for the write before, the copy
-        # (async; on CUDA only queued) with the header's, the write (sync); and the device's seconds for the
-        # last async copy on CUDA, set by the writer thread
+        # the last checkpoint's stop of the step loop, in parts: the wait for the write before, the copy to
+        # host memory with the header's (async), the write (sync); the copy's device seconds are the
+        # snapshot's copy_seconds (async on CUDA)
         self.last_stop: dict[str, float] = {}
-        self.copy_seconds = 0.0
 
     @property
     def background(self) -> bool:
@@ -217,8 +201,6 @@ class CheckpointWriter:
     def _write(self, step: int, header: dict[str, Any], state: dict[str, Any], blocked: float) -> None:
         t0 = time.perf_counter()
         try:
-            assert self.snapshot is not None
-            self.copy_seconds = self.snapshot.ready()
             path = self.manager.save(
                 step, header, state, how=f"in the background; the step loop waited {blocked:.2f} s"
             )
