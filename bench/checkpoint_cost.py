@@ -9,7 +9,10 @@ stopped per checkpoint (async: the copy of the state into pinned host memory, an
 write; sync: the whole write), median and worst; and how long each write took (async: in the background).
 The stop is timed around the trainer's whole save_checkpoint (the state's dicts built, the cursors gathered,
 the copy or the write). The first checkpoint, which allocates the host buffers in async mode, falls in the untimed warm-up
-(--warmup 60 > --every 50) and is reported on its own. Writes bench/results/checkpoint-cost-<date>.md.
+(--warmup 60 > --every 50) and is reported on its own. A second table says where the seconds went: the
+stop's wait for the write before, its copy (and the copy's seconds on the GPU), the rest of save_checkpoint;
+each write's serialization (with the wait for its hashes) and fsync (CheckpointWriter.last_stop,
+CheckpointManager.last_parts). Writes bench/results/checkpoint-cost-<date>.md.
 """
 
 from __future__ import annotations
