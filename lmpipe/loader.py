@@ -11,8 +11,9 @@
 
 The same settings (shared/config.py's PipelineConfig, and the trainer's data-path settings), the same checks
 (lmpipe/checks.py), sockets, authentication, metrics and logs as `lmpipe run` (local_producers=True: it
-starts the producers, as new interpreters) and `lmpipe train` (local_producers=False: remote producers
-connect). Under torchrun each rank reads its own share (RANK, WORLD_SIZE). docs/library.md is the reference.
+starts the producers, forked by one new interpreter, lmpipe/zygote.py) and `lmpipe train`
+(local_producers=False: remote producers connect). Under torchrun each rank reads its own share (RANK,
+WORLD_SIZE). docs/library.md is the reference.
 
 torch is imported only when a Loader starts (lmpipe/__init__.py exports Loader lazily).
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import fields, replace
@@ -39,8 +39,8 @@ from lmpipe.checks import (
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.ledger import Ledger
 from lmpipe.launch import CorpusFacts, check_inputs, rank_settings
-from lmpipe.procs import reap, spawn_producers
 from lmpipe.shared.config import PipelineConfig
+from lmpipe.zygote import Zygote, start_producers
 
 if TYPE_CHECKING:
     from lmpipe.consumer.pipeline import Pipeline  # imports torch: only when a loader starts
@@ -107,7 +107,7 @@ class Loader:
         self.resumed_data = ""  # the corpus of the state resumed from, if it names one
         self._batches = 0  # batches yielded (this run and those before the state it resumed)
         self._pipe: Pipeline | None = None  # from start() to close()
-        self._procs: list[subprocess.Popen] = []  # the local producers, until reaped
+        self._zygote: Zygote | None = None  # the local producers' zygote (lmpipe/zygote.py), until reaped
         self._closed = False
 
     # -- state (torchdata's Stateful protocol) --------------------------------------------------------
@@ -171,14 +171,16 @@ class Loader:
         try:
             if self.local_producers:
                 say_left_out(self.cfg.data)
-                self._procs = spawn_producers(self.rank_cfg, self.tcfg.metrics_port, self.log_level)
+                # the zygote imports and forks while this process builds its side
+                self._zygote = start_producers(self.rank_cfg, self.tcfg.metrics_port, self.log_level)
             self._pipe = build_pipeline(self)
+            pids = self._zygote.wait_started() if self._zygote is not None else []
         except BaseException:
             self.close()
             raise
         log.info("loader rank %d of %d: listening on %s; %d shards%s%s", self.rank, self.world,
                  self._pipe.describe(), self.tcfg.shards,
-                 f"; producer pids {' '.join(str(p.pid) for p in self._procs)}" if self._procs else "",
+                 f"; producer pids {' '.join(map(str, pids))}" if pids else "",
                  f"; metrics on :{self._pipe.metrics_bound}" if self._pipe.metrics_bound else "")  # fmt: skip
 
     def _epochs_done(self) -> None:
@@ -186,18 +188,24 @@ class Loader:
         The loader stays usable: state_dict() covers the last batch, and a new `for` yields nothing."""
         if self._pipe is not None:
             self._pipe.stop("every shard finished its epochs")
-        procs, self._procs = self._procs, []
-        reap(procs)
+        self._reap()
+
+    def _reap(self) -> None:
+        if self._zygote is not None:
+            try:
+                self._zygote.stop()
+            finally:
+                self._zygote = None
 
     def producers_alive(self) -> str | None:
-        for i, p in enumerate(self._procs):
-            if p.poll() not in (None, 0):
-                return f"producer {i} exited with code {p.returncode}"
-        return None
+        """The health check: a reason to stop when a local producer exited with an error, or their zygote died."""
+        return self._zygote.problem() if self._zygote is not None else None
 
     @property
     def producer_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        """The local producers' pids (after start())."""
+        zygote = self._zygote
+        return [p.pid for p in zygote.producers if p.pid is not None] if zygote is not None else []
 
     def close(self, reason: str = "the loader closed") -> None:
         """Tell the producers to stop, stop the receive thread and reap the local producers. Idempotent."""
@@ -208,8 +216,7 @@ class Loader:
                 self._cursors = pipe.state_dict()  # state_dict() after close() still covers the last batch
                 pipe.stop(reason)
         finally:
-            procs, self._procs = self._procs, []
-            reap(procs)
+            self._reap()
 
     def __enter__(self) -> Loader:
         self.start()
@@ -224,7 +231,7 @@ class Loader:
         self.close(why)
 
     def __del__(self) -> None:  # a loader dropped without close(): its producers still go
-        if getattr(self, "_procs", None) or getattr(self, "_pipe", None) is not None:
+        if getattr(self, "_zygote", None) is not None or getattr(self, "_pipe", None) is not None:
             with suppress(Exception):
                 self.close()
 

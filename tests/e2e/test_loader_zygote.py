@@ -1,0 +1,115 @@
+"""The Loader's local producers come from one zygote (lmpipe/zygote.py): real processes, each seen by the
+Loader on its own (pid, exit status), and none outlives what started it: the `with` block, the zygote, or
+the user's process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmpipe import Loader
+from tests.helpers import REPO, free_ports, lmpipe_env, wait_until
+
+
+def state(pid: int) -> str | None:
+    """The process's state letter (R, S, Z, ...), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    return state(pid) not in (None, "Z")
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def small_loader() -> Loader:
+    return Loader(seq_len=32, batch_size=2, producers=2, shards=4, builtin_docs=200, device="cpu",
+                  port=free_ports(2))  # fmt: skip
+
+
+def until_stopped(loader: Loader, seconds: float = 60) -> str:
+    """Iterate until the loader stops with its RuntimeError; its message."""
+    deadline = time.monotonic() + seconds
+    try:
+        for _ in loader:
+            assert time.monotonic() < deadline, "the loader went on"
+            time.sleep(0.01)
+    except RuntimeError as exc:
+        return str(exc)
+    raise AssertionError("the loader ended without an error")
+
+
+def test_producers_are_real_processes_of_one_zygote_and_none_outlives_the_with_block():
+    with small_loader() as loader:
+        next(iter(loader))
+        pids = loader.producer_pids
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        zygote = {parent(p) for p in pids}
+        assert len(zygote) == 1, "one zygote forked them all"
+        (zpid,) = zygote
+        assert zpid != os.getpid() and parent(zpid) == os.getpid(), "forked by a child, not by this process"
+    assert not [p for p in [*pids, zpid] if state(p) is not None], "reaped when the block ended"
+
+
+def test_a_producer_killed_is_seen_with_its_exit_status():
+    with small_loader() as loader:
+        next(iter(loader))
+        pids = loader.producer_pids
+        os.kill(pids[1], signal.SIGKILL)
+        said = until_stopped(loader)
+    assert said == "producer 1 exited with code -9; the loader stopped"
+    assert not [p for p in pids if state(p) is not None]
+
+
+def test_the_zygote_killed_takes_its_producers_and_the_loader_says_so():
+    with small_loader() as loader:
+        next(iter(loader))
+        pids = loader.producer_pids
+        zpid = parent(pids[0])
+        os.kill(zpid, signal.SIGKILL)
+        said = until_stopped(loader)
+    assert said == (
+        f"the producers' zygote (pid {zpid}) was killed by SIGKILL; its producers went with it; the loader stopped"
+    )
+    assert not [p for p in pids if alive(p)]
+
+
+# the zygote alone, in a process killed with -9 (no torch: the Loader's side of it is lmpipe/zygote.py)
+USER = """
+import json, sys, time
+from lmpipe.shared.config import PipelineConfig
+from lmpipe.zygote import start_producers
+z = start_producers(PipelineConfig(producers=2, builtin_docs=20, port=int(sys.argv[1])), -1, "WARNING")
+print(json.dumps({"zygote": z.pid, "pids": z.wait_started()}), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kill_9_of_the_users_process_takes_the_zygote_and_its_producers():
+    p = subprocess.Popen([sys.executable, "-c", USER, str(free_ports(2))], cwd=REPO, env=lmpipe_env(),
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        assert p.stdout is not None
+        got = json.loads(p.stdout.readline())
+        assert all(parent(pid) == got["zygote"] for pid in got["pids"])
+        p.kill()
+        p.wait()
+        for pid in [got["zygote"], *got["pids"]]:
+            wait_until(lambda pid=pid: not alive(pid), 15, f"process {pid} to go after its user's kill -9")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
