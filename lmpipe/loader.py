@@ -40,7 +40,7 @@ from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.ledger import Ledger
 from lmpipe.launch import CorpusFacts, check_inputs, rank_settings
 from lmpipe.shared.config import PipelineConfig
-from lmpipe.zygote import Zygote, start_producers
+from lmpipe.zygote import Zygote
 
 if TYPE_CHECKING:
     from lmpipe.consumer.pipeline import Pipeline  # imports torch: only when a loader starts
@@ -107,8 +107,12 @@ class Loader:
         self.resumed_data = ""  # the corpus of the state resumed from, if it names one
         self._batches = 0  # batches yielded (this run and those before the state it resumed)
         self._pipe: Pipeline | None = None  # from start() to close()
-        self._zygote: Zygote | None = None  # the local producers' zygote (lmpipe/zygote.py), until reaped
         self._closed = False
+        # the local producers' zygote (lmpipe/zygote.py), until reaped: started now, it imports and loads the
+        # tokenizer while the user's script goes on (builds its model); start() has it fork the producers
+        self._zygote: Zygote | None = None
+        if local_producers:
+            self._zygote = Zygote(self.rank_cfg, self.tcfg.metrics_port, log_level)
 
     # -- state (torchdata's Stateful protocol) --------------------------------------------------------
 
@@ -171,8 +175,8 @@ class Loader:
         try:
             if self.local_producers:
                 say_left_out(self.cfg.data)
-                # the zygote imports and forks while this process builds its side
-                self._zygote = start_producers(self.rank_cfg, self.tcfg.metrics_port, self.log_level)
+                assert self._zygote is not None
+                self._zygote.fork()  # the producers start while this process binds its sockets
             self._pipe = build_pipeline(self)
             pids = self._zygote.wait_started() if self._zygote is not None else []
         except BaseException:

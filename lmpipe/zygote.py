@@ -80,7 +80,8 @@ class ZygoteProducer:
 
 
 class Zygote:
-    """The zygote process and its producers, from the Loader's side (start_producers)."""
+    """The zygote process and its producers, from the Loader's side. Started, it warms up (imports, the
+    tokenizer) and waits; fork() has it fork the producers."""
 
     def __init__(self, cfg: PipelineConfig, metrics_base: int | None, log_level: str):
         import lmpipe
@@ -96,6 +97,8 @@ class Zygote:
         self.error: str | None = None  # the zygote's own `error` line
         self.died: str | None = None  # the zygote went before its producers' exits: why, in one line
         self.producers = [ZygoteProducer(self, i) for i in range(cfg.producers)]
+        self.forked = False
+        self._owner = os.getpid()  # a fork of this process (the user's own workers) must not end it
         r, w = os.pipe()
         try:
             cmd = [sys.executable, "-m", "lmpipe.zygote", str(w)]
@@ -116,6 +119,14 @@ class Zygote:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def fork(self) -> None:
+        """Have the zygote fork the producers (wait_started gives their pids)."""
+        self.forked = True
+        try:
+            self._send("fork")
+        except (OSError, ValueError):  # the zygote is gone: wait_started says so
+            self.pump(0.0)
 
     def _send(self, line: str) -> None:
         assert self.proc.stdin is not None
@@ -200,6 +211,12 @@ class Zygote:
         (procs.reap, as `lmpipe run`), then end the zygote. Idempotent."""
         from lmpipe.procs import reap
 
+        if os.getpid() != self._owner:
+            return
+        if not self.forked:  # a warm zygote holds nothing: it goes at once
+            self.proc.kill()
+            self.close()
+            return
         try:
             self.pump(0.0)
             reap([p for p in self.producers if p.pid is not None and p.returncode is None], grace)
@@ -219,12 +236,6 @@ class Zygote:
         while self._events >= 0:
             self.pump(GRACE)
         self.proc.wait()
-
-
-def start_producers(cfg: PipelineConfig, metrics_base: int | None, log_level: str) -> Zygote:
-    """The Loader's `cfg.producers` producers, forked by a new zygote; returns at once (Zygote.wait_started
-    gives their pids). Each quits when this process is gone, even after a kill -9."""
-    return Zygote(cfg, metrics_base, log_level)
 
 
 def _wait_gone(pid: int, seconds: float) -> None:
@@ -260,15 +271,19 @@ def _emit(fd: int, line: str) -> bool:
         return False
 
 
-def _read_line(fd: int) -> bytes:
-    """The spec's line from fd, read without buffering (select() then watches the same descriptor)."""
-    buf = b""
-    while not buf.endswith(b"\n"):
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        buf += chunk
-    return buf
+class _Stdin:
+    """The Loader's lines on the zygote's stdin, read without buffering (select() watches the descriptor)."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.eof = False
+
+    def read(self) -> list[bytes]:
+        """What has come (the descriptor is readable, or this blocks): the complete lines."""
+        data = os.read(0, 65536)
+        self.eof = not data
+        *lines, self.buf = (self.buf + data).split(b"\n")
+        return lines
 
 
 def _producer(
@@ -316,8 +331,8 @@ def _producer(
 class _Zygote:
     """The zygote's loop: relays its producers' exits and the Loader's signals, until all are reaped."""
 
-    def __init__(self, events: int, parent: int):
-        self.events, self.parent = events, parent
+    def __init__(self, events: int, parent: int, stdin: _Stdin, pending: list[bytes]):
+        self.events, self.parent, self.stdin, self.pending = events, parent, stdin, pending
         self.children: dict[int, int] = {}  # pid -> producer index, until reaped
         self.wake_r, wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
@@ -326,7 +341,6 @@ class _Zygote:
         self.stop_at: float | None = None  # when the producers were told to stop (SIGTERM)
         self.killed = False
         self.eof = False
-        self.buf = b""
         self.term = False
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd wakes select()
@@ -362,7 +376,9 @@ class _Zygote:
                     except BlockingIOError:
                         break
             if 0 in ready:
-                self._command()
+                self.pending += self.stdin.read()
+                self.eof = self.eof or self.stdin.eof
+            self._command()
             self._reap()
             if self.stop_at is None and (self.eof or self.term or os.getppid() != self.parent):
                 self.stop_at = time.monotonic()
@@ -372,11 +388,7 @@ class _Zygote:
                 self._signal_all(signal.SIGKILL)
 
     def _command(self) -> None:
-        data = os.read(0, 65536)
-        if not data:
-            self.eof = True
-            return
-        *lines, self.buf = (self.buf + data).split(b"\n")
+        lines, self.pending = self.pending, []
         for line in lines:
             words = line.split()
             if len(words) == 3 and words[0] == b"signal":
@@ -406,11 +418,14 @@ class _Zygote:
 
 
 def main() -> None:
-    """`python -m lmpipe.zygote FD`: the settings on stdin, the events to FD."""
+    """`python -m lmpipe.zygote FD`: the settings on stdin, then `fork`; the events to FD."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the producers and the Loader to handle
-    events, parent = int(sys.argv[1]), os.getppid()
+    events, parent, stdin = int(sys.argv[1]), os.getppid(), _Stdin()
+    lines: list[bytes] = []
+    while not lines and not stdin.eof:
+        lines = stdin.read()
     try:
-        spec = json.loads(_read_line(0))
+        spec = json.loads(lines.pop(0))
         cfg = PipelineConfig(**spec["cfg"])
         from lmpipe.checks import check_tokenizer
         from lmpipe.procs import _producer_main  # noqa: F401  # imported once here, for every producer
@@ -420,11 +435,15 @@ def main() -> None:
     except Exception as exc:
         _emit(events, f"error {type(exc).__name__}: {exc}".replace("\n", " "))
         sys.exit(2)
-    zygote = _Zygote(events, parent)
-    if select.select([0], [], [], 0)[0]:
-        zygote.buf = os.read(0, 65536)
-        if not zygote.buf:  # the Loader closed already (Ctrl-C while this one started): fork nothing
+    # warm: idle until the Loader starts (`fork`); its end of stdin or its process gone: nothing to fork
+    while not lines:
+        if stdin.eof or os.getppid() != parent:
             return
+        if select.select([0], [], [], PARENT_EVERY)[0]:
+            lines = stdin.read()
+    if lines.pop(0) != b"fork":
+        return
+    zygote = _Zygote(events, parent, stdin, lines)
     zygote.fork(cfg, spec["metrics_base"], spec["log_level"])
     zygote.serve()
 

@@ -90,8 +90,9 @@ def test_the_zygote_killed_takes_its_producers_and_the_loader_says_so():
 USER = """
 import json, sys, time
 from lmpipe.shared.config import PipelineConfig
-from lmpipe.zygote import start_producers
-z = start_producers(PipelineConfig(producers=2, builtin_docs=20, port=int(sys.argv[1])), -1, "WARNING")
+from lmpipe.zygote import Zygote
+z = Zygote(PipelineConfig(producers=2, builtin_docs=20, port=int(sys.argv[1])), -1, "WARNING")
+z.fork()
 print(json.dumps({"zygote": z.pid, "pids": z.wait_started()}), flush=True)
 time.sleep(120)
 """
