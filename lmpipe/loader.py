@@ -89,6 +89,25 @@ class Loader:
         self.rank = int(os.environ.get("RANK", "0"))
         self.rank_cfg, self.tcfg = rank_settings(cfg, tcfg, local_producers)
         self.cfg, self.local_producers, self.log_level = cfg, local_producers, log_level
+        # the local producers' zygote (lmpipe/zygote.py), until reaped: started first, it imports and loads the
+        # tokenizer while the checks below run and the user's script goes on (builds its model); start() has
+        # it fork the producers
+        self._zygote: Zygote | None = None
+        self._pipe: Pipeline | None = None  # from start() to close()
+        if local_producers:
+            self._zygote = Zygote(self.rank_cfg, self.tcfg.metrics_port, log_level)
+        try:
+            self._check(cfg, tcfg, local_producers)
+        except BaseException:
+            self._reap()
+            raise
+        self._cursors: list | None = None  # load_state_dict's until start(); the last ones after close()
+        self.resumed_data = ""  # the corpus of the state resumed from, if it names one
+        self._batches = 0  # batches yielded (this run and those before the state it resumed)
+        self._closed = False
+
+    def _check(self, cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) -> None:
+        """The CLI's checks of the settings, the corpus and the tokenizer; what a state must match."""
         check_keys(cfg, server=True)
         self.facts: CorpusFacts = check_inputs(cfg, tcfg, local_producers)
         check_device(tcfg.device)
@@ -103,16 +122,6 @@ class Loader:
             "data": self.facts.data,
         }
         self.vocab_size: int = tok.vocab_size  # the tokenizer's: a model's embedding needs at least this many
-        self._cursors: list | None = None  # load_state_dict's until start(); the last ones after close()
-        self.resumed_data = ""  # the corpus of the state resumed from, if it names one
-        self._batches = 0  # batches yielded (this run and those before the state it resumed)
-        self._pipe: Pipeline | None = None  # from start() to close()
-        self._closed = False
-        # the local producers' zygote (lmpipe/zygote.py), until reaped: started now, it imports and loads the
-        # tokenizer while the user's script goes on (builds its model); start() has it fork the producers
-        self._zygote: Zygote | None = None
-        if local_producers:
-            self._zygote = Zygote(self.rank_cfg, self.tcfg.metrics_port, log_level)
 
     # -- state (torchdata's Stateful protocol) --------------------------------------------------------
 
