@@ -214,7 +214,7 @@ def main() -> None:
             ["feed", "tokens/s", "vs DataLoader", "data wait", "first batch", "constructor", "last loss"],
             rows,
         )
-        + "\n"
+        + "\n\n"
         + first_batches(a, text)
     )
     print(body)

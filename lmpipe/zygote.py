@@ -181,7 +181,10 @@ class Zygote:
             code = self.proc.wait()
         lost = [p for p in self.producers if p.returncode is None]
         if lost and self.error is None:
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            how = f"exited with code {code}"
+            if code < 0:
+                with suppress(ValueError):
+                    how = f"was killed by {signal.Signals(-code).name}"
             self.died = f"the producers' zygote (pid {self.pid}) {how}; its producers went with it"
         for p in lost:
             if p.pid is not None:
@@ -302,7 +305,7 @@ def _producer(
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if sys.platform.startswith("linux"):
-            import ctypes
+            import ctypes  # imported by the zygote: nothing to load here
 
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the zygote died before the signal was armed
@@ -430,6 +433,9 @@ def main() -> None:
         from lmpipe.checks import check_tokenizer
         from lmpipe.procs import _producer_main  # noqa: F401  # imported once here, for every producer
         from lmpipe.producer import manager  # noqa: F401
+
+        if sys.platform.startswith("linux"):
+            import ctypes  # noqa: F401  # for the producers' parent-death signal
 
         check_tokenizer(cfg)  # loaded once here: the producers find it loaded (shared/tokenizer.py)
     except Exception as exc:

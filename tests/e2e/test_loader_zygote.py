@@ -4,6 +4,7 @@ the user's process."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -34,6 +35,18 @@ def parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def children(of: int, named: bytes = b"") -> list[int]:
+    """The processes whose parent is `of` (and whose command line holds `named`)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if parent(int(stat.parent.name)) == of and named in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def small_loader() -> Loader:
     return Loader(seq_len=32, batch_size=2, producers=2, shards=4, builtin_docs=200, device="cpu",
                   port=free_ports(2))  # fmt: skip
@@ -61,6 +74,22 @@ def test_producers_are_real_processes_of_one_zygote_and_none_outlives_the_with_b
         (zpid,) = zygote
         assert zpid != os.getpid() and parent(zpid) == os.getpid(), "forked by a child, not by this process"
     assert not [p for p in [*pids, zpid] if state(p) is not None], "reaped when the block ended"
+
+
+def test_a_loader_never_started_ends_its_idle_zygote_when_closed_or_dropped():
+    before = set(children(os.getpid(), b"lmpipe.zygote"))
+    closed = small_loader()
+    dropped = small_loader()
+    started = set(children(os.getpid(), b"lmpipe.zygote")) - before
+    assert len(started) == 2, "the constructor starts one zygote"
+    assert not [p for z in started for p in children(z)], "and it forks nothing before the loader starts"
+    closed.close()
+    gc.disable()  # freed by reference counting alone
+    try:
+        del dropped
+        assert not [p for p in started if state(p) is not None], "ended and reaped at once"
+    finally:
+        gc.enable()
 
 
 def test_a_producer_killed_is_seen_with_its_exit_status():
