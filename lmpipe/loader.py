@@ -15,7 +15,7 @@ starts the producers, forked by one new interpreter, lmpipe/zygote.py) and `lmpi
 (local_producers=False: remote producers connect). Under torchrun each rank reads its own share (RANK,
 WORLD_SIZE). docs/library.md is the reference.
 
-torch is imported only when a Loader starts (lmpipe/__init__.py exports Loader lazily).
+torch is imported only when a Loader is constructed (lmpipe/__init__.py exports Loader lazily).
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ class Loader:
             self._zygote = Zygote(self.rank_cfg, self.tcfg.metrics_port, log_level)
         try:
             self._check(cfg, tcfg, local_producers)
+            # the receive side's modules (torch's among them) now, not on the way to the first batch
+            import lmpipe.loader_run  # noqa: F401
         except BaseException:
             self._reap()
             raise
