@@ -43,7 +43,7 @@ from lmpipe.shared.config import PipelineConfig
 from lmpipe.zygote import Zygote
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.pipeline import Pipeline  # imports torch: only when a loader starts
+    from lmpipe.consumer.pipeline import Pipeline  # imports torch: only when a loader is constructed
 
 log = logging.getLogger("lmpipe.loader")
 STATE_FORMAT = "lmpipe.Loader/1"
