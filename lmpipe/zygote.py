@@ -3,16 +3,18 @@
 A Loader never forks the user's process (it may hold CUDA, threads and locks) and never uses
 multiprocessing's spawn (it re-runs the user's script without a main guard). A new interpreter per producer
 costs each one lmpipe's imports and the tokenizer's load (about 0.45 CPU-s), all of them at once. So the
-Loader starts ONE clean interpreter, the zygote (`python -m lmpipe.zygote FD`), which imports the producer's
-modules and loads the tokenizer once, then forks the producers from itself: a fresh single-threaded
-interpreter forks safely, as `lmpipe run`'s launcher does before it imports torch (lmpipe/procs.py).
+Loader's constructor starts ONE clean interpreter, the zygote (`python -m lmpipe.zygote FD`), which imports
+the producer's modules, loads the tokenizer, and waits warm while the user's script goes on; the Loader's
+start() has it fork the producers from itself: a fresh single-threaded interpreter forks safely, as `lmpipe
+run`'s launcher does before it imports torch (lmpipe/procs.py).
 
 Each producer stays visible to the Loader one by one (Zygote.producers, with Popen's pid, poll, returncode,
 wait, terminate and kill), through two pipes:
 
-- the zygote's stdin, Loader -> zygote: the settings as one JSON line, then `signal I SIGNUM` lines. Its end
-  (the Loader closed it, or the Loader's process is gone) makes the zygote stop the producers left (SIGTERM,
-  then SIGKILL after GRACE seconds) and exit once it has reaped them all;
+- the zygote's stdin, Loader -> zygote: the settings as one JSON line, `fork`, then `signal I SIGNUM` lines.
+  Its end (the Loader closed it, or the Loader's process is gone) makes a warm zygote exit, and a forked one
+  stop the producers left (SIGTERM, then SIGKILL after GRACE seconds) and exit once it has reaped them all
+  (a Loader closed before it started kills its warm zygote outright: it holds nothing);
 - the events pipe (its descriptor's number in argv), zygote -> Loader, one line per event: `started I PID`,
   `exit I CODE` once the zygote has reaped producer I (CODE as Popen's returncode: -N after signal N), and
   `error MESSAGE` when the zygote could not start.
