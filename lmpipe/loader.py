@@ -103,7 +103,7 @@ class Loader:
         except BaseException:
             self._reap()
             raise
-        self._cursors: list | None = None  # load_state_dict's until start(); the last ones after close()
+        self._cursors: Any = None  # load_state_dict's until start(); the last ones after close()
         self.resumed_data = ""  # the corpus of the state resumed from, if it names one
         self._batches = 0  # batches yielded (this run and those before the state it resumed)
         self._closed = False
@@ -162,7 +162,10 @@ class Loader:
                              "resume with the settings, tokenizer and corpus it was saved with")  # fmt: skip
         if cursors is not None:
             try:  # read as the pipeline will, so that damaged cursors fail here and not when iteration starts
-                Ledger(self.tcfg.shards, "").load_state_dict(cursors)
+                mixture = self.rank_cfg.mixture()  # a mixture's ledger: --shards per source
+                Ledger(self.tcfg.shards * (len(mixture.sources) if mixture else 1), "").load_state_dict(
+                    cursors
+                )
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ValueError(
                     f"a damaged Loader state: its cursors ({type(exc).__name__}: {exc})"
