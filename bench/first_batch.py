@@ -1,11 +1,15 @@
-"""Time from constructing the loader to the first batch in hand: lmpipe's Loader against a DataLoader with
-as many workers, the same corpus, tokenizer and packing (bench/hf_feed.py's two feeds, without the model),
-each measured in a fresh process, several repetitions alternated, medians.
+"""Time to the first batch in hand: lmpipe's Loader against a DataLoader with as many workers, the same
+corpus, tokenizer and packing (bench/hf_feed.py's two feeds, without the model), each measured in a fresh
+process, several repetitions alternated, medians.
 
     python -m bench.first_batch --device cpu --reps 5
 
-The Loader's time is split: the constructor (settings, checks, the tokenizer), start (producers spawned,
-sockets bound) and the wait for the first batch (producers import, check, connect, read and pack).
+Each feed is measured twice: with nothing between constructing the loader and its first iter() (idle 0),
+and with IDLE seconds between them (default 1), a stand-in for what a training script does there (build
+its model). The Loader's constructor starts its producers' zygote (lmpipe/zygote.py), whose imports and
+tokenizer load then overlap that time; the DataLoader's workers fork at iter(). Per run: `constructor`,
+`loop` (the first iter() to the first batch in hand), and for the Loader `start` (the producers forked,
+sockets bound) and `wait` (start to the first batch). `first_batch` is constructor + loop.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from pathlib import Path
 import torch
 
 from bench.common import WIKITEXT
-from bench.hf_feed import dataloader_batches
+from bench.hf_feed import dataloader, dataloader_batches, lmpipe_loader
 from bench.trainbench import bench_data
+
+FEEDS = ("lmpipe", "dataloader")
 
 
 def child(a) -> dict:
@@ -32,21 +38,41 @@ def child(a) -> dict:
     load_tokenizer(a.tok)
     device = torch.device(a.device)
     t0 = time.perf_counter()
-    if a.child == "dataloader":
-        next(iter(dataloader_batches(a, device)))
-        return {"first_batch": time.perf_counter() - t0}
-    from lmpipe import Loader
-
-    loader = Loader(data=a.text, tokenizer=a.tok, seq_len=a.seq_len, batch_size=a.batch_size,
-                    producers=a.workers, shards=a.shards, shuffle_window=1000, device=a.device,
-                    metrics_port=-1)  # fmt: skip
+    loader = lmpipe_loader(a, device) if a.child == "lmpipe" else dataloader(a, device)
+    constructed = time.perf_counter()
+    time.sleep(a.idle)
     t1 = time.perf_counter()
+    if a.child == "dataloader":
+        next(iter(dataloader_batches(loader, device)))
+        t3 = time.perf_counter()
+        return {"first_batch": constructed - t0 + t3 - t1, "constructor": constructed - t0, "loop": t3 - t1}
     loader.start()
     t2 = time.perf_counter()
     next(iter(loader))
     t3 = time.perf_counter()
     loader.close()
-    return {"first_batch": t3 - t0, "constructor": t1 - t0, "start": t2 - t1, "wait": t3 - t2}
+    return {"first_batch": constructed - t0 + t3 - t1, "constructor": constructed - t0, "loop": t3 - t1,
+            "start": t2 - t1, "wait": t3 - t2}  # fmt: skip
+
+
+def measure(a, text: list[str], idle: float, reps: int) -> dict[str, list[dict]]:
+    """Each feed `reps` times, alternated, each in a fresh process."""
+    runs: dict[str, list[dict]] = {feed: [] for feed in FEEDS}
+    for _ in range(reps):
+        for feed in FEEDS:
+            cmd = [sys.executable, "-m", "bench.first_batch", "--child", feed, "--text", *text, "--tok", a.tok,
+                   "--workers", str(a.workers), "--shards", str(a.shards), "--device", a.device,
+                   "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size), "--idle", str(idle)]  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:
+                sys.exit(f"{feed}: exit {out.returncode}\n{out.stderr[-3000:]}")
+            runs[feed].append(json.loads(lines[-1][7:]))
+    return runs
+
+
+def medians(rs: list[dict]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in rs) for k in rs[0]}
 
 
 def main() -> None:
@@ -57,8 +83,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--shards", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--idle", type=float, default=1.0, help="seconds between constructor and loop (0: once)")
     p.add_argument("--work", default="/tmp/lmpipe-bench")
-    p.add_argument("--child", choices=("lmpipe", "dataloader"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=FEEDS, help=argparse.SUPPRESS)
     p.add_argument("--text", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--tok", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -68,21 +95,11 @@ def main() -> None:
         return
     a.tok, _ = bench_data(Path(a.work))
     text = [str(WIKITEXT / "valid.txt"), str(WIKITEXT / "test.txt")]
-    runs: dict[str, list[dict]] = {"lmpipe": [], "dataloader": []}
-    for _ in range(a.reps):
-        for feed in runs:
-            cmd = [sys.executable, "-m", "bench.first_batch", "--child", feed, "--text", *text, "--tok", a.tok,
-                   "--workers", str(a.workers), "--shards", str(a.shards), "--device", a.device,
-                   "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size)]  # fmt: skip
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-            if out.returncode != 0 or not lines:
-                sys.exit(f"{feed}: exit {out.returncode}\n{out.stderr[-3000:]}")
-            runs[feed].append(json.loads(lines[-1][7:]))
-    for feed, rs in runs.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        spread = [round(r["first_batch"], 2) for r in rs]
-        print(f"{feed:10s} " + "  ".join(f"{k} {v:.3f} s" for k, v in med.items()) + f"  (runs: {spread})")
+    for idle in sorted({0.0, a.idle}):
+        for feed, rs in measure(a, text, idle, a.reps).items():
+            spread = [round(r["first_batch"], 2) for r in rs]
+            print(f"idle {idle:g} s  {feed:10s} " + "  ".join(f"{k} {v:.3f} s" for k, v in medians(rs).items())
+                  + f"  (first_batch: {spread})", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

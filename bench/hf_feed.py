@@ -12,9 +12,12 @@ functions (lmpipe/consumer/batchdict.py). The loop is what a user writes: `model
 fused AdamW, bf16 autocast, torch.compile, the loss read every 10 steps. GPT-2's attention in `transformers`
 does not isolate packed documents from position_ids alone; that costs both feeds alike (a feed benchmark).
 
-Figures per feed, each in a fresh process: steady tokens/s over a window after a warm-up, the share of that
-window spent waiting for the next batch, and time from constructing the loader to the first batch in hand
-(the model is built and its imports done before the clock starts). Writes bench/results/hf-feed-<date>.md.
+Figures per feed, each in a fresh process, in a training script's order (loader, model, loop): steady tokens/s
+over a window after a warm-up, the share of that window spent waiting for the next batch, the time from the
+loop's first iter() to the first batch in hand, and the loader's constructor (timed apart: the Loader's starts
+its producers' zygote, whose warm-up then overlaps the model's construction; the DataLoader's does nothing,
+its workers fork at iter()). bench/first_batch.py times construction to first batch with nothing between.
+Writes bench/results/hf-feed-<date>.md.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ FEEDS = ("lmpipe", "dataloader")
 # it among its workers.
 RUNS = (("lmpipe, 16 shards (default)", "lmpipe", 16), ("lmpipe, a shard per producer", "lmpipe", 0),
         ("DataLoader", "dataloader", 0))  # fmt: skip
+FIRST_REPS, IDLE = 3, 1.0  # first_batches(): runs a feed; seconds between constructor and loop
 
 
 def gpt2(vocab: int, seq_len: int, smoke: bool, device: torch.device):
@@ -49,25 +53,34 @@ def gpt2(vocab: int, seq_len: int, smoke: bool, device: torch.device):
     return GPT2LMHeadModel(cfg).to(device)
 
 
-def lmpipe_batches(a, device: torch.device):
+def lmpipe_loader(a, device: torch.device):
+    """lmpipe's Loader; constructing it starts its producers' zygote (lmpipe/zygote.py), nothing else."""
     from lmpipe import Loader
 
-    loader = Loader(data=a.text, tokenizer=a.tok, seq_len=a.seq_len, batch_size=a.batch_size,
-                    producers=a.workers, shards=a.shards, shuffle_window=1000, device=str(device),
-                    metrics_port=-1)  # fmt: skip
+    return Loader(data=a.text, tokenizer=a.tok, seq_len=a.seq_len, batch_size=a.batch_size,
+                  producers=a.workers, shards=a.shards, shuffle_window=1000, device=str(device),
+                  metrics_port=-1)  # fmt: skip
+
+
+def lmpipe_batches(loader):
     with loader:
         for batch in loader:
             yield {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
 
 
-def dataloader_batches(a, device: torch.device):
+def dataloader(a, device: torch.device):
+    """A DataLoader with as many workers (they fork at its first iter())."""
     from torch.utils.data import DataLoader
 
     from bench.peers import PackedText
-    from lmpipe.consumer.batchdict import batch_dict, cu_seqlens_exact
 
     ds = PackedText(a.text, a.tok, a.seq_len, a.batch_size, epochs=0)
-    dl = DataLoader(ds, batch_size=None, num_workers=a.workers, pin_memory=device.type == "cuda")
+    return DataLoader(ds, batch_size=None, num_workers=a.workers, pin_memory=device.type == "cuda")
+
+
+def dataloader_batches(dl, device: torch.device):
+    from lmpipe.consumer.batchdict import batch_dict, cu_seqlens_exact
+
     for b in dl:
         # the whole batch dict, as the Loader builds it: its document offsets from the host copy of seg
         cu = torch.from_numpy(cu_seqlens_exact(b["seg"].numpy()))
@@ -80,16 +93,21 @@ def dataloader_batches(a, device: torch.device):
 
 
 def child(a) -> dict:
-    """One feed's measurement: the model first (not timed), then the loader's clock."""
+    """One feed's measurement, in a training script's order: the loader constructed (timed), the model
+    built (not timed), then the loop, whose clock starts at its first iter()."""
     device = torch.device(a.device)
     from lmpipe.shared.tokenizer import load_tokenizer
 
-    model = gpt2(load_tokenizer(a.tok).vocab_size, a.seq_len, a.smoke, device)
+    vocab = load_tokenizer(a.tok).vocab_size  # imported and loaded with the model's code, before any clock
+    tc = time.perf_counter()
+    loader = lmpipe_loader(a, device) if a.feed == "lmpipe" else dataloader(a, device)
+    constructor = time.perf_counter() - tc
+    model = gpt2(vocab, a.seq_len, a.smoke, device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
     step_model = torch.compile(model) if a.compile else model
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     t0 = time.perf_counter()
-    it = iter(lmpipe_batches(a, device) if a.feed == "lmpipe" else dataloader_batches(a, device))
+    it = iter(lmpipe_batches(loader) if a.feed == "lmpipe" else dataloader_batches(loader, device))
     first = warm = start = None
     steps = waited = 0.0
     while True:
@@ -117,7 +135,27 @@ def child(a) -> dict:
                     elapsed = time.perf_counter() - start
                     it.close()  # the loader's context exits: its producers stop
                     return {"tokens_per_second": steps * a.batch_size * a.seq_len / elapsed,
-                            "data_wait": waited / elapsed, "first_batch": first, "loss": last}  # fmt: skip
+                            "data_wait": waited / elapsed, "first_batch": first, "constructor": constructor,
+                            "loss": last}  # fmt: skip
+
+
+def first_batches(a, text: list[str]) -> str:
+    """bench/first_batch.py's figures on this machine, medians of FIRST_REPS alternated runs: construction
+    to the first batch with nothing between (the Loader's worst case), and with IDLE seconds between."""
+    from bench import first_batch
+
+    a.shards, a.idle = 16, IDLE
+    lines = [f"Construction to the first batch without the model ({FIRST_REPS} runs a feed, medians; "
+             "bench/first_batch.py):\n"]  # fmt: skip
+    for idle in (0.0, IDLE):
+        meds = {
+            f: first_batch.medians(rs) for f, rs in first_batch.measure(a, text, idle, FIRST_REPS).items()
+        }
+        lm, dl = meds["lmpipe"], meds["dataloader"]
+        between = "nothing between" if idle == 0 else f"{idle:g} s between constructor and loop"
+        lines.append(f"- {between}: lmpipe {lm['first_batch']:.2f} s (constructor {lm['constructor']:.3f} s, "
+                     f"loop {lm['loop']:.2f} s), DataLoader {dl['first_batch']:.2f} s (loop {dl['loop']:.2f} s)")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -164,14 +202,20 @@ def main() -> None:
         print(row, results[row], flush=True)
     ref = results["DataLoader"]
     rows = [[feed, r["tokens_per_second"], f"{r['tokens_per_second'] / ref['tokens_per_second']:.3f}x",
-             f"{100 * r['data_wait']:.2f}%", f"{r['first_batch']:.2f} s", f"{r['loss']:.3f}"]
+             f"{100 * r['data_wait']:.2f}%", f"{r['first_batch']:.2f} s", f"{r['constructor']:.3f} s",
+             f"{r['loss']:.3f}"]
             for feed, r in results.items()]  # fmt: skip
     body = (
         f"{'a 2-layer GPT-2 (smoke)' if a.smoke else 'GPT-2 124M'} (`transformers` GPT2LMHeadModel, sdpa), bf16 autocast, fused AdamW, "
         f"{'torch.compile' if a.compile else 'eager'}; {a.batch_size} x {a.seq_len} tokens a step; "
         f"{a.workers} producers / DataLoader workers; WikiText-2 valid+test raw text; {a.warmup:g} s warm-up, "
         f"{a.seconds:g} s measured.\n\n"
-        + table(["feed", "tokens/s", "vs DataLoader", "data wait", "first batch", "last loss"], rows)
+        + table(
+            ["feed", "tokens/s", "vs DataLoader", "data wait", "first batch", "constructor", "last loss"],
+            rows,
+        )
+        + "\n\n"
+        + first_batches(a, text)
     )
     print(body)
     write_result("hf-feed", "A transformers GPT-2 fed by lmpipe's API against a DataLoader", body, a.out)

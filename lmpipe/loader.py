@@ -11,10 +11,11 @@
 
 The same settings (shared/config.py's PipelineConfig, and the trainer's data-path settings), the same checks
 (lmpipe/checks.py), sockets, authentication, metrics and logs as `lmpipe run` (local_producers=True: it
-starts the producers, as new interpreters) and `lmpipe train` (local_producers=False: remote producers
-connect). Under torchrun each rank reads its own share (RANK, WORLD_SIZE). docs/library.md is the reference.
+starts the producers, forked by one new interpreter, lmpipe/zygote.py) and `lmpipe train`
+(local_producers=False: remote producers connect). Under torchrun each rank reads its own share (RANK,
+WORLD_SIZE). docs/library.md is the reference.
 
-torch is imported only when a Loader starts (lmpipe/__init__.py exports Loader lazily).
+torch is imported only when a Loader is constructed (lmpipe/__init__.py exports Loader lazily).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import fields, replace
@@ -39,11 +39,11 @@ from lmpipe.checks import (
 from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.ledger import Ledger
 from lmpipe.launch import CorpusFacts, check_inputs, rank_settings
-from lmpipe.procs import reap, spawn_producers
 from lmpipe.shared.config import PipelineConfig
+from lmpipe.zygote import Zygote
 
 if TYPE_CHECKING:
-    from lmpipe.consumer.pipeline import Pipeline  # imports torch: only when a loader starts
+    from lmpipe.consumer.pipeline import Pipeline  # imports torch: only when a loader is constructed
 
 log = logging.getLogger("lmpipe.loader")
 STATE_FORMAT = "lmpipe.Loader/1"
@@ -89,6 +89,27 @@ class Loader:
         self.rank = int(os.environ.get("RANK", "0"))
         self.rank_cfg, self.tcfg = rank_settings(cfg, tcfg, local_producers)
         self.cfg, self.local_producers, self.log_level = cfg, local_producers, log_level
+        # the local producers' zygote (lmpipe/zygote.py), until reaped: started first, it imports and loads the
+        # tokenizer while the checks below run and the user's script goes on (builds its model); start() has
+        # it fork the producers
+        self._zygote: Zygote | None = None
+        self._pipe: Pipeline | None = None  # from start() to close()
+        if local_producers:
+            self._zygote = Zygote(self.rank_cfg, self.tcfg.metrics_port, log_level)
+        try:
+            self._check(cfg, tcfg, local_producers)
+            # the receive side's modules (torch's among them) now, not on the way to the first batch
+            import lmpipe.loader_run  # noqa: F401
+        except BaseException:
+            self._reap()
+            raise
+        self._cursors: Any = None  # load_state_dict's until start(); the last ones after close()
+        self.resumed_data = ""  # the corpus of the state resumed from, if it names one
+        self._batches = 0  # batches yielded (this run and those before the state it resumed)
+        self._closed = False
+
+    def _check(self, cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) -> None:
+        """The CLI's checks of the settings, the corpus and the tokenizer; what a state must match."""
         check_keys(cfg, server=True)
         self.facts: CorpusFacts = check_inputs(cfg, tcfg, local_producers)
         check_device(tcfg.device)
@@ -103,12 +124,6 @@ class Loader:
             "data": self.facts.data,
         }
         self.vocab_size: int = tok.vocab_size  # the tokenizer's: a model's embedding needs at least this many
-        self._cursors: list | None = None  # load_state_dict's until start(); the last ones after close()
-        self.resumed_data = ""  # the corpus of the state resumed from, if it names one
-        self._batches = 0  # batches yielded (this run and those before the state it resumed)
-        self._pipe: Pipeline | None = None  # from start() to close()
-        self._procs: list[subprocess.Popen] = []  # the local producers, until reaped
-        self._closed = False
 
     # -- state (torchdata's Stateful protocol) --------------------------------------------------------
 
@@ -147,7 +162,10 @@ class Loader:
                              "resume with the settings, tokenizer and corpus it was saved with")  # fmt: skip
         if cursors is not None:
             try:  # read as the pipeline will, so that damaged cursors fail here and not when iteration starts
-                Ledger(self.tcfg.shards, "").load_state_dict(cursors)
+                mixture = self.rank_cfg.mixture()  # a mixture's ledger: --shards per source
+                Ledger(self.tcfg.shards * (len(mixture.sources) if mixture else 1), "").load_state_dict(
+                    cursors
+                )
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ValueError(
                     f"a damaged Loader state: its cursors ({type(exc).__name__}: {exc})"
@@ -171,14 +189,16 @@ class Loader:
         try:
             if self.local_producers:
                 say_left_out(self.cfg.data)
-                self._procs = spawn_producers(self.rank_cfg, self.tcfg.metrics_port, self.log_level)
+                assert self._zygote is not None
+                self._zygote.fork()  # the producers start while this process binds its sockets
             self._pipe = build_pipeline(self)
+            pids = self._zygote.wait_started() if self._zygote is not None else []
         except BaseException:
             self.close()
             raise
         log.info("loader rank %d of %d: listening on %s; %d shards%s%s", self.rank, self.world,
                  self._pipe.describe(), self.tcfg.shards,
-                 f"; producer pids {' '.join(str(p.pid) for p in self._procs)}" if self._procs else "",
+                 f"; producer pids {' '.join(map(str, pids))}" if pids else "",
                  f"; metrics on :{self._pipe.metrics_bound}" if self._pipe.metrics_bound else "")  # fmt: skip
 
     def _epochs_done(self) -> None:
@@ -186,18 +206,24 @@ class Loader:
         The loader stays usable: state_dict() covers the last batch, and a new `for` yields nothing."""
         if self._pipe is not None:
             self._pipe.stop("every shard finished its epochs")
-        procs, self._procs = self._procs, []
-        reap(procs)
+        self._reap()
+
+    def _reap(self) -> None:
+        if self._zygote is not None:
+            try:
+                self._zygote.stop()
+            finally:
+                self._zygote = None
 
     def producers_alive(self) -> str | None:
-        for i, p in enumerate(self._procs):
-            if p.poll() not in (None, 0):
-                return f"producer {i} exited with code {p.returncode}"
-        return None
+        """The health check: a reason to stop when a local producer exited with an error, or their zygote died."""
+        return self._zygote.problem() if self._zygote is not None else None
 
     @property
     def producer_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        """The local producers' pids (after start())."""
+        zygote = self._zygote
+        return [p.pid for p in zygote.producers if p.pid is not None] if zygote is not None else []
 
     def close(self, reason: str = "the loader closed") -> None:
         """Tell the producers to stop, stop the receive thread and reap the local producers. Idempotent."""
@@ -208,8 +234,7 @@ class Loader:
                 self._cursors = pipe.state_dict()  # state_dict() after close() still covers the last batch
                 pipe.stop(reason)
         finally:
-            procs, self._procs = self._procs, []
-            reap(procs)
+            self._reap()
 
     def __enter__(self) -> Loader:
         self.start()
@@ -224,7 +249,7 @@ class Loader:
         self.close(why)
 
     def __del__(self) -> None:  # a loader dropped without close(): its producers still go
-        if getattr(self, "_procs", None) or getattr(self, "_pipe", None) is not None:
+        if getattr(self, "_zygote", None) is not None or getattr(self, "_pipe", None) is not None:
             with suppress(Exception):
                 self.close()
 

@@ -63,7 +63,7 @@ def batches(loader: Loader) -> Iterator[dict[str, Any]]:
     (tokens, data wait, steps) and written to the doc log before it is yielded."""
     while True:
         pipe = loader._pipe
-        if pipe is None or pipe.table.all_finished():  # closed, or every shard finished its epochs
+        if pipe is None or pipe.finished():  # closed, or every shard finished its epochs
             return
         # the slots whose copies to the device are done go back to the receiver first: take() frees them
         # only while it waits, and with every slot in flight the producers' batches would find no room
@@ -74,7 +74,7 @@ def batches(loader: Loader) -> Iterator[dict[str, Any]]:
             raise RuntimeError(f"{problem}; the loader stopped")
         if not slots:
             pipe.metrics.data_wait.observe(waited)
-            if pipe.table.all_finished():
+            if pipe.finished():
                 loader._epochs_done()
             return
         t0 = time.perf_counter()

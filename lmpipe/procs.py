@@ -7,7 +7,6 @@ behind. `--exit-with-parent` makes them quit if the launcher itself dies without
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -15,8 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
-from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from lmpipe.checks import check_corpus, check_keys, check_tokenizer, say_no_effect
@@ -26,6 +24,8 @@ from lmpipe.shared.settings import SettingsError
 
 if TYPE_CHECKING:
     import multiprocessing.process
+
+    from lmpipe.zygote import ZygoteProducer
 
 log = logging.getLogger("lmpipe")
 
@@ -105,7 +105,7 @@ def fork_producers(
     begin with lmpipe's modules and the tokenizer the checks loaded (a DataLoader worker's head start),
     where a new interpreter spends about 0.4 s importing and loading them. They connect to the trainer
     as any producer does, retrying until it listens."""
-    import multiprocessing  # here: a spawned producer (`python -m lmpipe.procs`) never forks
+    import multiprocessing  # here: the library's zygote (lmpipe/zygote.py) forks with os.fork
 
     from lmpipe.producer import manager  # noqa: F401  # imported once here, for every child
 
@@ -126,46 +126,7 @@ def fork_producers(
     return procs
 
 
-def spawn_producers(cfg: PipelineConfig, metrics_base: int | None, log_level: str) -> list[subprocess.Popen]:
-    """The library's producers (lmpipe/loader.py): new interpreters, `python -m lmpipe.procs`, each given its
-    settings whole as JSON on stdin. Not forked (the user's process has torch and threads running) and not
-    multiprocessing's spawn (it re-runs the user's script without a main guard). Each quits when this
-    process is gone (--exit-with-parent), even after a kill -9."""
-    import lmpipe
-
-    env = dict(os.environ)
-    root = str(Path(lmpipe.__file__).resolve().parent.parent)  # the lmpipe this process runs, not another
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("TOKENIZERS_PARALLELISM", "true")
-    procs: list[subprocess.Popen] = []
-    try:
-        for i in range(cfg.producers):
-            if metrics_base is None or metrics_base < 0:
-                port = -1
-            else:
-                port = 0 if metrics_base == 0 else metrics_base + 1 + i
-            opts = ProduceOptions(worker=i, metrics_port=port, exit_with_parent=True)
-            spec = json.dumps({"cfg": asdict(cfg), "opts": asdict(opts), "log_level": log_level})
-            p = subprocess.Popen([sys.executable, "-m", "lmpipe.procs"], stdin=subprocess.PIPE, env=env)
-            procs.append(p)
-            assert p.stdin is not None
-            p.stdin.write(spec.encode())
-            p.stdin.close()
-    except BaseException:  # Ctrl-C or a failed start half-way: the ones started go too, nobody holds them
-        for p in procs:
-            p.kill()
-            p.wait()
-        raise
-    return procs
-
-
-def _spawned_main() -> None:
-    """`python -m lmpipe.procs`: one producer, its settings as JSON on stdin (spawn_producers)."""
-    spec = json.loads(sys.stdin.read())
-    _producer_main(PipelineConfig(**spec["cfg"]), ProduceOptions(**spec["opts"]), spec["log_level"])
-
-
-def reap(procs: list[LocalProducer] | list[subprocess.Popen], grace: float = 5.0) -> None:
+def reap(procs: Sequence[LocalProducer | ZygoteProducer | subprocess.Popen], grace: float = 5.0) -> None:
     """Wait for producers that were told to stop; terminate, then kill, the ones that do not."""
     deadline = time.monotonic() + grace
     for p in procs:
@@ -202,7 +163,3 @@ def produce(cfg: PipelineConfig, opts: ProduceOptions) -> int:
     if not p.interrupted:
         linger(opts.metrics_linger)
     return code
-
-
-if __name__ == "__main__":
-    _spawned_main()

@@ -87,7 +87,8 @@ case $stage in
     peers) run peers python3 -m bench.peers --out "$OUT" "$@" ;;&
     hf-feed) run hf-feed python3 -m bench.hf_feed --out "$OUT" "$@" ;;&
     mixture) run mixture python3 -m bench.mixture --slow 0.5 --out "$OUT" "$@" ;;&
-    checkpoint-cost) run checkpoint-cost python3 -m bench.checkpoint_cost --out "$OUT" "$@" ;;&
+    checkpoint-cost) run checkpoint-write python3 -m bench.checkpoint_write --out "$OUT"  # the write's parts, on the host
+        run checkpoint-cost python3 -m bench.checkpoint_cost --out "$OUT" "$@" ;;&
     warm-start) run warm-start python3 -m bench.warm_start --out "$OUT" "$@" ;;&
     elastic) run elastic python3 -m bench.elastic --data "$LMPIPE_WIKITEXT"/*.txt --doc-split heading \
         --seq-len 1024 --batch-size 16 --before 1 --after 4 --out "$OUT" "$@" ;;&

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmpipe.consumer.checkpoint_io import BLOCK, HashingFile, blocks_sha256, save_state
+from lmpipe.consumer.checkpoint_io import BUFFER as _BUFFER
 from lmpipe.shared import __version__
 from lmpipe.shared.config import MAX_LINE_BYTES
 from lmpipe.shared.files import sha256_file
@@ -33,8 +35,10 @@ from lmpipe.shared.files import sha256_file
 log = logging.getLogger("lmpipe.trainer")
 
 # 2: state.pt's workers holds every data-parallel rank's cursors; 3: one cursor per shard (--shards,
-# header "shards"), where 2 had one per producer (--producers, header stream.producers): the same split
-FORMAT_VERSION = 3
+# header "shards"), where 2 had one per producer (--producers, header stream.producers): the same split;
+# 4: state.pt's checksum is a sha256 of its blocks' sha256s (header state_sha256_blocks, computed in parallel:
+# consumer/checkpoint_io.py), where 3 and before have one of the whole file (state_sha256), still checked
+FORMAT_VERSION = 4
 _PREFIX = "step-"
 _NAME = re.compile(r"step-(\d+)")
 NO_MODEL = "none (--consume-only)"  # a checkpoint's model field when it holds producer cursors only
@@ -98,6 +102,9 @@ class CheckpointManager:
     def __init__(self, directory: str | Path, keep: int = 3):
         self.dir = Path(directory)
         self.keep = keep
+        # the last write's parts: state.pt's bytes; seconds to serialize and write it (hashed meanwhile),
+        # of that spent waiting for the hash, to fsync it; and the whole save (set by save)
+        self.last_parts: dict[str, float] = {}
 
     # -- writing -------------------------------------------------------------------------------------
 
@@ -132,24 +139,33 @@ class CheckpointManager:
         os.replace(pointer, self.dir / "latest")
         _fsync_dir(self.dir)
         self._prune(final)
-        log.info("checkpoint %s written in %.2f s%s", final, time.perf_counter() - t0, how and f" ({how})")
+        parts = self.last_parts
+        parts["total"] = time.perf_counter() - t0
+        log.info("checkpoint %s written in %.2f s (%.2f GiB: %.2f s to write, %.2f s to fsync)%s", final,
+                 parts["total"], parts["bytes"] / 2**30, parts["serialize"], parts["fsync"], how and f"; {how}")  # fmt: skip
         return final
 
     def _write(self, tmp: Path, step: int, header: dict[str, Any], state: dict[str, Any]) -> None:
-        """state.pt and header.json into `tmp`, fsynced."""
+        """state.pt and header.json into `tmp`, fsynced; the parts' seconds into last_parts."""
         tmp.mkdir(mode=0o755)  # never writable by group or others, whatever the umask: resume checks it
-        import torch  # here, not at the top: the launcher reads headers before it forks producers, torch-free
-
-        with open(tmp / "state.pt", "wb", opener=_private_open) as f:
-            torch.save(state, f)
+        t0 = time.perf_counter()
+        with open(tmp / "state.pt", "wb", buffering=_BUFFER, opener=_private_open) as f:
+            out = HashingFile(f)
+            try:
+                save_state(state, out)
+            finally:
+                out.close()
             f.flush()
+            t1 = time.perf_counter()
             os.fsync(f.fileno())
+        t2 = time.perf_counter()
         hdr = {
             **header,
             "format_version": FORMAT_VERSION,
             "lmpipe_version": __version__,
             "step": step,
-            "state_sha256": sha256_file(tmp / "state.pt"),
+            # of the bytes written, per block: the file is not read back
+            "state_sha256_blocks": {"block_bytes": BLOCK, "sha256": out.digest()},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         with open(tmp / "header.json", "w", opener=_private_open) as f:
@@ -157,6 +173,8 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        self.last_parts = {"bytes": out.bytes, "serialize": t1 - t0, "fsync": t2 - t1,
+                           "hash_wait": out.hash_wait}  # fmt: skip
 
     def _prune(self, written: Path) -> None:
         """Keep the `keep` newest writes, the one just written first. By write time, not step: a run resumed
@@ -308,12 +326,25 @@ def _remedy(header: dict[str, Any], problems: list[str]) -> str:
 STATE_KEYS = ("model", "optimizer", "step", "workers", "rng")  # what a resume reads from state.pt
 
 
+def _checksum_matches(state_file: Path, header: dict[str, Any]) -> bool:
+    """state.pt against the header's sha256: of the whole file (state_sha256: format 3 and before, or a header
+    a user re-hashed by hand), else of each block (state_sha256_blocks: format 4)."""
+    if "state_sha256" in header:
+        return sha256_file(state_file) == header["state_sha256"]
+    blocks = header.get("state_sha256_blocks")
+    if not isinstance(blocks, dict):
+        return False
+    size = blocks.get("block_bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        return False
+    return blocks_sha256(state_file, size) == blocks.get("sha256")
+
+
 def _read_state(path: Path, header: dict[str, Any]) -> dict[str, Any]:
     state_file = path / "state.pt"
     if not state_file.is_file():
         raise CheckpointError(f"{state_file}: missing")
-    digest = sha256_file(state_file)
-    if digest != header.get("state_sha256"):
+    if not _checksum_matches(state_file, header):
         raise CheckpointError(f"{state_file}: checksum mismatch (truncated or corrupt file)")
     import torch
 

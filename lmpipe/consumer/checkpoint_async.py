@@ -60,21 +60,28 @@ class HostSnapshot:
         self.device = device
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self.copy_seconds = 0.0  # the last copy's, on the device (CUDA)
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def take(self, state: Any) -> Any:
-        """The copy; returns once it is complete (on CUDA: after the copies queued behind the step's work)."""
+        """The copy; returns once it is complete (on CUDA: after the copies queued behind the step's work).
+        The wait is the step loop's, not the writer thread's: a thread that waits on a CUDA event while the
+        step loop captures its CUDA graphs (consumer/fast/step_graph.py, global capture mode) may break the
+        capture. The trainer checks the step's loss before a checkpoint, which waits for the step, so the wait
+        here is mostly the copy's own: copy_seconds, timed on the device."""
         if self._stream is None:
             return self._copy(state, (), {})
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the step's last kernels
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
+            start.record()
             out = self._copy(state, (), {})
-        done = torch.cuda.Event()
-        done.record(self._stream)
+            done.record()
         done.synchronize()  # the one wait of the step loop
+        self.copy_seconds = start.elapsed_time(done) / 1000
         return out
 
     def _copy(self, obj: Any, where: tuple, seen: dict[tuple, torch.Tensor]) -> Any:
@@ -139,6 +146,10 @@ class CheckpointWriter:
         self._step = 0  # the step of the write in flight
         self._started = 0.0
         self._error: BaseException | None = None
+        # the last checkpoint's stop of the step loop, in parts: the wait for the write before, the copy to
+        # host memory with the header's (async), the write (sync); the copy's device seconds are the
+        # snapshot's copy_seconds (async on CUDA)
+        self.last_stop: dict[str, float] = {}
 
     @property
     def background(self) -> bool:
@@ -166,13 +177,17 @@ class CheckpointWriter:
             )  # fmt: skip
         self._join()
         if self.snapshot is None:
-            self._written(step, self.manager.save(step, header, state), time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self._written(step, self.manager.save(step, header, state), time.perf_counter() - t1)
+            self.last_stop = {"wait": t1 - t0, "copy": 0.0, "write": time.perf_counter() - t1}
             self.last_step = step
             self.metrics.checkpoint_blocked_seconds.observe(blocked := time.perf_counter() - t0)
             return blocked
         first = not self.snapshot.nbytes
+        t1 = time.perf_counter()
         state, header = self.snapshot.take(state), copy.deepcopy(header)
         self.metrics.checkpoint_blocked_seconds.observe(blocked := time.perf_counter() - t0)
+        self.last_stop = {"wait": t1 - t0, "copy": time.perf_counter() - t1}
         if first:
             log.info("checkpoint snapshots go to %.2f GiB of %shost memory, allocated now and reused",
                      self.snapshot.nbytes / 2**30, "pinned " if self.snapshot.cuda else "")  # fmt: skip

@@ -1,31 +1,33 @@
-"""A Loader's start interrupted half-way through starting its producers (Ctrl-C, a failed start) leaves
-none of those already started behind: no one else holds them, and they would wait for a trainer forever."""
+"""A Loader's start interrupted half-way (Ctrl-C, a failed start) leaves none of its processes behind: the
+zygote and the producers it forked already hold no one else, and would wait for a trainer forever."""
 
 from __future__ import annotations
 
-import subprocess
+from pathlib import Path
 
 import pytest
 
-from lmpipe import procs
-from lmpipe.shared.config import PipelineConfig
+from lmpipe import Loader, zygote
+from tests.helpers import free_ports
 
 
-def test_producers_started_before_an_interrupt_are_killed(monkeypatch):
-    real, started = subprocess.Popen, []
-
-    def popen(*args, **kwargs):
-        if started:  # Ctrl-C while starting the second producer
-            raise KeyboardInterrupt
-        started.append(real(*args, **kwargs))
-        return started[-1]
-
-    monkeypatch.setattr(procs.subprocess, "Popen", popen)
+def gone(pid: int) -> bool:
     try:
-        with pytest.raises(KeyboardInterrupt):
-            procs.spawn_producers(PipelineConfig(producers=2), -1, "WARNING")
-        assert started[0].poll() is not None, "the first producer was left running"
-    finally:
-        if started[0].poll() is None:
-            started[0].kill()
-            started[0].wait()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_processes_started_before_an_interrupt_are_stopped(monkeypatch):
+    real, seen = zygote.Zygote.wait_started, []
+
+    def interrupted(self):
+        seen.extend([self.pid, *real(self)])  # Ctrl-C once the producers are forked
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(zygote.Zygote, "wait_started", interrupted)
+    loader = Loader(seq_len=32, batch_size=2, producers=2, shards=2, builtin_docs=20, device="cpu",
+                    port=free_ports(2))  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        loader.start()
+    assert len(seen) == 3 and all(gone(pid) for pid in seen), "the zygote or a producer was left running"
