@@ -67,8 +67,9 @@ class Eta:
         (t0, s0), (t1, s1) = self._seen[0], self._seen[-1]
         if s1 >= self.total or t1 <= t0:
             return None
-        # counts down between steps too (a long step is not a frozen ETA)
-        return max(0.0, (self.total - s1) * (t1 - t0) / (s1 - s0) - (now - t1))
+        pace = (t1 - t0) / (s1 - s0)  # seconds a step
+        # counts down through a long step, for one step's time at most (a stall is not progress)
+        return (self.total - s1) * pace - min(now - t1, pace)
 
 
 def plain_progress(total: int, stream=None) -> Callable[[int, dict], None]:

@@ -29,6 +29,7 @@ def test_the_eta_leaves_out_the_first_step_and_holds_through_a_stall():
     eta.observe(195.0, 101)
     assert abs(eta.left(195.0) - 899.0) / 899.0 < 0.1  # type: ignore[operator]
     assert eta.left(196.0) < eta.left(195.0), "it counts down between steps"  # type: ignore[operator]
+    assert eta.left(300.0) == eta.left(199.0), "for one step's time at most: a stall is no progress"
 
 
 def test_the_line_fits_the_terminal_dropping_the_least_useful_fields_first():
