@@ -104,6 +104,7 @@ class LiveLine:
         """Draw on `tty`, print what `pipe` brings above; `redirected`: fd 2 is the pipe's (close() puts the
         terminal back)."""
         self.total, self.tty, self.pipe, self.redirected = total, tty, pipe, redirected
+        os.set_blocking(pipe, False)  # read by the thread, and by finish(): neither waits on the other's read
         self.eta = Eta(total)
         self._stats: dict | None = None
         self._step: Callable[[], int] | None = None
@@ -187,7 +188,10 @@ class LiveLine:
             ready, _, _ = select.select([self.pipe], [], [], 0.05 if closing else REFRESH)
             with self._lock:
                 if ready:
-                    data = os.read(self.pipe, 65536)
+                    try:
+                        data = os.read(self.pipe, 65536)
+                    except BlockingIOError:  # finish() read it meanwhile
+                        continue
                     if not data:  # every writer gone
                         self._draw(self._partial + b"\n" if self._partial else b"")
                         self._drained.set()
@@ -213,8 +217,19 @@ class LiveLine:
         with self._lock:
             if not self._drawing:
                 return
-            line = self.render(self._width(), final=True).encode() if self._step is not None else b""
-            _write_all(self.tty, CLEAR + (line + b"\n" if line else b""))
+            # this process's last lines (the last checkpoint, a SIGINT) are in the pipe: above the line, first
+            with contextlib.suppress(BlockingIOError):
+                while data := os.read(self.pipe, 65536):
+                    self._partial += data
+            above = self._take_lines()
+            try:
+                line = self.render(self._width(), final=True).encode() if self._step is not None else b""
+            except Exception:  # said by _draw when it failed there; here the line is only not kept
+                line = b""
+            _write_all(
+                self.tty,
+                (CLEAR if self._drawn or above else b"") + above + (CLEAR + line + b"\n" if line else b""),
+            )
             self._drawing, self._drawn = False, b""
 
     def close(self) -> None:
@@ -232,12 +247,9 @@ class LiveLine:
             if self._thread.is_alive():
                 self._drained.wait(2.0)
             else:  # never started (a failure before start()): pass the pipe's contents on here
-                os.set_blocking(self.pipe, False)
-                try:
+                with contextlib.suppress(BlockingIOError):
                     while data := os.read(self.pipe, 65536):
                         _write_all(self.tty, data)
-                except BlockingIOError:
-                    pass
             _Forks.live = None
 
 

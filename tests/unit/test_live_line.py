@@ -68,6 +68,7 @@ def test_lines_written_to_stderr_go_above_the_line_on_a_terminal():
         os.write(w, b"writes\n")
         step[0] = 8
         time.sleep(0.8)
+        os.write(w, b"12:00:01 [trainer] last words\n")  # still in the pipe: finish() prints it first
         live.finish()
         os.write(w, b"after the end\n")
         os.close(w)
@@ -80,6 +81,7 @@ def test_lines_written_to_stderr_go_above_the_line_on_a_terminal():
     rows = out.replace("\r\n", "\n").split("\n")
     lines = [row.rsplit("\r\x1b[K", 1)[-1] for row in rows]
     assert "12:00:00 [producer 0] a line" in lines and "12:00:00 [producer 1] in two writes" in lines, lines
+    assert lines[-4] == "12:00:01 [trainer] last words", lines
     assert lines[-3].startswith("step 8/100 | ") and "ETA" not in lines[-3], lines  # ended, kept
     assert lines[-2:] == ["after the end", ""], lines
 
