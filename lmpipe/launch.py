@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import signal
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,8 +49,6 @@ log = logging.getLogger("lmpipe")
 
 
 def report(summary, path: str | None) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write("\n")  # end the live status line
     print(summary.render(), flush=True)
     if not path:
         return

@@ -256,12 +256,9 @@ def status_fields(
 
 
 def print_status(step: int, stats: dict, total: int, stream=sys.stderr, eta: float | None = None) -> None:
-    """The status line, one line per logging interval (a log file, a pipe); on a terminal, rewritten in
-    place (the CLI draws lmpipe/live.py's line there instead). With a step limit, the time left: `eta`, or
-    at the last interval's pace."""
-    line = " | ".join(text for _, text in status_fields(step, stats, total, eta))
-    live = stream.isatty() and step != total
-    stream.write(f"\r\x1b[K{line}" if live else f"\r\x1b[K{line}\n" if stream.isatty() else f"{line}\n")
+    """The status line, one line per logging interval, for a log file or a pipe (on a terminal the CLI draws
+    lmpipe/live.py's line instead). With a step limit, the time left: `eta`, or at the last interval's pace."""
+    stream.write(" | ".join(text for _, text in status_fields(step, stats, total, eta)) + "\n")
     stream.flush()
 
 

@@ -61,7 +61,7 @@ def test_the_live_line_on_an_80_column_terminal(tmp_path):
     try:
         etas: list[tuple[float, int, float]] = []  # (when, step, seconds left)
         deadline = time.monotonic() + 300
-        step = 0
+        step, seen = 0, []
         while step < STEPS - 20:
             assert time.monotonic() < deadline, "\n".join(tmux.screen()[0])
             lines, cursor = tmux.screen()
@@ -76,6 +76,7 @@ def test_the_live_line_on_an_80_column_terminal(tmp_path):
             assert status == [cursor] and len(lines[cursor]) < 80, text
             assert not any(("tok/s" in ln or "ETA " in ln) for ln in lines[:cursor]), text
             step = int(STATUS.match(lines[cursor]).group(1))  # type: ignore[union-attr]
+            seen.append(step)
             if m := re.search(r"ETA (?:(\d+)m)?(\d+)s$", lines[cursor]):
                 etas.append((now, step, 60 * int(m.group(1) or 0) + int(m.group(2))))
             time.sleep(0.7)
@@ -88,6 +89,7 @@ def test_the_live_line_on_an_80_column_terminal(tmp_path):
     finally:
         subprocess.run(["tmux", "-L", tmux.sock, "kill-server"], capture_output=True, timeout=30)
     assert "EXIT=0" in every, every
+    assert seen[0] < 10, f"drawn from the start, not at the first logging interval: {seen}"
     # the ETA at a steady pace: the end it predicts moves by less than 20% of the time left
     steady = [(t, s, left) for t, s, left in etas if s >= 10]
     assert len(steady) >= 5, etas
