@@ -16,8 +16,13 @@ Not a terminal (a log file, a pipe, CI), TERM=dumb, or a torchrun rank other tha
 one plain line per logging interval (consumer/report.py print_status), with the same ETA.
 
 Written here rather than with rich or tqdm: rich's Live redirects only Python's sys.stdout/sys.stderr (the
-producers and C-level writers would still glue onto its line), and tqdm draws when update() is called, which
-would put a call per step into the trainer's loop; what is left is a few dozen lines.
+producers and C-level writers would still glue onto its line) and hides the cursor, and tqdm draws when
+update() is called, which would put a call per step into the trainer's loop; the pipe is the part that
+matters, and drawing one line on top of it is this module. The cursor is never hidden: a run killed
+outright leaves at worst an unended line.
+
+Costs and limits: a draw is about 15 us, twice a second, off the step loop. A terminal made narrower while
+the line is drawn may reflow the line into two rows, one of which stays behind (once per resize).
 """
 
 from __future__ import annotations
