@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import signal
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from lmpipe.checks import (
     say_no_effect,
 )
 from lmpipe.consumer.config import TrainConfig, per_rank
+from lmpipe.live import LiveLine, plain_progress
 from lmpipe.options import ReportOptions
 from lmpipe.procs import LocalProducer, fork_producers, linger, reap, stop_on_signals
 from lmpipe.shared.config import PipelineConfig
@@ -49,8 +49,6 @@ log = logging.getLogger("lmpipe")
 
 
 def report(summary, path: str | None) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write("\n")  # end the live status line
     print(summary.render(), flush=True)
     if not path:
         return
@@ -106,9 +104,16 @@ def train(
     if local_producers and not tcfg.steps and not finite:  # both documented; together they mean no end
         log.info("--steps 0 and --epochs 0: this run trains until it is stopped (Ctrl-C or SIGTERM)")
     procs: list[LocalProducer] = []
-    if local_producers:  # forked now, before torch is imported (lmpipe/procs.py says why)
-        procs = fork_producers(rank_cfg, rank_tcfg.metrics_port, opts.metrics_linger, log_level)
-    return run_trainer(cfg, tcfg, opts, facts, procs)
+    live = LiveLine.on_terminal(tcfg.steps)  # on a terminal, every line of stderr goes above it (live.py)
+    try:
+        if local_producers:  # forked now, before torch is imported (lmpipe/procs.py says why)
+            procs = fork_producers(rank_cfg, rank_tcfg.metrics_port, opts.metrics_linger, log_level)
+        if live is not None:
+            live.start()
+        return run_trainer(cfg, tcfg, opts, facts, procs, live)
+    finally:
+        if live is not None:
+            live.close()
 
 
 def rank_settings(
@@ -213,10 +218,10 @@ def run_trainer(
     opts: ReportOptions,
     facts: CorpusFacts,
     procs: list[LocalProducer],
+    live: LiveLine | None = None,
 ) -> int:
     """Build the trainer, train, report; reap the local producers whatever happens."""
     try:
-        from lmpipe.consumer.report import print_status
         from lmpipe.consumer.trainer import Trainer
 
         trainer = Trainer(
@@ -240,7 +245,11 @@ def run_trainer(
 
         trainer.health_check = producers_alive
     try:
-        summary = trainer.run(progress=lambda step, st: print_status(step, st, tcfg.steps))
+        if live is not None:
+            live.attach(lambda: trainer.step)
+        summary = trainer.run(progress=live.interval if live is not None else plain_progress(tcfg.steps))
+        if live is not None:
+            live.finish()  # the line ended before the summary
         if trainer.dist.is_main:  # under torchrun, rank 0 reports for the job
             report(summary, opts.summary_json)
         if not trainer.interrupted:

@@ -228,26 +228,37 @@ def format_loss(loss: float) -> str:
     return "n/a" if math.isnan(loss) else f"{loss:.4f}"
 
 
-def print_status(step: int, stats: dict, total: int, stream=sys.stderr) -> None:
-    """The compact live status: on a terminal one line rewritten in place (log lines from other
-    processes push it down), otherwise one line per logging interval, for log files. With a step limit,
-    the time left at the last interval's pace."""
-    of = f"/{total}" if total else ""
-    clock = ""
+def status_fields(
+    step: int, stats: dict, total: int, eta: float | None = None, live: bool = False
+) -> list[tuple[int, str]]:
+    """The status line's fields in order, each with its rank: a narrow terminal drops the highest ranks
+    first (lmpipe/live.py). `eta`: the time left (None: at the last interval's pace, if known); `live`: the
+    line between logging intervals, whose figures may not have come yet."""
+    fields = [(0, f"step {step}{f'/{total}' if total else ''}")]
+    if "loss" in stats or not live:
+        fields += [
+            (1, f"loss {format_loss(stats['loss'])}"),
+            (5, f"lr {stats['lr']:.2e}"),
+            (2, f"{stats['tokens_per_second']:,.0f} tok/s"),
+            (3, f"data wait {100 * stats['data_wait']:.1f}%"),
+            (6, f"pad eff {100 * stats['padding_efficiency']:.1f}%"),
+        ]
+        if stats.get("loss_scale", 1.0) != 1.0:
+            fields.append((4, f"scale {stats['loss_scale']:.0f}"))
+        if stats.get("mfu"):
+            fields.append((4, f"MFU {100 * stats['mfu']:.1f}%"))
     if "elapsed" in stats:
-        clock = f" | {duration(stats['elapsed'])}"
-        if total and step < total and stats.get("step_seconds"):
-            clock += f", ETA {duration((total - step) * stats['step_seconds'])}"
-    line = (
-        f"step {step}{of} | loss {format_loss(stats['loss'])} | lr {stats['lr']:.2e} | "
-        f"{stats['tokens_per_second']:,.0f} tok/s | data wait {100 * stats['data_wait']:.1f}% | "
-        f"pad eff {100 * stats['padding_efficiency']:.1f}%"
-        + (f" | scale {stats['loss_scale']:.0f}" if stats.get("loss_scale", 1.0) != 1.0 else "")
-        + (f" | MFU {100 * stats['mfu']:.1f}%" if stats.get("mfu") else "")
-        + clock
-    )
-    live = stream.isatty() and step != total
-    stream.write(f"\r\x1b[K{line}" if live else f"\r\x1b[K{line}\n" if stream.isatty() else f"{line}\n")
+        if eta is None and total and step < total and stats.get("step_seconds"):
+            eta = (total - step) * stats["step_seconds"]
+        left = f", ETA {duration(eta)}" if eta is not None and total and step < total else ""
+        fields.append((0, f"{duration(stats['elapsed'])}{left}"))
+    return fields
+
+
+def print_status(step: int, stats: dict, total: int, stream=sys.stderr, eta: float | None = None) -> None:
+    """The status line, one line per logging interval, for a log file or a pipe (on a terminal the CLI draws
+    lmpipe/live.py's line instead). With a step limit, the time left: `eta`, or at the last interval's pace."""
+    stream.write(" | ".join(text for _, text in status_fields(step, stats, total, eta)) + "\n")
     stream.flush()
 
 
