@@ -83,6 +83,12 @@ class TrainConfig:
         300, check=at_least(0), help="optimizer steps; 0: until every producer has finished its epochs"
     )
     accum: int = setting(1, check=at_least(1), help="micro-batches (wire batches) per optimizer step")
+    keep_global_batch: bool = setting(
+        False,
+        group=CHECKPOINTS,
+        help="resuming a checkpoint of N ranks on M: --accum becomes the checkpoint's x N / M, so that a step "
+        "takes as many batches as before (refused where M does not divide them)",
+    )
     lr: float = setting(3e-3, check=positive, help="peak learning rate")
     min_lr_ratio: float = setting(0.1, check=between(0, 1), help="cosine floor as a fraction of --lr")
     warmup: int = setting(20, check=at_least(0), help="linear warmup steps")

@@ -438,15 +438,10 @@ class Coordinator:
             return
         with self.ledger.lock:
             welcome = messages.Welcome(
-                self.session,
-                shard,
-                w.cursor.to_dict(),
-                w.last_seq + 1,
-                force,
-                lease=w.lease,
-                shards=len(self.ledger),
+                self.session, shard, w.cursor.to_dict(), w.last_seq + 1, force, lease=w.lease,
+                shards=len(self.ledger), first=self.ledger.first, space=self.ledger.space,
                 credit=w.last_seq + self.credit_window if self.credit_window else None,
-            )
+            )  # fmt: skip
         self._send(w.identity, welcome)
 
     def grant(self, shards: set[int]) -> None:

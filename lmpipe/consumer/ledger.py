@@ -65,10 +65,13 @@ def cursor_list(state: list[dict[str, Any]] | dict[str, Any]) -> list[dict[str, 
 class Ledger:
     """Every shard's consumption state in one session, shared by the receive thread and the step loop."""
 
-    def __init__(self, n: int, session: str):
+    def __init__(self, n: int, session: str, first: int | None = None, space: int | None = None):
+        """`first`, `space`: each source's shard j here is its global shard first + j of `space`, as the
+        welcome tells producers (consumer/reshard.py); None: the producers' own --rank of --world-size."""
         self.lock = threading.Lock()
         self.session = session
         self.shards = [ShardState(i) for i in range(n)]
+        self.first, self.space = first, space
 
     def __getitem__(self, i: int) -> ShardState:
         return self.shards[i]

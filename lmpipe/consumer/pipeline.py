@@ -47,11 +47,13 @@ class Pipeline:
         self, pcfg: PipelineConfig, tok: TokenizerInfo, device: torch.device, *, shards: int, slots: int,
         copy_stream: bool = True, attention: str = "auto", wait_timeout: float = 0.0,
         metrics_port: int | None = -1, doc_log: str | None = None, data: str = "", data_content: str = "",
-        data_versions: str = "",
+        data_versions: str = "", layout: tuple[int, int] | None = None,
     ):  # fmt: skip
         """`pcfg`: this rank's pipeline settings (consumer/config.per_rank applied). `data`, `data_content` and
         `data_versions`: the corpus producers must serve ("": the first producer pins it; Trainer's docstring).
-        `metrics_port`: the /metrics port started by start() (0: any free port; -1 or None: none)."""
+        `metrics_port`: the /metrics port started by start() (0: any free port; -1 or None: none). `layout`:
+        (first, space), each source's `shards` here are its global shards first.. of `space` (a resumed run on
+        another number of ranks: consumer/reshard.py); None: the producers' --rank of --world-size."""
         self.pcfg, self.tok, self.device = pcfg, tok, device
         self.shards, self.copy_stream, self.attention = shards, copy_stream, attention
         self.wait_timeout, self.metrics_port = wait_timeout, metrics_port
@@ -65,7 +67,9 @@ class Pipeline:
         # a mixture (consumer/mixer.py): each source has `shards` shards, and the mixer picks the rows
         self.mix = pcfg.mixture()
         self.mixer = Mixer(self.mix, shards, pcfg.batch_size, pcfg.seq_len) if self.mix else None
-        self.table = Ledger(shards * (len(self.mix.sources) if self.mix else 1), self.session)
+        self.table = Ledger(
+            shards * (len(self.mix.sources) if self.mix else 1), self.session, *(layout or ())
+        )
         for w in range(len(self.table)):
             self.metrics.received.labels(str(w))
         pin = device.type == "cuda"

@@ -71,6 +71,9 @@ class Summary:
     # a mixture's realized mixture: per source, tokens trained, share, target share (the weight at the end)
     # and epoch, over the whole run (resumes included); {} without a mixture
     mixture: dict[str, dict] = field(default_factory=dict)
+    # the trainer ranks and rank 0's shards (consumer/reshard.py): world_size, shards, shard_space, and where
+    # the run resumed, resumed_step and resumed_world_size (the checkpoint's ranks)
+    topology: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -94,6 +97,10 @@ class Summary:
     @property
     def data_wait_fraction(self) -> float:
         return self.data_wait_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    def _render_resized(self) -> str:
+        was, now = self.topology.get("resumed_world_size"), self.topology.get("world_size")
+        return f", from {was} rank{'s' if was != 1 else ''} on {now}" if was and now and was != now else ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -122,7 +129,7 @@ class Summary:
         return (
             f"summary: {self.steps - self.first_step} step{'s' if self.steps - self.first_step != 1 else ''}"
             + (
-                f" (steps {self.first_step + 1}-{self.steps}: resumed at {self.first_step})"
+                f" (steps {self.first_step + 1}-{self.steps}: resumed at {self.first_step}{self._render_resized()})"
                 if self.first_step
                 else ""
             )

@@ -22,14 +22,13 @@ from typing import Any
 
 import torch
 
-from lmpipe.consumer import startup
+from lmpipe.consumer import reshard, startup
 from lmpipe.consumer.build import build
 from lmpipe.consumer.checkpoint import (
     NO_MODEL,
-    CheckpointError,
     CheckpointManager,
     load,
-    more_epochs,
+    read_header,
     resolve_resume,
 )
 from lmpipe.consumer.checkpoint_async import CheckpointWriter
@@ -38,11 +37,11 @@ from lmpipe.consumer.distributed import from_env
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.hf import model_identity
 from lmpipe.consumer.inputs import empty_inputs
-from lmpipe.consumer.ledger import cursor_list
 from lmpipe.consumer.model import GPT
 from lmpipe.consumer.pipeline import Pipeline
 from lmpipe.consumer.receiver import Receiver
 from lmpipe.consumer.report import Announce, Summary
+from lmpipe.consumer.resume import restore
 from lmpipe.consumer.runstats import (
     CompiledGraphs,
     Progress,
@@ -77,6 +76,7 @@ class Trainer:
         if self.dist.enabled:
             pcfg, tcfg = per_rank(pcfg, tcfg, self.dist.rank, self.dist.world_size)
         endpoints(pcfg)  # an unsafe runtime directory fails here, before the model is built
+        tcfg = self._plan(tcfg)
         self.pcfg, self.cfg = pcfg, tcfg
         if tcfg.threads > 0:
             torch.set_num_threads(tcfg.threads)
@@ -103,10 +103,10 @@ class Trainer:
             self.step_model, self.runner = built.step_model, built.runner
             self._startup.built(pcfg, tcfg, built, self.dist, self.tok.vocab_size)
         self.pipe = Pipeline(
-            pcfg, self.tok, self.device, shards=tcfg.shards, slots=tcfg.slots or 2 * tcfg.accum + 2,
+            pcfg, self.tok, self.device, shards=self.layout.count, slots=tcfg.slots or 2 * tcfg.accum + 2,
             copy_stream=tcfg.copy_stream, attention=tcfg.attention, wait_timeout=tcfg.wait_timeout,
             metrics_port=tcfg.metrics_port, doc_log=tcfg.doc_log, data=data, data_content=data_content,
-            data_versions=data_versions,
+            data_versions=data_versions, layout=self.layout.wire(),
         )  # fmt: skip
         self.metrics, self.mask_cache, self.session = (
             self.pipe.metrics,
@@ -140,7 +140,17 @@ class Trainer:
             }
         )
 
-    # the pipeline's corpus pins, as _restore and save_checkpoint read and set them
+    def _plan(self, tcfg: TrainConfig) -> TrainConfig:
+        """The checkpoint to resume, if any: its header decides this rank's shards (consumer/reshard.py) and,
+        with --keep-global-batch, --accum."""
+        self.resume_path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
+        header = read_header(self.resume_path) if self.resume_path is not None else None
+        self.layout = reshard.plan(
+            header, self.dist.rank, self.dist.world_size, tcfg.shards, self.resume_path
+        )
+        return reshard.global_batch(self.layout, tcfg, self.resume_path)
+
+    # the pipeline's corpus pins, as resume.restore and save_checkpoint read and set them
     @property
     def data_content(self) -> str:
         return self.pipe.data_content
@@ -233,98 +243,19 @@ class Trainer:
             **({"data_versions": versions} if (versions := self._data_versions()) else {}),
             # each object's version, per location, to name a rewritten one (lmpipe/checks.py); left out where none
             **({"data_objects": self.data_objects} if self.data_objects else {}),
+            **reshard.header_fields(self.layout, self.cfg.accum),  # the global shards, read back at resume
         }
 
     def _resume(self, tcfg: TrainConfig, fast_line: str) -> None:
         """Resume from --resume's checkpoint, if there is one; then say which fast paths run (after the
         checkpoint's checks, so that a refused checkpoint stays one line)."""
-        resume_path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
-        if resume_path is not None:
-            self._restore(load(resume_path, self._identity()))
+        if self.resume_path is not None:
+            restore(self, load(self.resume_path, self._identity()))
         elif tcfg.resume:
             log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
+        reshard.said(self.layout, tcfg.accum, self.pcfg.batch_size, self.metrics, self.dist.is_main)
         if fast_line:
             log.info("%s", fast_line)
-
-    def _restore(self, ck) -> None:
-        st = ck.state
-        at, steps = int(st["step"]), self.cfg.steps
-        if steps and at >= steps:  # else it would stop at once, having trained nothing, and exit 0
-            raise CheckpointError(
-                f"{ck.path} is at step {at}, at or past --steps {steps}: nothing to train; raise --steps"
-            )
-        # format 1 (lmpipe 0.1.0) held one rank's cursors; format 2 a list of them per rank
-        by_rank = st["workers"] if ck.header["format_version"] >= 2 else [st["workers"]]
-        epochs = self.pcfg.epochs
-        before = int((ck.header.get("stream") or {}).get("epochs") or 0)
-        more = more_epochs(before, epochs)  # compare() let it through: finished shards go on
-        if (
-            epochs
-            and not more
-            and any(rank and all(w.get("finished") for w in cursor_list(rank)) for rank in by_rank)
-        ):
-            # every shard read its --epochs to the end: it would stop at once, having trained nothing, and
-            # exit 0 (the same on every rank: by_rank is every rank's)
-            raise CheckpointError(
-                f"{ck.path} finished --epochs {epochs} (every shard reached the end of its data at step {at}): "
-                "nothing to train; start a new run (another --checkpoint-dir, or no --resume), or resume from "
-                "an earlier checkpoint"
-            )
-        if (self.scaler is None) != ("scaler" not in st):  # before anything is loaded
-            raise CheckpointError(
-                f"{ck.path}: precision differs (loss scaler {'absent' if self.scaler is None else 'present'} here)"
-            )
-        if self.model is not None:
-            self.model.load_state_dict(st["model"])
-            self.optimizer.load_state_dict(st["optimizer"])
-            self._say_schedule_change(at)
-        if self.scaler is not None:
-            self.scaler.load_state_dict(st["scaler"])
-            self._published = self.scaler.counters()
-        self.step = int(st["step"])
-        self.pipe.load_state_dict(by_rank[self.dist.rank])
-        if more:
-            for w in self.table.shards:
-                w.finished = False  # its producer starts it again at its cursor: the next epoch
-            log.info("--epochs %s after the checkpoint's %d: shards go on into epoch %d", epochs or "0 (until stopped)",
-                     before, before + 1)  # fmt: skip
-        torch.set_rng_state(st["rng"]["torch"])
-        if "cuda" in st["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(st["rng"]["cuda"], self.device)
-        if ck.header.get("data"):
-            if ck.header["data"] != self.fingerprint.get("data"):
-                self.data_content = ""  # the given corpus's contents are not the checkpoint's corpus's
-                self.data_versions = []
-                self.data_objects = {}
-            self.fingerprint["data"] = ck.header["data"]  # producers must serve the same corpus
-            if ck.header.get("data_content"):  # and the same contents (older checkpoints lack it)
-                self.data_content = str(ck.header["data_content"])
-            if isinstance(ck.header.get("data_versions"), list):  # and the same remote objects' versions
-                # beside --data's own (another location: lmpipe/launch.py refused a changed one already)
-                self.data_versions = list(
-                    dict.fromkeys(self.data_versions + [str(v) for v in ck.header["data_versions"]])
-                )
-            if isinstance(objs := ck.header.get("data_objects"), dict):  # and each object's (kept on)
-                self.data_objects = {**{str(k): str(v) for k, v in objs.items()}, **self.data_objects}
-        cursors = ", ".join(f"s{w.shard}@seq{w.last_seq}" for w in self.table.shards)
-        log.info("resumed from %s: step %d, shard cursors %s", ck.path, self.step, cursors)
-        self.metrics.global_step.set(self.step)
-        self.metrics.checkpointed(self.step, Path(ck.path).stat().st_mtime)
-
-    def _say_schedule_change(self, at: int) -> None:
-        """A resume follows this run's learning-rate schedule; where it differs from the one the checkpoint
-        trained with (a larger --steps stretches the cosine), the rate jumps: said, not done silently."""
-        if at == 0:
-            return
-        last = float(self.optimizer.param_groups[0]["lr"])  # what the checkpoint's last step trained at
-        here = lr_at(at - 1, self.cfg)
-        if abs(here - last) > 0.01 * abs(last):
-            log.warning(
-                "the learning rate jumps: the checkpoint's step %d trained at %.3g, where this run's schedule "
-                "(--lr, --warmup, --min-lr-ratio, and the cosine over --lr-decay-steps, else --steps) has %.3g, "
-                "and its step %d trains at %.3g; to go on along the checkpoint's curve, give its run's settings "
-                "(its --steps as --lr-decay-steps)", at, last, here, at + 1, lr_at(at, self.cfg),
-            )  # fmt: skip
 
     def _data_content(self) -> str:
         return self.pipe.pinned_data_content()  # pinned from the first producer that says it
@@ -398,6 +329,7 @@ class Trainer:
             cfg, self.dist, m, self.feed, self.device, self.scaler, self._published, flops_per_token,
             trained=self.model is not None, started=self._started, step=self.step,
         )  # fmt: skip
+        stats.summary.topology = reshard.summary(self.layout)
         try:
             self._loop(stats, progress)
         except BaseException:

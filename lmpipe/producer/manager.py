@@ -89,8 +89,7 @@ class Producer:
         self.cfg, self.opts = cfg, opts
         self.worker = opts.worker
         self.metrics = ProducerMetrics(cfg.strategy)  # every series labelled with its --worker number
-        # the first few logged by line, all counted: this process's, each bad record once (the trainer's
-        # summary is the run's: each shard's highest count, from whichever producers read it)
+        # the first few logged by line, all counted: this process's, each bad record once (trainer: the run's)
         self._bad = BadRecords(log, who="this producer")
         self._bad_read: dict[tuple[int, int, str], int] = {}  # (shards, shard, reason) -> most read here
         self.metrics.bind(self.worker)
@@ -109,6 +108,8 @@ class Producer:
         # per shard, by reason, for the trainer's summary: what the shard's current stream has skipped
         self._skipped: dict[int, dict[str, int]] = {}
         self._skipped_sent: dict[str, int] = {}  # what the trainer was last told, "<shard>:<reason>" -> n
+        # the last welcome's global shards (first, space: consumer/reshard.py); None: --rank of --world-size
+        self._layout: tuple[int | None, int | None] = (None, None)
         self.holdings = Holdings(self._stream, self.spec, cfg.epochs, self.dtype, plan=self.corpora.plan)
         for m in (self.metrics.tokens, self.metrics.padding):
             m.labels(cfg.strategy)
@@ -142,7 +143,7 @@ class Producer:
     def _stream(self, shard: int, total: int) -> DocStream:
         # a mixture's shard is its source's shard `local` of `per` (corpora.py); the one corpus's is itself
         source, local, per = self.corpora.locate(shard, total)
-        shards = per * self.cfg.world_size  # a stream's key in the scan is its global shard number
+        first, shards = self._layout[0], self._layout[1] or per * self.cfg.world_size
         counts = self._skipped[shard] = {}  # a new stream reads the shard again from its epoch's start
 
         def bad_record(reason: str, where: str, detail: str) -> None:
@@ -161,6 +162,8 @@ class Producer:
             per,
             rank=self.cfg.rank,
             world_size=self.cfg.world_size,
+            first=first,
+            space=shards,
             seed=self.corpora.seed(source),
             shuffle_window=self.cfg.shuffle_window,
             on_bad=bad_record,
@@ -459,6 +462,8 @@ class Producer:
             )
 
     def _welcomed(self, msg: messages.Welcome) -> None:
+        if (msg.first, msg.space) != self._layout:  # other global shards: no stream carries over
+            self.holdings.total, self._layout = 0, (msg.first, msg.space)
         h = self.holdings.shards.get(msg.shard)
         if h is not None and h.lease == msg.lease and not msg.force and self.holdings.total == msg.shards:
             if msg.credit is not None:

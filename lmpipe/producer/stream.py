@@ -68,6 +68,8 @@ class DocStream:
         *,
         rank: int = 0,
         world_size: int = 1,
+        first: int | None = None,
+        space: int | None = None,
         seed: int = 0,
         shuffle_window: int = 1000,
         encode_batch: int = 512,
@@ -78,9 +80,12 @@ class DocStream:
     ):
         if not 0 <= worker < num_workers or not 0 <= rank < world_size:
             raise ValueError(f"worker {worker} of {num_workers}, rank {rank} of {world_size}: out of range")
-        # rank r's workers own global slots r*num_workers .. (r+1)*num_workers - 1
-        self.worker_global = rank * num_workers + worker
-        self.total_workers = world_size * num_workers
+        # rank r's workers own global slots r*num_workers .. (r+1)*num_workers - 1, unless the trainer names
+        # them: `first` of `space` (a run resumed on another number of ranks: consumer/reshard.py)
+        self.worker_global = (rank * num_workers if first is None else first) + worker
+        self.total_workers = world_size * num_workers if space is None else space
+        if not 0 <= self.worker_global < self.total_workers:
+            raise ValueError(f"global shard {self.worker_global} of {self.total_workers}: out of range")
         self.corpus = corpus
         self.tok = tok
         self.worker = worker

@@ -103,6 +103,10 @@ class Welcome:
     # a mixture's pacing: the producer may send this shard's messages (batches and its end) up to this
     # sequence number, until a `credit` raises it; None: no limit (a run without a mixture)
     credit: int | None = None
+    # the run's global shards (consumer/reshard.py): each source's shards are split `space` ways, and this
+    # rank's shard j of a source is global shard `first` + j; None: the producer's own --rank/--world-size
+    first: int | None = None
+    space: int | None = None
 
 
 @dataclass
@@ -231,6 +235,10 @@ def unpack(raw: bytes | memoryview) -> Any:
         raise WireError("bad_control", f"{name} names an impossible number of shards")
     if cls is Welcome and not 0 <= cast(int, kwargs["shard"]) < total:
         raise WireError("bad_control", f"welcome.shard {kwargs['shard']} is not one of its shards")
+    if cls is Welcome and kwargs.get("space") is not None:
+        first, space = kwargs.get("first"), cast(int, kwargs["space"])
+        if first is None or not 0 <= cast(int, first) < space <= MAX_SHARDS:
+            raise WireError("bad_control", f"welcome.first {first} of space {space} names no global shard")
     if (
         cls is Hello
         and kwargs.get("data_versions")

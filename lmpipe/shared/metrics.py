@@ -245,6 +245,7 @@ class TrainerMetrics:
         self._producers(r)
         self._optimizer(r)
         self._checkpoints(r)
+        self._topology(r)
         self._start_values()
 
     def _training(self, r: CollectorRegistry) -> None:
@@ -344,6 +345,13 @@ class TrainerMetrics:
                                          "source at this step (normalized)", src, registry=r)  # fmt: skip
         self.source_epoch = Gauge("lmpipe_trainer_source_epoch", "Each source's epoch: the least among its "
                                   "shards", src, registry=r)  # fmt: skip
+
+    def _topology(self, r: CollectorRegistry) -> None:
+        """The trainer's ranks and this rank's share (consumer/reshard.py); the resumed ones NaN when fresh."""
+        self.world_size = Gauge("lmpipe_trainer_world_size", "Trainer ranks (torchrun)", registry=r)
+        self.rank_shards = Gauge("lmpipe_trainer_rank_shards", "Shards this rank trains, per source", registry=r)  # fmt: skip
+        self.resumed_step = Gauge("lmpipe_trainer_resumed_step", "The step this run resumed from", registry=r)
+        self.resumed_world_size = Gauge("lmpipe_trainer_resumed_world_size", "The checkpoint's ranks", registry=r)  # fmt: skip
 
     def _producers(self, r: CollectorRegistry) -> None:
         """Producers joining and leaving, and the shards they hold."""
@@ -455,7 +463,8 @@ class TrainerMetrics:
         """NaN for what has no reading yet; every labelled series created at 0 (module docstring)."""
         self.loss_scale.set(1.0)
         for g in (self.loss, self.lr, self.grad_norm, self.mfu, self.first_step_seconds, self.checkpoint_time,
-                  self.checkpoint_step, self.last_step_time):  # fmt: skip
+                  self.checkpoint_step, self.last_step_time, self.resumed_step,
+                  self.resumed_world_size):  # fmt: skip
             g.set(NAN)
         self.global_step.set(0)
         _init_labels(self.refusals, REFUSAL_REASONS)

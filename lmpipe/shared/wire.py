@@ -25,7 +25,9 @@ import numpy as np
 # decodes and is refused by its version, not as malformed.
 # 5: mixtures: the trainer paces each shard with credits (messages.Credit, Welcome.credit); a version-4
 # producer would ignore them and flood the trainer with a source it does not need yet.
-WIRE_VERSION = 5
+# 6: resume on another number of trainer ranks: Welcome.first and .space name the global shards a rank's
+# shards are (consumer/reshard.py); a version-5 producer would read its own rank's layout instead.
+WIRE_VERSION = 6
 
 # name -> little-endian numpy dtype. Anything else is refused before it is read.
 DTYPES: dict[str, np.dtype] = {

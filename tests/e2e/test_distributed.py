@@ -147,10 +147,7 @@ def test_a_checkpoint_holds_every_ranks_cursors(tmp_path, port, tok):
     state = json.loads((ck / "step-00000012" / "header.json").read_text())
     assert state["stream"]["world_size"] == 2
 
-    # a different world size is refused before anything is loaded, naming the field
-    rc, text = run_lmpipe(tmp_path, "single", "run", *args, "--steps", "0")
-    assert rc == 2 and "world_size: checkpoint has 2, this run has 1" in text, text[-3000:]
-    assert "Traceback" not in text
+    # (another world size resumes too, the shards shared anew: tests/e2e/test_resize.py)
 
     rc, text = run_lmpipe(tmp_path, "second", "run", *args, "--steps", "0", "--doc-log", str(tmp_path / "b.jsonl"),
                       nproc=2)  # fmt: skip

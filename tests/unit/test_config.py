@@ -52,7 +52,7 @@ PIPELINE = PipelineConfig(
     curve_dir=None, runtime_dir="/run/x", metrics_host="0.0.0.0", max_line_bytes=999,
 )  # fmt: skip
 TRAIN = TrainConfig(
-    model="small", consume_only=True, steps=7, accum=2, lr=1e-4, min_lr_ratio=0.5, warmup=3, lr_decay_steps=50, weight_decay=0.0,
+    model="small", consume_only=True, steps=7, accum=2, keep_global_batch=True, lr=1e-4, min_lr_ratio=0.5, warmup=3, lr_decay_steps=50, weight_decay=0.0,
     beta1=0.8, beta2=0.9, grad_clip=0.5, device="cpu", precision="bf16", residual_dtype="bf16", loss_scale="static:128",
     fused_ce=True, fast="none", vocab_size=512, attention="dense", hf_attention="eager", fused_adamw=False, grad_checkpointing=True, compile=True, compile_mode="max-autotune",
     compile_cache="cc", compile_ahead=False,
