@@ -104,7 +104,7 @@ def say_resize(layout: Layout, accum: int, batch_size: int) -> str:
     was_accum = layout.from_accum or accum
     old, new = layout.from_world * was_accum * batch_size, layout.world * accum * batch_size
     batch = (
-        f"the global batch stays {new} rows ({layout.world} ranks x --accum {accum} x {batch_size})"
+        f"the global batch stays {new} rows ({_ranks(layout.world)} x --accum {accum} x {batch_size})"
         if old == new
         else f"the global batch goes from {old} rows ({layout.from_world} x --accum {was_accum} x {batch_size}) to "
         f"{new} ({layout.world} x --accum {accum} x {batch_size}); --keep-global-batch keeps it"

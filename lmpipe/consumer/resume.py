@@ -34,13 +34,10 @@ def restore(t: Trainer, ck: Loaded) -> None:
     epochs = t.pcfg.epochs
     before = int((ck.header.get("stream") or {}).get("epochs") or 0)
     more = more_epochs(before, epochs)  # compare() let it through: finished shards go on
-    if (
-        epochs
-        and not more
-        and any(rank and all(w.get("finished") for w in cursor_list(rank)) for rank in by_rank)
-    ):
-        # every shard read its --epochs to the end: it would stop at once, having trained nothing, and
-        # exit 0 (the same on every rank: by_rank is every rank's)
+    if epochs and not more and all(w.get("finished") for rank in by_rank for w in cursor_list(rank)):
+        # every shard of every rank read its --epochs to the end: it would stop at once, having trained
+        # nothing, and exit 0 (the same on every rank: by_rank is every rank's; a rank whose shards all
+        # finished while others' had data left steps on nothing beside them, at any world size)
         raise CheckpointError(
             f"{ck.path} finished --epochs {epochs} (every shard reached the end of its data at step {at}): "
             "nothing to train; start a new run (another --checkpoint-dir, or no --resume), or resume from "

@@ -109,7 +109,7 @@ def test_keep_global_batch_scales_accum_or_refuses_in_one_line():
     assert global_batch(two, TrainConfig(accum=3), "ck").accum == 3  # not asked: --accum as given
     keep = TrainConfig(accum=3, keep_global_batch=True)
     assert global_batch(two, keep, "ck").accum == 6
-    assert "the global batch stays 48 rows (1 ranks x --accum 6 x 8)" in say_resize(two, 6, 8)
+    assert "the global batch stays 48 rows (1 rank x --accum 6 x 8)" in say_resize(two, 6, 8)
     assert "goes from 48 rows (2 x --accum 3 x 8) to 24" in say_resize(two, 3, 8)
     four = replace(two, world=4)
     with pytest.raises(CheckpointError, match="2 ranks x --accum 3 = 6 batches, which 4 ranks cannot share"):
