@@ -76,7 +76,7 @@ class Trainer:
         if self.dist.enabled:
             pcfg, tcfg = per_rank(pcfg, tcfg, self.dist.rank, self.dist.world_size)
         endpoints(pcfg)  # an unsafe runtime directory fails here, before the model is built
-        tcfg = self._plan(tcfg)
+        tcfg = self._plan(pcfg, tcfg)
         self.pcfg, self.cfg = pcfg, tcfg
         if tcfg.threads > 0:
             torch.set_num_threads(tcfg.threads)
@@ -140,14 +140,12 @@ class Trainer:
             }
         )
 
-    def _plan(self, tcfg: TrainConfig) -> TrainConfig:
+    def _plan(self, pcfg: PipelineConfig, tcfg: TrainConfig) -> TrainConfig:
         """The checkpoint to resume, if any: its header decides this rank's shards (consumer/reshard.py) and,
-        with --keep-global-batch, --accum."""
+        with --keep-global-batch, --accum. The rank and world size are `pcfg`'s (torchrun's: per_rank)."""
         self.resume_path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
         header = read_header(self.resume_path) if self.resume_path is not None else None
-        self.layout = reshard.plan(
-            header, self.dist.rank, self.dist.world_size, tcfg.shards, self.resume_path
-        )
+        self.layout = reshard.plan(header, pcfg.rank, pcfg.world_size, tcfg.shards, self.resume_path)
         return reshard.global_batch(self.layout, tcfg, self.resume_path)
 
     # the pipeline's corpus pins, as resume.restore and save_checkpoint read and set them

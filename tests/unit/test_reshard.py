@@ -132,3 +132,24 @@ def test_a_welcome_names_the_global_shards_and_the_stream_makes_them(tok):
     assert (DocStream(corpus, tok, 1, 2, rank=1, world_size=2).worker_global) == 3  # as before
     with pytest.raises(ValueError, match="out of range"):
         DocStream(corpus, tok, 1, 2, first=11, space=12)
+
+
+def test_the_topology_is_in_the_metrics_and_the_summary():
+    from prometheus_client import generate_latest
+
+    from lmpipe.consumer.reshard import said, summary
+    from lmpipe.shared.metrics import TrainerMetrics
+
+    m = TrainerMetrics()
+    fresh = plan(None, 1, 2, 8)
+    said(fresh, 1, 4, m, main=False)
+    text = generate_latest(m.registry).decode()
+    assert "lmpipe_trainer_world_size 2.0" in text and "lmpipe_trainer_rank_shards 8.0" in text
+    assert "lmpipe_trainer_resumed_step NaN" in text
+    assert summary(fresh) == {"world_size": 2, "shards": 8, "shard_space": 16}
+    resumed = plan(header(2, 8), 2, 3, 8)
+    said(resumed, 1, 4, m, main=True)
+    text = generate_latest(m.registry).decode()
+    assert "lmpipe_trainer_resumed_step 10.0" in text and "lmpipe_trainer_resumed_world_size 2.0" in text
+    assert "lmpipe_trainer_rank_shards 6.0" in text  # 16 shards on 3 ranks: 5, 5, 6
+    assert summary(resumed)["resumed_world_size"] == 2
