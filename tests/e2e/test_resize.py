@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_mixture import B, T, at_most_once, corpus, lengths, mix, sequence, tokens_by_source
 from tests.helpers import (
     assert_exactly_once,
     builtin_lengths,
@@ -19,8 +18,10 @@ from tests.helpers import (
     run_lmpipe,
     small_run,
 )
+from tests.mixtures import at_most_once, corpus, lengths, mix, sequence, tokens_by_source
 
 DOCS = 240
+T, B = 32, 4  # the mixture's rows (tests/e2e/test_mixture.py's)
 COMMON = ["--producers", "1", "--epochs", "1", "--builtin-docs", str(DOCS), "--seq-len", "64", "--batch-size", "4",
           "--metrics-port", "-1", "--log-every", "2", "--threads", "1"]  # fmt: skip
 
