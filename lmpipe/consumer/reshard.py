@@ -96,7 +96,10 @@ def global_batch(layout: Layout, tcfg: TrainConfig, where: object = "") -> Train
             f"batches, which {layout.world} ranks cannot share evenly; resume on a divisor of {batches} ranks, or "
             "without --keep-global-batch (give --accum: the global batch then changes)"
         )
-    return replace(tcfg, accum=batches // layout.world)
+    try:
+        return replace(tcfg, accum=batches // layout.world)
+    except ValueError as exc:  # e.g. --slots below the new --accum
+        raise CheckpointError(f"--keep-global-batch makes --accum {batches // layout.world}: {exc}") from None
 
 
 def say_resize(layout: Layout, accum: int, batch_size: int) -> str:

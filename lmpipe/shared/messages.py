@@ -4,8 +4,8 @@ Each message is a single msgpack map with a `type`. Producers say `hello` when t
 version: the trainer refuses another at once) and repeat it every HELLO_EVERY seconds as a heartbeat,
 naming the shards they hold; the trainer answers `assign` (the
 whole set of shards this producer holds now, possibly none: it stands by), one `welcome` per shard to
-start or restart (session, shard, cursor, next sequence number, lease; in a mixture, its credit: how far
-it may send), `credit` (a mixture's: how far each shard may now send), `refuse` (with the reason; the
+start or restart (session, shard, cursor, next sequence number, lease, the global shards the rank's shards
+are; in a mixture, its credit: how far it may send), `credit` (a mixture's: how far each shard may now send), `refuse` (with the reason; the
 producer exits, as nothing it could retry would be answered otherwise) or `stop`, which a producer acknowledges with `bye`. A hello that names an old
 session is answered like a new producer's: that is how a restarted trainer sends producers back to its
 checkpointed cursors. A hello whose shards differ from the trainer's assignment is answered with what

@@ -115,6 +115,8 @@ def test_keep_global_batch_scales_accum_or_refuses_in_one_line():
     with pytest.raises(CheckpointError, match="2 ranks x --accum 3 = 6 batches, which 4 ranks cannot share"):
         global_batch(four, keep, "ck")
     assert global_batch(plan(header(2, 4), 0, 2, 4), keep, "ck").accum == 3  # same world size: unchanged
+    with pytest.raises(CheckpointError, match="--keep-global-batch makes --accum 6: --slots 4 is fewer than"):
+        global_batch(two, replace(keep, slots=4), "ck")
 
 
 def test_a_welcome_names_the_global_shards_and_the_stream_makes_them(tok):
