@@ -18,7 +18,7 @@ from tests.helpers import (
     run_lmpipe,
     small_run,
 )
-from tests.mixtures import at_most_once, corpus, lengths, mix, sequence, tokens_by_source
+from tests.mixruns import at_most_once, corpus, lengths, mix, sequence, tokens_by_source
 
 DOCS = 240
 T, B = 32, 4  # the mixture's rows (tests/e2e/test_mixture.py's)
