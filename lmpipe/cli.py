@@ -180,6 +180,10 @@ def _need_torch() -> None:
 
 def cmd_run(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions) -> int:
     _need_torch()
+    if opts.dry_run:
+        from lmpipe.dryrun import dry_run_train
+
+        return dry_run_train(ns, g, cfg, tcfg, opts, local_producers=True)
     from lmpipe.launch import train
 
     return train(cfg, tcfg, opts, local_producers=True, log_level=g.log_level)
@@ -187,12 +191,20 @@ def cmd_run(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: 
 
 def cmd_train(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions) -> int:
     _need_torch()
+    if opts.dry_run:
+        from lmpipe.dryrun import dry_run_train
+
+        return dry_run_train(ns, g, cfg, tcfg, opts, local_producers=False)
     from lmpipe.launch import train
 
     return train(cfg, tcfg, opts, local_producers=False, log_level=g.log_level)
 
 
 def cmd_produce(ns, g: GlobalOptions, cfg: PipelineConfig, opts: ProduceOptions) -> int:
+    if opts.dry_run:
+        from lmpipe.dryrun import dry_run_produce
+
+        return dry_run_produce(ns, g, cfg, opts)
     from lmpipe.procs import produce
 
     return produce(cfg, opts)

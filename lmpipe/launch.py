@@ -185,9 +185,14 @@ def check_inputs(cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) 
 
 
 def check_outputs(
-    cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions, inputs: list[tuple[str, str]]
+    cfg: PipelineConfig,
+    tcfg: TrainConfig,
+    opts: ReportOptions,
+    inputs: list[tuple[str, str]],
+    lock: bool = True,
 ) -> None:
-    """The device, and the places the run writes: checkpoints (locked for this run), doc-log, summary."""
+    """The device, and the places the run writes: checkpoints (locked for this run, unless not `lock`: a
+    dry run makes no folder), doc-log, summary."""
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     if tcfg.checkpoint_dir and (Path(tcfg.checkpoint_dir) / "header.json").is_file():
@@ -195,7 +200,8 @@ def check_outputs(
             f"--checkpoint-dir {tcfg.checkpoint_dir} is one checkpoint; give the folder that holds it "
             f"(--resume {tcfg.checkpoint_dir} resumes from this one)"
         )
-    lock_checkpoint_dir(tcfg)
+    if lock:
+        lock_checkpoint_dir(tcfg)
     check_not_overwritten(tcfg)
     if not tcfg.checkpoint_dir and (tcfg.resume or tcfg.checkpoint_every):  # worked on, then lost at the end
         given = f"--resume {tcfg.resume}" if tcfg.resume else f"--checkpoint-every {tcfg.checkpoint_every}"
