@@ -141,6 +141,10 @@ def dry_run_train(
     starts.append(f"--device {tcfg.device}, --precision {tcfg.precision}, " + (
         f"{tcfg.steps} steps" if tcfg.steps else "until the producers' epochs end"))  # fmt: skip
     starts.append(checkpoint_line(tcfg))
+    if tcfg.eval_data and not tcfg.consume_only:
+        from lmpipe.evaldata import describe, held_out
+
+        starts.append(describe(held_out(cfg, tcfg), tcfg))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         starts.append(f"rank {rank_cfg.rank} of {rank_cfg.world_size} (torchrun)")
     _print(f"lmpipe {ns.cmd}", ns, [g, cfg, tcfg, opts], starts)

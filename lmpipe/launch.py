@@ -38,6 +38,7 @@ from lmpipe.checks import (
     say_no_effect,
 )
 from lmpipe.consumer.config import TrainConfig, per_rank
+from lmpipe.evaldata import check_held_out, held_out
 from lmpipe.options import ReportOptions
 from lmpipe.procs import LocalProducer, fork_producers, linger, reap, stop_on_signals
 from lmpipe.shared.config import PipelineConfig
@@ -155,7 +156,9 @@ def check_inputs(cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) 
             f"--vocab-size {tcfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size}"
         )
     check_model_folder(cfg, tcfg, tok.vocab_size)
+    check_held_out(cfg, tcfg, tok)  # read; tokenized after the producers are forked (lmpipe/evaldata.py)
     facts = CorpusFacts()
+    facts.inputs += [("the --eval-data file", p) for p in tcfg.eval_data if os.path.isfile(p)]
     if cfg.tokenizer and os.path.isfile(cfg.tokenizer):
         facts.inputs.append(("the --tokenizer", cfg.tokenizer))
     # `lmpipe train --data X` trains on X, not on what a producer serves
@@ -227,7 +230,7 @@ def run_trainer(
 
         trainer = Trainer(
             cfg, tcfg, data=facts.data, data_content=facts.content, data_versions=facts.versions,
-            data_objects=facts.objects,
+            data_objects=facts.objects, eval_batches=held_out(cfg, tcfg),
         )  # fmt: skip
     except BaseException:
         for p in procs:

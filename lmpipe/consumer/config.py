@@ -38,7 +38,7 @@ COMPILE_MODES = (
 ATTENTIONS = ("auto", "flex", "dense", "flash")
 # transformers' attn_implementation for --model DIR (flash_attention_2 needs the flash-attn package)
 HF_ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2")
-TRAINING, CHECKPOINTS = "training", "checkpoints"
+TRAINING, CHECKPOINTS, EVALUATION = "training", "checkpoints", "evaluation"
 
 
 def device_problem(name: str) -> str | None:
@@ -193,6 +193,25 @@ class TrainConfig:
     )
     wait_timeout: float = setting(
         0.0, check=at_least(0), help="stop when no batch arrived for this many seconds (0: wait forever)"
+    )
+    # held-out loss: the launcher reads the first --eval-batches batches of --eval-data once, with the
+    # producers' own reading, tokenizing and batching (lmpipe/evaldata.py); consumer/evaluate.py scores them
+    eval_data: list[str] = setting(
+        [],
+        group=EVALUATION,
+        metavar="PATH",
+        help="held-out corpus files, directories or prepared shards (anything --data takes): its loss is "
+        "measured every --eval-every steps and at the end, on the same batches each time",
+    )
+    eval_every: int = setting(
+        100, group=EVALUATION, check=at_least(1), metavar="STEPS", help="steps between evaluations"
+    )
+    eval_batches: int = setting(
+        8,
+        group=EVALUATION,
+        check=between(1, 100_000),
+        metavar="K",
+        help="batches of --eval-data each evaluation scores (the first K, in order: the same each time)",
     )
     checkpoint_dir: str | None = setting(
         None, group=CHECKPOINTS, metavar="DIR", help="where checkpoints go (none: no checkpoints)"

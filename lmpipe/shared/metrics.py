@@ -407,6 +407,11 @@ class TrainerMetrics:
         self.loss = Gauge(
             "lmpipe_trainer_loss", "Training loss at the last logging interval (NaN before it)", registry=r
         )
+        self.eval_loss = Gauge(
+            "lmpipe_trainer_eval_loss",
+            "Loss on the held-out --eval-data batches at the last evaluation (NaN before it)",
+            registry=r,
+        )
         self.lr = Gauge(
             "lmpipe_trainer_learning_rate", "Learning rate (NaN before the first step)", registry=r
         )
