@@ -156,11 +156,12 @@ def _add_commands(command) -> None:
         "plot",
         cmd_plot,
         (PlotOptions,),
-        help="draw loss, tokens/s and data wait over steps from a --summary-json file",
-        description="A picture of a run: loss, tokens/s and data wait at each logging interval "
-        "(needs matplotlib: pip install 'lmpipe[plot]').",
+        help="draw loss, eval loss, learning rate, tokens/s and data wait over steps from --summary-json files",
+        description="A picture of one run or several on one figure: training loss (and the held-out eval "
+        "loss), learning rate, tokens/s and data wait at each logging interval, each run's summary numbers in "
+        "its legend (needs matplotlib: pip install 'lmpipe[plot]').",
     )
-    pl.add_argument("summary", help="a file written by --summary-json")
+    pl.add_argument("summary", nargs="+", help="files written by --summary-json, one run each")
     add_settings(pl, PlotOptions, "plot", env=False)
 
 
@@ -384,8 +385,12 @@ def cmd_plot(ns, g: GlobalOptions, opts: PlotOptions) -> int:
     from lmpipe.plot import plot
 
     assert opts.out is not None  # a required setting
-    n = plot(Path(ns.summary), Path(opts.out))
-    print(f"wrote {opts.out}: {n} logging intervals of {ns.summary}")
+    runs = plot([Path(s) for s in ns.summary], Path(opts.out), opts.label)
+    if len(runs) == 1:
+        print(f"wrote {opts.out}: {len(runs[0].rows)} logging intervals of {ns.summary[0]}")
+    else:
+        each = ", ".join(f"{r.label} ({len(r.rows)} intervals)" for r in runs)
+        print(f"wrote {opts.out}: {len(runs)} runs: {each}")
     return 0
 
 

@@ -123,3 +123,6 @@ class PlotOptions:
     out: str | None = setting(
         None, required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)"
     )
+    label: list[str] = setting(
+        [], metavar="NAME", help="each summary file's name in the legend, in order (default: the file names)"
+    )
