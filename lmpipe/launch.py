@@ -38,6 +38,7 @@ from lmpipe.checks import (
     say_no_effect,
 )
 from lmpipe.consumer.config import TrainConfig, per_rank
+from lmpipe.consumer.sinks import missing_package
 from lmpipe.evaldata import check_held_out, held_out
 from lmpipe.options import ReportOptions
 from lmpipe.procs import LocalProducer, fork_producers, linger, reap, stop_on_signals
@@ -213,6 +214,12 @@ def check_outputs(
     check_writable("--doc-log", tcfg.doc_log)
     check_not_read_back("--doc-log", tcfg.doc_log, cfg.all_data())
     check_writable("--summary-json", opts.summary_json)
+    if why := missing_package(tcfg.log_to):  # an optional extra (consumer/sinks.py)
+        raise SettingsError(why)
+    for spec in tcfg.log_to:
+        check_writable(
+            "--log-to", spec.partition(":")[2] if spec.startswith("tensorboard:") else "", directory=True
+        )
     check_not_an_input([("--doc-log", tcfg.doc_log), ("--summary-json", opts.summary_json)], inputs)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from lmpipe.consumer.fast import names as fast_paths
 from lmpipe.consumer.hf_folder import model_problem
+from lmpipe.consumer.sinks import sink_problem
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import at_least, between, positive, setting, validate
 
@@ -212,6 +213,14 @@ class TrainConfig:
         check=between(1, 100_000),
         metavar="K",
         help="batches of --eval-data each evaluation scores (the first K, in order: the same each time)",
+    )
+    log_to: list[str] = setting(
+        [],
+        check=lambda v: next((why for s in v if (why := sink_problem(s))), None),
+        metavar="tensorboard:DIR|wandb[:PROJECT]",
+        help="also log the run's figures (each logging interval, each evaluation) to TensorBoard event files "
+        "in DIR or to a Weights & Biases run, offline unless WANDB_MODE=online (optional extras: pip install "
+        "'lmpipe[tensorboard]' or 'lmpipe[wandb]')",
     )
     checkpoint_dir: str | None = setting(
         None, group=CHECKPOINTS, metavar="DIR", help="where checkpoints go (none: no checkpoints)"

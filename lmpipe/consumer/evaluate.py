@@ -33,6 +33,7 @@ class Evaluator:
         self.device, self.attention, self.mask_cache, self.metrics = device, attention, mask_cache, metrics
         self.targets = sum(b.num_targets() for b in batches)
         self.last_step = -1
+        self.sinks: Any = None  # --log-to (consumer/sinks.py), set by the trainer
 
     def _inputs(self, b: Batch) -> ModelInputs:
         def dev(a: np.ndarray | None, dtype: Any) -> torch.Tensor | None:
@@ -72,5 +73,7 @@ class Evaluator:
         self.metrics.eval_loss.set(value)
         summary.eval_loss = value
         summary.evals.append({"step": step, "eval_loss": value})
+        if self.sinks:
+            self.sinks.log(step, {"eval/loss": value})
         log.info("step %d | eval loss %s (%d held-out batches, %s targets, %.1f s)", step, format_loss(value),
                  len(self.batches), f"{self.targets:,}", time.perf_counter() - t0)  # fmt: skip

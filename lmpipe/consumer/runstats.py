@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from lmpipe.consumer.distributed import Dist
     from lmpipe.consumer.feed import DeviceFeed
     from lmpipe.consumer.scaler import LossScaler
+    from lmpipe.consumer.sinks import Sinks
     from lmpipe.consumer.slots import SlotMeta
     from lmpipe.shared.metrics import TrainerMetrics
 
@@ -144,6 +145,7 @@ class RunStats:
         # here: cudaHostAlloc can wait for the device, a copy into pinned memory does not
         self._host = torch.empty(5, pin_memory=True) if device.type == "cuda" else None
         self._steady_event: torch.cuda.Event | None = None  # the device's end of the first interval
+        self.sinks: Sinks | None = None  # --log-to (rank 0's; the trainer sets it)
 
     @property
     def first(self) -> bool:
@@ -280,6 +282,8 @@ class RunStats:
             "loss_scale": float(c.values[2]) if self.scaler else 1.0,
         }
         self._publish(stats, c)
+        if self.sinks:
+            self.sinks.interval(c.step, stats)
         if not math.isnan(loss):
             summary.losses.append(loss)
         self._history_row(c.step, now, loss, tokens_all, c.wait, c.lr)

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import nullcontext, suppress
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from lmpipe.consumer.receiver import Receiver
 from lmpipe.consumer.report import Announce, Summary
 from lmpipe.consumer.runstats import CompiledGraphs, Progress, RunStats, TrainingDiverged
 from lmpipe.consumer.scaler import LossScaler
+from lmpipe.consumer.sinks import NO_SINKS, Sinks
 from lmpipe.consumer.step import lr_at, resolve_device, resolve_precision
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.security import check_bind
@@ -56,6 +57,8 @@ log = logging.getLogger("lmpipe.trainer")
 
 
 class Trainer:
+    sinks: Sinks = NO_SINKS  # --log-to's, from start() on
+
     def __init__(
         self, pcfg: PipelineConfig, tcfg: TrainConfig, *, data: str = "", data_content: str = "",
         data_versions: str = "", data_objects: dict[str, str] | None = None, eval_batches: list | None = None,
@@ -356,6 +359,10 @@ class Trainer:
             f"; metrics on :{port}" if port else "",
         )
         self._startup.warm_up()  # while producers connect: the compile cache, the compile ahead
+        self.sinks = Sinks(self.cfg.log_to, {"pipeline": asdict(self.pcfg), "train": asdict(self.cfg)},
+                           self.dist.is_main)  # fmt: skip
+        if self.evaluator is not None:
+            self.evaluator.sinks = self.sinks
 
     def run(self, progress: Progress | None = None) -> Summary:
         """Train until `steps`, the end of the data, or request_stop(). `progress(step, stats)` is called
@@ -386,6 +393,7 @@ class Trainer:
             if self.writer is not None and self.dist.is_main:  # none is left in flight after _run
                 self.writer.abandon(self._stop_reason or "training finished")
             self.pipe.stop(self._stop_reason or "training finished")
+            self.sinks.close()
             self.dist.close()
 
     def _run(self, progress: Progress | None) -> Summary:
@@ -395,6 +403,7 @@ class Trainer:
             cfg, self.dist, m, self.feed, self.device, self.scaler, self._published, flops_per_token,
             trained=self.model is not None, started=self._started, step=self.step,
         )  # fmt: skip
+        stats.sinks = self.sinks
         try:
             self._loop(stats, progress)
         except BaseException:
