@@ -64,7 +64,9 @@ CORPUS_FILES = (
 NOT_SHARDS = "--data must be corpus files (text, JSONL, Parquet, Arrow...), not a prepared shard directory"
 ENV_NOTE = (
     "Every option of run, train and produce (and --log-level) can also be set as LMPIPE_<OPTION> in the "
-    "environment, e.g. LMPIPE_SEQ_LEN=256; a flag wins over the variable. `lmpipe COMMAND --help` lists them."
+    "environment, e.g. LMPIPE_SEQ_LEN=256, or in a --config FILE (TOML: seq_len = 256); a flag wins over the "
+    "variable, the variable over the file. `lmpipe COMMAND --help` lists them; `--dry-run` shows where each "
+    "value came from."
 )
 
 
