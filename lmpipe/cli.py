@@ -64,7 +64,9 @@ CORPUS_FILES = (
 NOT_SHARDS = "--data must be corpus files (text, JSONL, Parquet, Arrow...), not a prepared shard directory"
 ENV_NOTE = (
     "Every option of run, train and produce (and --log-level) can also be set as LMPIPE_<OPTION> in the "
-    "environment, e.g. LMPIPE_SEQ_LEN=256; a flag wins over the variable. `lmpipe COMMAND --help` lists them."
+    "environment, e.g. LMPIPE_SEQ_LEN=256, or in a --config FILE (TOML: seq_len = 256); a flag wins over the "
+    "variable, the variable over the file. `lmpipe COMMAND --help` lists them; `--dry-run` shows where each "
+    "value came from."
 )
 
 
@@ -156,11 +158,12 @@ def _add_commands(command) -> None:
         "plot",
         cmd_plot,
         (PlotOptions,),
-        help="draw loss, tokens/s and data wait over steps from a --summary-json file",
-        description="A picture of a run: loss, tokens/s and data wait at each logging interval "
-        "(needs matplotlib: pip install 'lmpipe[plot]').",
+        help="draw loss, eval loss, learning rate, tokens/s and data wait over steps from --summary-json files",
+        description="A picture of one run or several on one figure: training loss (and the held-out eval "
+        "loss), learning rate, tokens/s and data wait at each logging interval, each run's summary numbers in "
+        "its legend (needs matplotlib: pip install 'lmpipe[plot]').",
     )
-    pl.add_argument("summary", help="a file written by --summary-json")
+    pl.add_argument("summary", nargs="+", help="files written by --summary-json, one run each")
     add_settings(pl, PlotOptions, "plot", env=False)
 
 
@@ -180,6 +183,10 @@ def _need_torch() -> None:
 
 def cmd_run(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions) -> int:
     _need_torch()
+    if opts.dry_run:
+        from lmpipe.dryrun import dry_run_train
+
+        return dry_run_train(ns, g, cfg, tcfg, opts, local_producers=True)
     from lmpipe.launch import train
 
     return train(cfg, tcfg, opts, local_producers=True, log_level=g.log_level)
@@ -187,12 +194,20 @@ def cmd_run(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: 
 
 def cmd_train(ns, g: GlobalOptions, cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions) -> int:
     _need_torch()
+    if opts.dry_run:
+        from lmpipe.dryrun import dry_run_train
+
+        return dry_run_train(ns, g, cfg, tcfg, opts, local_producers=False)
     from lmpipe.launch import train
 
     return train(cfg, tcfg, opts, local_producers=False, log_level=g.log_level)
 
 
 def cmd_produce(ns, g: GlobalOptions, cfg: PipelineConfig, opts: ProduceOptions) -> int:
+    if opts.dry_run:
+        from lmpipe.dryrun import dry_run_produce
+
+        return dry_run_produce(ns, g, cfg, opts)
     from lmpipe.procs import produce
 
     return produce(cfg, opts)
@@ -372,8 +387,12 @@ def cmd_plot(ns, g: GlobalOptions, opts: PlotOptions) -> int:
     from lmpipe.plot import plot
 
     assert opts.out is not None  # a required setting
-    n = plot(Path(ns.summary), Path(opts.out))
-    print(f"wrote {opts.out}: {n} logging intervals of {ns.summary}")
+    runs = plot([Path(s) for s in ns.summary], Path(opts.out), opts.label)
+    if len(runs) == 1:
+        print(f"wrote {opts.out}: {len(runs[0].rows)} logging intervals of {ns.summary[0]}")
+    else:
+        each = ", ".join(f"{r.label} ({len(r.rows)} intervals)" for r in runs)
+        print(f"wrote {opts.out}: {len(runs)} runs: {each}")
     return 0
 
 

@@ -37,6 +37,8 @@ from lmpipe.checks import (
     say_no_effect,
 )
 from lmpipe.consumer.config import TrainConfig, per_rank
+from lmpipe.consumer.sinks import missing_package
+from lmpipe.evaldata import check_held_out, held_out
 from lmpipe.live import LiveLine, plain_progress
 from lmpipe.options import ReportOptions
 from lmpipe.procs import LocalProducer, fork_producers, linger, reap, stop_on_signals
@@ -160,7 +162,9 @@ def check_inputs(cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) 
             f"--vocab-size {tcfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size}"
         )
     check_model_folder(cfg, tcfg, tok.vocab_size)
+    check_held_out(cfg, tcfg, tok)  # read; tokenized after the producers are forked (lmpipe/evaldata.py)
     facts = CorpusFacts()
+    facts.inputs += [("the --eval-data file", p) for p in tcfg.eval_data if os.path.isfile(p)]
     if cfg.tokenizer and os.path.isfile(cfg.tokenizer):
         facts.inputs.append(("the --tokenizer", cfg.tokenizer))
     # `lmpipe train --data X` trains on X, not on what a producer serves
@@ -190,9 +194,14 @@ def check_inputs(cfg: PipelineConfig, tcfg: TrainConfig, local_producers: bool) 
 
 
 def check_outputs(
-    cfg: PipelineConfig, tcfg: TrainConfig, opts: ReportOptions, inputs: list[tuple[str, str]]
+    cfg: PipelineConfig,
+    tcfg: TrainConfig,
+    opts: ReportOptions,
+    inputs: list[tuple[str, str]],
+    lock: bool = True,
 ) -> None:
-    """The device, and the places the run writes: checkpoints (locked for this run), doc-log, summary."""
+    """The device, and the places the run writes: checkpoints (locked for this run, unless not `lock`: a
+    dry run makes no folder), doc-log, summary."""
     check_device(tcfg.device)
     check_writable("--checkpoint-dir", tcfg.checkpoint_dir, directory=True)
     if tcfg.checkpoint_dir and (Path(tcfg.checkpoint_dir) / "header.json").is_file():
@@ -200,7 +209,8 @@ def check_outputs(
             f"--checkpoint-dir {tcfg.checkpoint_dir} is one checkpoint; give the folder that holds it "
             f"(--resume {tcfg.checkpoint_dir} resumes from this one)"
         )
-    lock_checkpoint_dir(tcfg)
+    if lock:
+        lock_checkpoint_dir(tcfg)
     check_not_overwritten(tcfg)
     if not tcfg.checkpoint_dir and (tcfg.resume or tcfg.checkpoint_every):  # worked on, then lost at the end
         given = f"--resume {tcfg.resume}" if tcfg.resume else f"--checkpoint-every {tcfg.checkpoint_every}"
@@ -209,6 +219,12 @@ def check_outputs(
     check_writable("--doc-log", tcfg.doc_log)
     check_not_read_back("--doc-log", tcfg.doc_log, cfg.all_data())
     check_writable("--summary-json", opts.summary_json)
+    if why := missing_package(tcfg.log_to):  # an optional extra (consumer/sinks.py)
+        raise SettingsError(why)
+    for spec in tcfg.log_to:
+        check_writable(
+            "--log-to", spec.partition(":")[2] if spec.startswith("tensorboard:") else "", directory=True
+        )
     check_not_an_input([("--doc-log", tcfg.doc_log), ("--summary-json", opts.summary_json)], inputs)
 
 
@@ -226,7 +242,7 @@ def run_trainer(
 
         trainer = Trainer(
             cfg, tcfg, data=facts.data, data_content=facts.content, data_versions=facts.versions,
-            data_objects=facts.objects,
+            data_objects=facts.objects, eval_batches=held_out(cfg, tcfg),
         )  # fmt: skip
     except BaseException:
         for p in procs:

@@ -20,11 +20,24 @@ def log_level_problem(level: str) -> str | None:
 @dataclass
 class GlobalOptions:
     log_level: str = setting("INFO", check=log_level_problem, help="DEBUG, INFO, WARNING or ERROR")
+    config: str | None = setting(
+        None,
+        metavar="FILE",
+        help="a TOML file of settings, `seq_len = 256` (the names --dry-run prints); flags and LMPIPE_ "
+        "variables win over it",
+    )
 
 
 @dataclass
 class ReportOptions:
-    """`lmpipe train` and `lmpipe run`: what happens once training ends."""
+    """`lmpipe train` and `lmpipe run`: a dry run, and what happens once training ends."""
+
+    dry_run: bool = setting(
+        False,
+        env=False,
+        help="print the resolved settings (and where each came from) and what would start, run the checks "
+        "that need no peer, and exit (0, or 2 with the refusal a real start would give); nothing starts",
+    )
 
     summary_json: str | None = setting(None, metavar="FILE", help="write the end-of-run summary as JSON")
     metrics_linger: float = setting(
@@ -52,6 +65,7 @@ class ProduceOptions:
         help="Prometheus /metrics port of this producer (0: any free port, -1: off)",
     )
     metrics_linger: float = inherit(ReportOptions, "metrics_linger")
+    dry_run: bool = inherit(ReportOptions, "dry_run")
     exit_with_parent: bool = setting(
         False, hidden=True, env=False, help="quit when the process that started this one is gone"
     )
@@ -108,4 +122,7 @@ class HealthOptions:
 class PlotOptions:
     out: str | None = setting(
         None, required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)"
+    )
+    label: list[str] = setting(
+        [], metavar="NAME", help="each summary file's name in the legend, in order (default: the file names)"
     )

@@ -25,6 +25,7 @@ from lmpipe.shared.settings import SettingsError
 if TYPE_CHECKING:
     import multiprocessing.process
 
+    from lmpipe.producer.corpora import Corpora
     from lmpipe.zygote import ZygoteProducer
 
 log = logging.getLogger("lmpipe")
@@ -143,15 +144,20 @@ def reap(procs: Sequence[LocalProducer | ZygoteProducer | subprocess.Popen], gra
             p.wait()
 
 
-def produce(cfg: PipelineConfig, opts: ProduceOptions) -> int:
-    """`lmpipe produce`: one producer process, in this process (a forked one runs it too)."""
-    from lmpipe.producer.manager import Producer, ProducerOptions, install_signal_handlers
-
+def check_produce(cfg: PipelineConfig, opts: ProduceOptions) -> Corpora:
+    """What `lmpipe produce` checks before it starts (its --dry-run too): the corpus it would serve."""
     if opts.worker >= cfg.producers:
         raise SettingsError(f"--worker {opts.worker} must be below --producers {cfg.producers}")
     say_no_effect(cfg)
     check_keys(cfg, server=False)
-    check_corpus(cfg, check_tokenizer(cfg))
+    return check_corpus(cfg, check_tokenizer(cfg))
+
+
+def produce(cfg: PipelineConfig, opts: ProduceOptions) -> int:
+    """`lmpipe produce`: one producer process, in this process (a forked one runs it too)."""
+    from lmpipe.producer.manager import Producer, ProducerOptions, install_signal_handlers
+
+    check_produce(cfg, opts)
     p = Producer(
         cfg,
         ProducerOptions(

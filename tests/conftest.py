@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmpipe.shared.tokenizer import load_tokenizer
-from tests.helpers import Procs, free_port_pair
+from tests.helpers import Procs, cli_in_process, free_port_pair
 
 torch.set_num_threads(2)
 
@@ -39,6 +39,27 @@ def tok():
 @pytest.fixture
 def port() -> int:
     return free_port_pair()
+
+
+@pytest.fixture
+def lmpipe_cli(monkeypatch, capsys):
+    """`lmpipe ARGS` run in this process (lmpipe.cli.main, as the console script), with only `env` of
+    LMPIPE_ variables: a namespace of returncode, stdout and stderr."""
+    from types import SimpleNamespace
+
+    from lmpipe import cli
+
+    def run(*args: str, env: dict[str, str] | None = None) -> SimpleNamespace:
+        capsys.readouterr()
+        with cli_in_process(monkeypatch, env):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:  # argparse: a usage mistake (2) or --help (0)
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
 
 
 @pytest.fixture

@@ -412,3 +412,35 @@ def short_texts(n: int, seed: int = 0) -> list[str]:
     """Documents of 1 to 6 words: many per packed row."""
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) for _ in range(n)]
+
+
+# -- the command line in this process -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cli_in_process(monkeypatch, env: dict[str, str] | None = None) -> Iterator[None]:
+    """Run `lmpipe.cli.main` here as a fresh process would: only `env` of LMPIPE_ variables, cwd the repo,
+    os._exit raising SystemExit, the root logger and the signal handlers main() sets put back after."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _exit(code: int) -> None:
+        raise SystemExit(code)
+
+    with monkeypatch.context() as m:
+        for k in [k for k in os.environ if k.startswith("LMPIPE_")]:
+            m.delenv(k)
+        for k, v in (env or {}).items():
+            m.setenv(k, v)
+        m.chdir(REPO)
+        m.setattr(os, "_exit", _exit)
+        try:
+            yield
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
+            for s, h in signals.items():
+                signal.signal(s, h)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from lmpipe.consumer.fast import names as fast_paths
 from lmpipe.consumer.hf_folder import model_problem
+from lmpipe.consumer.sinks import sink_problem
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.settings import at_least, between, positive, setting, validate
 
@@ -38,7 +39,7 @@ COMPILE_MODES = (
 ATTENTIONS = ("auto", "flex", "dense", "flash")
 # transformers' attn_implementation for --model DIR (flash_attention_2 needs the flash-attn package)
 HF_ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2")
-TRAINING, CHECKPOINTS = "training", "checkpoints"
+TRAINING, CHECKPOINTS, EVALUATION = "training", "checkpoints", "evaluation"
 
 
 def device_problem(name: str) -> str | None:
@@ -199,6 +200,33 @@ class TrainConfig:
     )
     wait_timeout: float = setting(
         0.0, check=at_least(0), help="stop when no batch arrived for this many seconds (0: wait forever)"
+    )
+    # held-out loss: the launcher reads the first --eval-batches batches of --eval-data once, with the
+    # producers' own reading, tokenizing and batching (lmpipe/evaldata.py); consumer/evaluate.py scores them
+    eval_data: list[str] = setting(
+        [],
+        group=EVALUATION,
+        metavar="PATH",
+        help="held-out corpus files, directories or prepared shards (anything --data takes): its loss is "
+        "measured every --eval-every steps and at the end, on the same batches each time",
+    )
+    eval_every: int = setting(
+        100, group=EVALUATION, check=at_least(1), metavar="STEPS", help="steps between evaluations"
+    )
+    eval_batches: int = setting(
+        8,
+        group=EVALUATION,
+        check=between(1, 100_000),
+        metavar="K",
+        help="batches of --eval-data each evaluation scores (the first K, in order: the same each time)",
+    )
+    log_to: list[str] = setting(
+        [],
+        check=lambda v: next((why for s in v if (why := sink_problem(s))), None),
+        metavar="tensorboard:DIR|wandb[:PROJECT]",
+        help="also log the run's figures (each logging interval, each evaluation) to TensorBoard event files "
+        "in DIR or to a Weights & Biases run, offline unless WANDB_MODE=online (optional extras: pip install "
+        "'lmpipe[tensorboard]' or 'lmpipe[wandb]')",
     )
     checkpoint_dir: str | None = setting(
         None, group=CHECKPOINTS, metavar="DIR", help="where checkpoints go (none: no checkpoints)"

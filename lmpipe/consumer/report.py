@@ -45,8 +45,10 @@ class Summary:
     first_loss: float = float("nan")
     last_loss: float = float("nan")
     losses: list[float] = field(default_factory=list)
-    # one entry per logging interval: step, elapsed, loss, tokens_per_second, data_wait (`lmpipe plot` draws them)
+    # one entry per logging interval: step, elapsed, loss, lr, tokens_per_second, data_wait (`lmpipe plot`)
     history: list[dict] = field(default_factory=list)
+    eval_loss: float = float("nan")  # on the held-out --eval-data batches, at the last evaluation
+    evals: list[dict] = field(default_factory=list)  # one entry per evaluation: step, eval_loss
     rejected: int = 0
     stale: int = 0
     refused: int = 0  # hellos turned away for good (other settings, a worker id out of range...)
@@ -139,6 +141,7 @@ class Summary:
                 if len(self.losses) > 1
                 else f"loss {self.last_loss:.3f} (one --log-every interval) | "
             )
+            + (f"eval loss {self.eval_loss:.3f} (step {self.evals[-1]['step']}) | " if self.evals else "")
             + f"{self.tokens:,} tokens trained ({self.targets:,} in the loss), "
             + (
                 f"{self.steady_tokens_per_second:,.0f} tok/s steady"

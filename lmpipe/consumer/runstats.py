@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from lmpipe.consumer.distributed import Dist
     from lmpipe.consumer.feed import DeviceFeed
     from lmpipe.consumer.scaler import LossScaler
+    from lmpipe.consumer.sinks import Sinks
     from lmpipe.consumer.slots import SlotMeta
     from lmpipe.shared.metrics import TrainerMetrics
 
@@ -134,6 +135,7 @@ class RunStats:
         self._loss = torch.zeros((), device=device)
         self._targets = self._tokens = 0
         self._wait = 0.0
+        self._lr = math.nan  # the last step's learning rate (the summary's last history row)
         self._unobserved = 0.0  # the wait for the first batch, until the first step puts it in the metric
         self._start: float | None = None
         self._step = step
@@ -143,6 +145,7 @@ class RunStats:
         # here: cudaHostAlloc can wait for the device, a copy into pinned memory does not
         self._host = torch.empty(5, pin_memory=True) if device.type == "cuda" else None
         self._steady_event: torch.cuda.Event | None = None  # the device's end of the first interval
+        self.sinks: Sinks | None = None  # --log-to (rank 0's; the trainer sets it)
 
     @property
     def first(self) -> bool:
@@ -194,7 +197,20 @@ class RunStats:
         m.steps.inc()
         m.data_wait.observe(waited + self._unobserved)
         self._unobserved = 0.0
+        self._lr = lr
         m.lr.set(lr)
+
+    def skip_untrained(self, slots: list, pipe: Any, step: int) -> None:
+        """A step whose batches hold no trained target: its slots released uncopied, the step counted, no
+        update; rank 0 says why, the first time. `step`: the step's number less one."""
+        masked = any(s.has_loss_mask for s in slots)
+        for s in slots:
+            pipe.release(s)  # never copied: free for the next batch at once
+        self.summary.untrained_steps += 1
+        if self.summary.untrained_steps > 1 or not self.dist.is_main:
+            return
+        log.warning("step %d: no trained target in this step's batches (%s); the step is counted, the model "
+                    "is not updated (the summary says how often)", step + 1, untrained_reason(masked))  # fmt: skip
 
     def check_finite(self, step: int) -> None:
         """Before a checkpoint (every rank, the same step): the interval waiting to be reported and the steps
@@ -266,9 +282,11 @@ class RunStats:
             "loss_scale": float(c.values[2]) if self.scaler else 1.0,
         }
         self._publish(stats, c)
+        if self.sinks:
+            self.sinks.interval(c.step, stats)
         if not math.isnan(loss):
             summary.losses.append(loss)
-        self._history_row(c.step, now, loss, tokens_all, c.wait)
+        self._history_row(c.step, now, loss, tokens_all, c.wait, c.lr)
         if not self.dist.is_main:
             pass  # rank 0 speaks for the job
         elif c.progress:
@@ -317,13 +335,15 @@ class RunStats:
             self.summary.losses.append(loss_all / targets_all)
         if step > self._step and self._start is not None and tokens_all:
             loss = loss_all / targets_all if targets_all else math.nan
-            self._history_row(step, time.perf_counter(), loss, tokens_all, self._wait)
+            self._history_row(step, time.perf_counter(), loss, tokens_all, self._wait, self._lr)
 
-    def _history_row(self, step: int, now: float, loss: float, tokens_all: float, wait: float) -> None:
+    def _history_row(
+        self, step: int, now: float, loss: float, tokens_all: float, wait: float, lr: float
+    ) -> None:
         """The summary's row for the interval from self._start to `now` (`lmpipe plot` draws them)."""
         assert self._start is not None
         dt = now - self._start
-        self.summary.history.append({"step": step, "elapsed": now - self.started, "loss": loss,
+        self.summary.history.append({"step": step, "elapsed": now - self.started, "loss": loss, "lr": lr,
                                      "tokens_per_second": tokens_all / dt if dt > 0 else 0.0,  # every rank's
                                      "data_wait": wait / dt if dt > 0 else 0.0})  # fmt: skip
 

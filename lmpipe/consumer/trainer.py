@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import nullcontext, suppress
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from lmpipe.consumer.checkpoint import (
 from lmpipe.consumer.checkpoint_async import CheckpointWriter
 from lmpipe.consumer.config import TrainConfig, per_rank
 from lmpipe.consumer.distributed import from_env
+from lmpipe.consumer.evaluate import Evaluator
 from lmpipe.consumer.feed import DeviceFeed
 from lmpipe.consumer.hf import model_identity
 from lmpipe.consumer.inputs import empty_inputs
@@ -42,15 +43,9 @@ from lmpipe.consumer.pipeline import Pipeline
 from lmpipe.consumer.receiver import Receiver
 from lmpipe.consumer.report import Announce, Summary
 from lmpipe.consumer.resume import restore
-from lmpipe.consumer.runstats import (
-    CompiledGraphs,
-    Progress,
-    RunStats,
-    TrainingDiverged,
-    untrained_reason,
-)
+from lmpipe.consumer.runstats import CompiledGraphs, Progress, RunStats, TrainingDiverged
 from lmpipe.consumer.scaler import LossScaler
-from lmpipe.consumer.slots import HostSlot
+from lmpipe.consumer.sinks import NO_SINKS, Sinks
 from lmpipe.consumer.step import lr_at, resolve_device, resolve_precision
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.security import check_bind
@@ -61,15 +56,17 @@ log = logging.getLogger("lmpipe.trainer")
 
 
 class Trainer:
+    sinks: Sinks = NO_SINKS  # --log-to's, from start() on
+
     def __init__(
         self, pcfg: PipelineConfig, tcfg: TrainConfig, *, data: str = "", data_content: str = "",
-        data_versions: str = "", data_objects: dict[str, str] | None = None,
+        data_versions: str = "", data_objects: dict[str, str] | None = None, eval_batches: list | None = None,
     ):  # fmt: skip
         """`data`, `data_content` and `data_versions`: the corpus the producers must serve (Corpus.fingerprint,
         content_digest and version_digest), where the user named it (lmpipe/launch.py); "": the first producer
         pins it. A resumed checkpoint's own "data" and "data_content" override them; its "data_versions" join
         them. `data_objects`: each remote object's version (Corpus.object_versions), kept in checkpoints so that
-        a refused resume names a rewritten object (lmpipe/checks.py)."""
+        a refused resume names a rewritten object (lmpipe/checks.py). `eval_batches`: consumer/evaluate.py."""
         self._startup = startup.Startup()  # the compile cache, the compile ahead, the time to the first step
         check_bind(pcfg.host, pcfg.trusted_network, pcfg.curve_dir)
         self.dist = from_env(tcfg.device)
@@ -114,6 +111,9 @@ class Trainer:
             self.pipe.session,
         )
         self.table, self.slots, self.fingerprint = self.pipe.table, self.pipe.slots, self.pipe.fingerprint
+        self.evaluator = None if self.model is None or not eval_batches else Evaluator(
+            eval_batches, tcfg.eval_every, self.model, self.runner._autocast, self.device, tcfg.attention,
+            self.mask_cache, self.metrics)  # fmt: skip
         self.step = 0
         self.data_objects = dict(data_objects or {}) if data else {}  # per object (header "data_objects")
         self.checkpoints = (
@@ -127,9 +127,7 @@ class Trainer:
         self._resume(tcfg, "" if tcfg.consume_only else built.fast_line)
         self._stop_reason = ""
         self.failure: str | None = None  # why the run stopped on a problem (the command then exits 1)
-        self.health_check: Callable[[], str | None] | None = (
-            None  # optional callable: returns a reason to stop (e.g. a dead producer)
-        )
+        self.health_check: Callable[[], str | None] | None = None  # a reason to stop (e.g. a dead producer)
         self.metrics.info.info(
             {
                 "model": tcfg.model,
@@ -288,6 +286,10 @@ class Trainer:
             f"; metrics on :{port}" if port else "",
         )
         self._startup.warm_up()  # while producers connect: the compile cache, the compile ahead
+        self.sinks = Sinks(self.cfg.log_to, {"pipeline": asdict(self.pcfg), "train": asdict(self.cfg)},
+                           self.dist.is_main)  # fmt: skip
+        if self.evaluator is not None:
+            self.evaluator.sinks = self.sinks
 
     def run(self, progress: Progress | None = None) -> Summary:
         """Train until `steps`, the end of the data, or request_stop(). `progress(step, stats)` is called
@@ -318,6 +320,7 @@ class Trainer:
             if self.writer is not None and self.dist.is_main:  # none is left in flight after _run
                 self.writer.abandon(self._stop_reason or "training finished")
             self.pipe.stop(self._stop_reason or "training finished")
+            self.sinks.close()
             self.dist.close()
 
     def _run(self, progress: Progress | None) -> Summary:
@@ -328,6 +331,7 @@ class Trainer:
             trained=self.model is not None, started=self._started, step=self.step,
         )  # fmt: skip
         stats.summary.topology = reshard.summary(self.layout)
+        stats.sinks = self.sinks
         try:
             self._loop(stats, progress)
         except BaseException:
@@ -338,6 +342,8 @@ class Trainer:
                     stats.report()
             raise
         stats.close_tail(self.step)
+        if self.evaluator is not None:  # at the end too, unless the last step was just evaluated
+            self.evaluator.maybe(self.step, stats.summary, end=True, is_main=self.dist.is_main)
         self._startup.save(self.step)  # graphs compiled after the first step, if any
         # at the end, and after SIGTERM/SIGINT once the current step is done (rank 0 decides for all)
         if self.dist.broadcast(self.writer is not None and self.step and not self.writer.holds(self.step)):
@@ -377,7 +383,7 @@ class Trainer:
                     self.pipe.copy(s)
                 loss_sum = norm = no_loss
             elif all_targets == 0:  # every rank agrees: nothing to learn here, and no update to make
-                self._skip_untrained(slots, stats)
+                stats.skip_untrained(slots, self.pipe, self.step)
                 loss_sum = norm = no_loss
             else:
                 micro = [self.pipe.to_device(s) for s in slots]
@@ -416,14 +422,5 @@ class Trainer:
                 self.save_checkpoint()
             if stats.due(self.step):
                 stats.close_interval(self.step, lr, norm, progress)
-
-    def _skip_untrained(self, slots: list[HostSlot], stats: RunStats) -> None:
-        """A step whose batches hold no trained target: counted, no update; rank 0 says why, the first time."""
-        masked = any(s.has_loss_mask for s in slots)
-        for s in slots:
-            self.pipe.release(s)  # never copied: free for the next batch at once
-        stats.summary.untrained_steps += 1
-        if stats.summary.untrained_steps > 1 or not self.dist.is_main:
-            return
-        log.warning("step %d: no trained target in this step's batches (%s); the step is counted, the model "
-                    "is not updated (the summary says how often)", self.step + 1, untrained_reason(masked))  # fmt: skip
+            if self.evaluator is not None:
+                self.evaluator.maybe(self.step, stats.summary, is_main=self.dist.is_main)

@@ -18,14 +18,7 @@ import platform
 from typing import Any
 
 import prometheus_client
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    Info,
-    ProcessCollector,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
@@ -50,9 +43,9 @@ REJECT_REASONS = (
     "bad_frames", "oversized", "bad_batch", "bad_worker", "bad_control", "handshake",
 )  # fmt: skip
 STALE_REASONS = ("old_session", "duplicate", "gap", "not_holder")
+LEAVE_REASONS = ("bye", "closed", "silent", "stopped")  # lmpipe_trainer_producer_leaves_total{reason}
 # Why the trainer turned a producer's hello away; each makes the producer exit 2 (nothing is retried). Since
 # the trainer assigns shards, no worker id can be taken or held: `bad_worker_id` and `busy` are gone.
-LEAVE_REASONS = ("bye", "closed", "silent", "stopped")  # lmpipe_trainer_producer_leaves_total{reason}
 REFUSAL_REASONS = ("config_mismatch", "wire_version", "worker_stopped", "malformed")
 HANDSHAKE_RESULTS = ("welcome", "refuse")
 CACHES = ("causal_mask",)
@@ -414,6 +407,11 @@ class TrainerMetrics:
         """The model's training: loss, learning rate, gradients, loss scaling."""
         self.loss = Gauge(
             "lmpipe_trainer_loss", "Training loss at the last logging interval (NaN before it)", registry=r
+        )
+        self.eval_loss = Gauge(
+            "lmpipe_trainer_eval_loss",
+            "Loss on the held-out --eval-data batches at the last evaluation (NaN before it)",
+            registry=r,
         )
         self.lr = Gauge(
             "lmpipe_trainer_learning_rate", "Learning rate (NaN before the first step)", registry=r

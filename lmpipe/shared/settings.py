@@ -15,7 +15,9 @@ A settings class is a dataclass whose fields are made with `setting(...)`. From 
 - `name_sources(message, ns, classes)`: messages are written once, naming a setting as `--flag VALUE` (or
   `--flag: ...`); where the environment gave that value, the variable is named instead, as a single
   field's error does (`LMPIPE_SEQ_LEN=256`). from_args does it for cross_check(), the CLI for later checks;
-- `to_argv(cfg)` gives the flags that reproduce `cfg` (how `lmpipe run` starts its producers).
+- `to_argv(cfg)` gives the flags that reproduce `cfg` (how `lmpipe run` starts its producers);
+- `--config FILE` (TOML, `seq_len = 256`: shared/settings_file.py) fills what neither a flag nor a variable
+  gave, for every command: the top parser applies it after its subcommand's parser filled its settings.
 Nothing here imports torch: the parsers stay quick for `lmpipe --help` and the producer processes.
 """
 
@@ -37,6 +39,8 @@ from typing import Any
 ENV_PREFIX = "LMPIPE_"
 _META = "lmpipe.setting"
 _SOURCES = "_setting_sources"  # namespace attribute: dest -> the flag or variable its value came from
+_FILLED = "_setting_specs"  # namespace attribute: dest -> the Spec of each setting the parsers filled
+CONFIG = "config"  # the global setting naming a config file (lmpipe/options.py; shared/settings_file.py)
 # to_argv's value for an empty list or a None (`--data=<none>`, `--tokenizer=<none>`): a user's empty value
 # (`--data "$UNSET"`, `--checkpoint-dir "$UNSET"`) is an error, not the built-in corpus or no checkpoints
 _NONE = "<none>"
@@ -190,6 +194,19 @@ def _show(v: Any) -> str:
     return str(v)
 
 
+def source_of(ns: argparse.Namespace, spec: Spec) -> str:
+    """Where a parsed setting's value came from: `--flag`, `LMPIPE_X`, a config file's `FILE: key`, or
+    `default`."""
+    return getattr(ns, _SOURCES, {}).get(spec.dest) or "default"
+
+
+def show(v: Any) -> str:
+    """A setting's value as help and --dry-run print it: on/off, none, the items of a list."""
+    if isinstance(v, list) and v:
+        return " ".join(shlex.quote(str(x)) for x in v)
+    return _show(v)
+
+
 # -- argparse -----------------------------------------------------------------------------------------
 
 
@@ -206,7 +223,9 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         ns, extras = super().parse_known_args(args, namespace)
         sources = ns.__dict__.setdefault(_SOURCES, {})
+        filled = ns.__dict__.setdefault(_FILLED, {})  # a subcommand's parser's, copied up with its values
         for spec in self._fill:
+            filled[spec.dest] = spec
             if hasattr(ns, spec.dest):  # given as a flag (here, or to a subcommand and copied up)
                 sources.setdefault(spec.dest, "--" + spec.flag)
                 continue
@@ -220,7 +239,23 @@ class Parser(argparse.ArgumentParser):
                     self.error(f"{spec.env}: {exc}")
                 sources[spec.dest] = spec.env
             setattr(ns, spec.dest, value)
+        if any(spec.dest == CONFIG for spec in self._fill) and getattr(ns, CONFIG, None):
+            from lmpipe.shared.settings_file import apply_config
+
+            try:  # the parser that fills --config (the top one) applies it, to every setting parsed
+                apply_config(ns, ns.config, filled, sources, self._every_setting())
+            except SettingsError as exc:
+                self.error(str(exc))
         return ns, extras
+
+    def _every_setting(self) -> set[str]:
+        """The names of the settings of this parser and its subcommands' (a key of another command's)."""
+        names = {spec.dest for spec in self._fill}
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    names |= sub._every_setting() if isinstance(sub, Parser) else set()
+        return names
 
 
 def _argtype(spec: Spec, required: bool) -> Callable[[str], Any]:

@@ -40,7 +40,7 @@ def test_a_run_summary_becomes_a_picture(tmp_path):
     r = lmpipe("plot", str(summary), "--out", "run.png", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"wrote run.png: 4 logging intervals of {summary}"
-    assert png_size(tmp_path / "run.png") == (800, 800), "8 x 8 inches at 100 dpi"
+    assert png_size(tmp_path / "run.png") == (1200, 800), "12 x 8 inches at 100 dpi"
 
 
 def test_plot_refuses_what_it_cannot_draw_in_one_line(tmp_path):

@@ -58,6 +58,7 @@ TRAIN = TrainConfig(
     compile_cache="cc", compile_ahead=False,
     grad_reduce="bf16", copy_stream=False, tf32=False, log_every=2, slots=6, threads=1, seed=9, metrics_port=-1, shards=5, doc_log="d.jsonl",
     wait_timeout=1.5, checkpoint_dir="ck", checkpoint_every=5, keep_checkpoints=2, resume="auto", checkpoint_mode="async",
+    eval_data=["held.txt", "held2.jsonl"], eval_every=7, eval_batches=3, log_to=["tensorboard:tb", "wandb:proj"],
 )  # fmt: skip
 
 

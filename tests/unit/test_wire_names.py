@@ -22,8 +22,8 @@ def test_a_version_3_hello_decodes_and_is_refused_by_its_version():
     old = msgpack.packb({"type": "hello", "worker": 1, "fingerprint": {}, "wire": 3, "pid": 5, "host": "h"})
     hello = messages.unpack(old)
     assert (hello.wire, hello.producer) == (3, -1)
-    assert WIRE_VERSION == 5
+    assert WIRE_VERSION == 6
     assert version_skew(hello.wire) == (
-        "wire version mismatch: the producer speaks wire version 3, the trainer speaks wire version 5; "
+        "wire version mismatch: the producer speaks wire version 3, the trainer speaks wire version 6; "
         "run the same lmpipe version on both sides"
     )
