@@ -196,7 +196,7 @@ class TrainConfig:
         "checkpoints; the trainer spreads them over whichever producers are connected",
     )
     doc_log: str | None = setting(
-        None, metavar="FILE", help="append every trained (worker, seq, doc pieces) as JSON lines"
+        None, metavar="FILE", help="append every trained (shard, seq, doc pieces) as JSON lines"
     )
     wait_timeout: float = setting(
         0.0, check=at_least(0), help="stop when no batch arrived for this many seconds (0: wait forever)"

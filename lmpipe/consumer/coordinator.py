@@ -408,7 +408,7 @@ class Coordinator:
         if w.failed:
             return
         w.failed = reason
-        self.metrics.workers_failed.set(sum(1 for x in self.ledger.shards if x.failed))
+        self.metrics.shards_failed.set(sum(1 for x in self.ledger.shards if x.failed))
         log.error("stopped shard %d: %s. %s", shard, reason, ADVICE)
         p = self.producers.get(w.identity) if w.identity is not None else None
         if p is not None:

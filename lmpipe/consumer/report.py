@@ -321,7 +321,7 @@ class DocLog:
             pieces = [[int(a), int(b), int(c)] for a, b, c in zip(m.doc_id, m.doc_start, m.doc_len)]
             rows.append(
                 {
-                    "worker": m.shard,
+                    "shard": m.shard,
                     "seq": m.seq,
                     "session": m.session,
                     "docs": pieces,
@@ -350,6 +350,6 @@ def _parts(m: SlotMeta) -> list[dict]:
         pieces = [
             [int(x), int(y), int(z)] for x, y, z in zip(m.doc_id[a:b], m.doc_start[a:b], m.doc_len[a:b])
         ]
-        out.append({"worker": p.shard, "seq": p.seq, "session": p.session, "source": p.source, "docs": pieces,
+        out.append({"shard": p.shard, "seq": p.seq, "session": p.session, "source": p.source, "docs": pieces,
                     "targets": p.targets})  # fmt: skip
     return out

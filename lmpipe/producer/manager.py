@@ -133,7 +133,7 @@ class Producer:
         self._parent = os.getppid()
         self.metrics.info.info(
             {
-                "worker": str(self.worker),
+                "producer": str(self.worker),
                 "strategy": cfg.strategy,
                 "tokenizer": self.tok.hash,
                 "corpus": short_hash(self.corpora.fingerprint()),  # an id, not prose (the log describes it)

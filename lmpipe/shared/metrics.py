@@ -50,7 +50,7 @@ REFUSAL_REASONS = ("config_mismatch", "wire_version", "worker_stopped", "malform
 HANDSHAKE_RESULTS = ("welcome", "refuse")
 CACHES = ("causal_mask",)
 GPU_MEMORY_KINDS = ("allocated", "reserved", "peak")
-UNASSIGNED = "unassigned"  # the producer's `worker` label before the trainer gave it an id (--worker -1)
+UNASSIGNED = "unassigned"  # the producer's `producer` label before the trainer gave it an id (--worker -1)
 
 
 def _init_labels(metric, values) -> None:
@@ -102,28 +102,28 @@ def serve(registry: CollectorRegistry, port: int | None, addr: str = "127.0.0.1"
 
 
 class _Bound:
-    """A labelled family with its leading `worker` label filled in: `.labels(reason)` gives the child for
-    (worker, reason), so callers count per reason without knowing about the worker label."""
+    """A labelled family with its leading `producer` label filled in: `.labels(reason)` gives the child for
+    (producer, reason), so callers count per reason without knowing about the producer label."""
 
-    def __init__(self, family: MetricWrapperBase, worker: str):
-        self.family, self.worker = family, worker
+    def __init__(self, family: MetricWrapperBase, producer: str):
+        self.family, self.producer = family, producer
 
     def labels(self, *values: str) -> Any:
-        return self.family.labels(self.worker, *values)
+        return self.family.labels(self.producer, *values)
 
 
 class ProducerMetrics:
-    """Every series carries `worker`: this producer's own number (`--worker`, or the one `lmpipe run` gave
-    it; `unassigned` with --worker -1), which names it in logs as `[producer N]`. It is not the trainer's
-    `worker` label, which is a shard id: a producer holds any number of shards. `bind` moves the series to
-    another number; the old number's counters stay and its gauges are removed."""
+    """Every series carries `producer`: this producer's own number (`--worker`, or the one `lmpipe run` gave
+    it; `unassigned` with --worker -1), which names it in logs as `[producer N]`; the trainer's per-shard
+    series carry `shard` instead (a producer holds any number of shards). `bind` moves the series to another
+    number; the old number's counters stay and its gauges are removed."""
 
     def __init__(self, strategy: str = "pack", registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
         self.strategy = strategy
         self.build = build_info(r, "producer")
         self.info = Info("lmpipe_producer", "Producer identity and configuration", registry=r)
-        w = ["worker"]
+        w = ["producer"]
         self._documents = Counter("lmpipe_producer_documents", "Documents tokenized", w, registry=r)
         self._tokens = Counter(
             "lmpipe_producer_tokens", "Real tokens sent in batches", [*w, "strategy"], registry=r
@@ -314,7 +314,7 @@ class TrainerMetrics:
             buckets=LATENCY_BUCKETS,
         )
         self.received = Counter(
-            "lmpipe_trainer_batches_received", "Valid batches received", ["worker"], registry=r
+            "lmpipe_trainer_batches_received", "Valid batches received, by shard", ["shard"], registry=r
         )
         self.rejected = Counter(
             "lmpipe_trainer_batches_rejected", "Messages dropped as malformed", ["reason"], registry=r
@@ -382,13 +382,13 @@ class TrainerMetrics:
         )
         self.stream_resets = Counter(
             "lmpipe_trainer_stream_resets",
-            "Requests to a producer to resend from its consumed cursor (a batch missing or rejected)",
-            ["worker"],
+            "Requests to a producer to resend from its consumed cursor (a batch missing or rejected), by shard",
+            ["shard"],
             registry=r,
         )
-        self.workers_failed = Gauge(
-            "lmpipe_trainer_workers_failed",
-            "Worker ids stopped for good: their batches were rejected every time they were sent",
+        self.shards_failed = Gauge(
+            "lmpipe_trainer_shards_failed",
+            "Shards stopped for good: their batches were rejected every time they were sent",
             registry=r,
         )
         self.data_disconnects = Counter(

@@ -245,12 +245,12 @@ def check_doc_log(path: Path, tok) -> dict:
     last_doc: dict[int, int] = {}
     for line in path.read_text().splitlines():
         for b in json.loads(line)["batches"]:
-            per_worker.setdefault(b["worker"], []).append(b["seq"])
+            per_worker.setdefault(b["shard"], []).append(b["seq"])
             for did, start, n in b["docs"]:
                 assert 0 <= did < DOCS, f"document {did} is not in the corpus: a forged batch was trained"
-                assert did % SHARDS == b["worker"], f"document {did} trained as shard {b['worker']}'s"
+                assert did % SHARDS == b["shard"], f"document {did} trained as shard {b['shard']}'s"
                 pieces.setdefault(did, []).append((start, n))
-                last_doc[b["worker"]] = did
+                last_doc[b["shard"]] = did
     for w, seqs in per_worker.items():
         assert seqs == list(range(1, len(seqs) + 1)), f"shard {w}: seqs {seqs[:5]}... not 1..K in order"
     ids = sorted(pieces)

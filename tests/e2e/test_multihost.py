@@ -170,7 +170,7 @@ def test_three_producer_hosts_feed_one_trainer(bed, tmp_path, tok):
         assert producers[host].wait(timeout=15) == 0, bed.log(producers[host])
     out = json.loads(summary.read_text())
     assert out["stopped_by"] == "end of data" and out["rejected"] == 0 and out["stale"] == 0
-    assert {b["worker"] for e in doc_log_entries(log) for b in e["batches"]} == set(range(16))
+    assert {b["shard"] for e in doc_log_entries(log) for b in e["batches"]} == set(range(16))
     assert_exactly_once(read_doc_log(log), builtin_lengths(tok, docs))
 
 
@@ -190,7 +190,7 @@ def test_a_partitioned_host_rejoins_and_every_document_is_trained_once(bed, tmp_
     sent = "lmpipe_producer_batches_sent_total"
 
     def received(m: dict, host: str) -> float:
-        return sum(sample(m, "lmpipe_trainer_batches_received_total", worker=str(s)) for s in shards[host])
+        return sum(sample(m, "lmpipe_trainer_batches_received_total", shard=str(s)) for s in shards[host])
 
     bed.cut(cut_host)
     t_cut, steps_at_cut = time.monotonic(), steps_logged(log)
@@ -207,7 +207,7 @@ def test_a_partitioned_host_rejoins_and_every_document_is_trained_once(bed, tmp_
     assert sample(end[1], sent) == sample(mid[1], sent), "no batch left the cut host"
     assert min(connected) == 2, "the trainer saw the cut host's heartbeats stop"
     during = doc_log_entries(log)[steps_at_cut:steps_at_restore]
-    fed = sum(1 for e in during if any(b["worker"] not in w for b in e["batches"]))
+    fed = sum(1 for e in during if any(b["shard"] not in w for b in e["batches"]))
     assert fed >= 20, f"the trainer kept stepping on the other hosts ({fed} steps in {cut_seconds} s)"
     assert all(received(end[0], o) > received(mid[0], o) for o in others), "both other hosts fed it"
     assert "finished" not in bed.log(producers[cut_host])
@@ -225,9 +225,7 @@ def test_a_partitioned_host_rejoins_and_every_document_is_trained_once(bed, tmp_
     out = json.loads(summary.read_text())
     assert out["stopped_by"] == "end of data" and out["rejected"] == 0
     entries = doc_log_entries(log)
-    assert any(b["worker"] in w for e in entries[steps_at_restore:] for b in e["batches"]), (
-        "the host rejoined"
-    )
+    assert any(b["shard"] in w for e in entries[steps_at_restore:] for b in e["batches"]), "the host rejoined"
     assert "left" not in bed.log(trainer), "a cut shorter than 30 s keeps the host's shards where they were"
     assert len({b["session"] for e in entries for b in e["batches"]}) == 1
     assert_exactly_once(read_doc_log(log), builtin_lengths(tok, docs))
@@ -247,7 +245,7 @@ def test_a_slow_link_shows_in_its_producers_metrics(bed, tmp_path):
     shards = {host: shards_of(bed, p) for host, p in producers.items()}
 
     def received(m: dict, host: str) -> float:
-        return sum(sample(m, "lmpipe_trainer_batches_received_total", worker=str(s)) for s in shards[host])
+        return sum(sample(m, "lmpipe_trainer_batches_received_total", shard=str(s)) for s in shards[host])
 
     # the fast hosts have handed their whole epoch to their sockets and the trainer has taken a dozen
     # batches from each: how far has the slow host come meanwhile?
@@ -328,7 +326,7 @@ def test_a_host_replaced_while_cut_off_rejoins_when_it_returns_and_nothing_is_tr
     per_shard: dict[int, list[int]] = {}
     for e in doc_log_entries(log):
         for b in e["batches"]:
-            per_shard.setdefault(b["worker"], []).append(b["seq"])
+            per_shard.setdefault(b["shard"], []).append(b["seq"])
     assert all(seqs == list(range(1, len(seqs) + 1)) for seqs in per_shard.values()), per_shard
     lengths = builtin_lengths(tok, docs)
     for did, parts in read_doc_log(log).items():

@@ -72,7 +72,7 @@ def test_kill_trainer_at_a_random_step(procs, tmp_path, port, tok, strategy):
     entries = doc_log_entries(log)
     assert_exactly_once(trained_pieces(entries, first_session, s), builtin_lengths(tok, 240))
     # the batches lost with the killed trainer came back identical
-    key = lambda b: (b["worker"], b["seq"])  # noqa: E731
+    key = lambda b: (b["shard"], b["seq"])  # noqa: E731
     lost = {key(b): b["docs"] for e in first if e["step"] >= s for b in e["batches"]}
     replayed = {
         key(b): b["docs"]

@@ -32,16 +32,16 @@ def test_every_producer_contributes_and_every_document_is_trained_once(procs, tm
     assert p.poll() is None, "--metrics-linger keeps /metrics up for the scrape"
     trainer = scrape(metrics)
     producer_sent = [
-        scrape(metrics + 1 + i).get("lmpipe_producer_batches_sent_total", worker=str(i))
+        scrape(metrics + 1 + i).get("lmpipe_producer_batches_sent_total", producer=str(i))
         for i in range(producers)
     ]
 
     assert_exactly_once(read_doc_log(log), builtin_lengths(tok, DOCS))
     trained = Counter(
-        b["worker"] for line in log.read_text().splitlines() for b in json.loads(line)["batches"]
+        b["shard"] for line in log.read_text().splitlines() for b in json.loads(line)["batches"]
     )
     assert sorted(trained) == list(range(SHARDS)), f"every shard was served: {trained}"
-    received = trainer.by_label("lmpipe_trainer_batches_received_total", "worker")
+    received = trainer.by_label("lmpipe_trainer_batches_received_total", "shard")
     assert {s: received[str(s)] for s in range(SHARDS)} == {s: float(trained[s]) for s in range(SHARDS)}
     # each producer holds SHARDS / producers shards of about the same size: none starves
     mean = sum(producer_sent) / producers

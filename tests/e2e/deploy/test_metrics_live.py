@@ -66,13 +66,13 @@ def finite_run(tmp_path_factory):
 
 # The minimum set of DESIGN.md, by process: sample names that must be served (with every known label value).
 PRODUCER_MINIMUM = {
-    "lmpipe_producer_documents_total": ("worker", None),
+    "lmpipe_producer_documents_total": ("producer", None),
     "lmpipe_producer_tokens_total": ("strategy", ("pack",)),
     "lmpipe_producer_padding_tokens_total": ("strategy", ("pack",)),
-    "lmpipe_producer_batches_sent_total": ("worker", None),
+    "lmpipe_producer_batches_sent_total": ("producer", None),
     "lmpipe_producer_bad_records_total": ("reason", BAD_RECORD_REASONS),
-    "lmpipe_producer_tokenize_seconds_count": ("worker", None),
-    "lmpipe_producer_send_blocked_seconds_total": ("worker", None),
+    "lmpipe_producer_tokenize_seconds_count": ("producer", None),
+    "lmpipe_producer_send_blocked_seconds_total": ("producer", None),
 }
 TRAINER_MINIMUM = {
     "lmpipe_trainer_tokens_total": None,
@@ -81,7 +81,7 @@ TRAINER_MINIMUM = {
     "lmpipe_trainer_step_seconds_count": None,
     "lmpipe_trainer_data_wait_seconds_count": None,
     "lmpipe_trainer_h2d_seconds_count": None,
-    "lmpipe_trainer_batches_received_total": ("worker", ("0", "1")),
+    "lmpipe_trainer_batches_received_total": ("shard", ("0", "1")),
     "lmpipe_trainer_batches_rejected_total": ("reason", REJECT_REASONS),
     "lmpipe_trainer_stale_batches_total": ("reason", STALE_REASONS),
     "lmpipe_trainer_ready_slots": None,
@@ -166,22 +166,22 @@ def test_every_minimum_metric_is_served_by_its_process_with_sane_values(finite_r
 
     workers = set()
     for p in producers:
-        # every producer series carries the worker id: `lmpipe run` starts worker i with --worker i
-        (w,) = {dict(lb).get("worker") for (n, lb) in p.samples if n.startswith("lmpipe_producer_")}
+        # every producer series carries its number: `lmpipe run` starts producer i with --worker i
+        (w,) = {dict(lb).get("producer") for (n, lb) in p.samples if n.startswith("lmpipe_producer_")}
         workers.add(w)
-        assert p.get("lmpipe_producer_documents_total", worker=w) > 0
-        assert p.get("lmpipe_producer_tokens_total", strategy="pack", worker=w) > 0
-        assert p.get("lmpipe_producer_batches_sent_total", worker=w) > 0
+        assert p.get("lmpipe_producer_documents_total", producer=w) > 0
+        assert p.get("lmpipe_producer_tokens_total", strategy="pack", producer=w) > 0
+        assert p.get("lmpipe_producer_batches_sent_total", producer=w) > 0
         assert set(p.by_label("lmpipe_producer_bad_records_total", "reason").values()) == {0.0}, (
             "clean corpus"
         )
-        count, total = p.histogram("lmpipe_producer_tokenize_seconds", worker=w)
+        count, total = p.histogram("lmpipe_producer_tokenize_seconds", producer=w)
         assert count > 0 and total > 0
-        assert p.get("lmpipe_producer_send_blocked_seconds_total", worker=w) >= 0
-        assert p.get("lmpipe_producer_handshakes_total", result="welcome", worker=w) == 1
-        assert p.get("lmpipe_producer_epoch", worker=w) == 0, "one epoch, counted from 0"
-        assert p.get("lmpipe_producer_cursor_position", worker=w) > 0
-    assert workers == {"0", "1"}, "the workers' series join the trainer's batches_received{worker}"
+        assert p.get("lmpipe_producer_send_blocked_seconds_total", producer=w) >= 0
+        assert p.get("lmpipe_producer_handshakes_total", result="welcome", producer=w) == 1
+        assert p.get("lmpipe_producer_epoch", producer=w) == 0, "one epoch, counted from 0"
+        assert p.get("lmpipe_producer_cursor_position", producer=w) > 0
+    assert workers == {"0", "1"}, "the producers' own numbers, as in their log lines' [producer N]"
 
     mid = finite_run.trainer_mid
     for name in ("lmpipe_trainer_tokens_total", "lmpipe_trainer_steps_total"):
@@ -204,8 +204,8 @@ def test_tokens_sent_equal_tokens_trained(finite_run):
     assert sum(total(p, "lmpipe_producer_documents_total") for p in producers) == 400, "one epoch of 400 docs"
     sent: dict[str, float] = {}
     for p in producers:
-        sent.update(p.by_label("lmpipe_producer_batches_sent_total", "worker"))
-    received = t.by_label("lmpipe_trainer_batches_received_total", "worker")
+        sent.update(p.by_label("lmpipe_producer_batches_sent_total", "producer"))
+    received = t.by_label("lmpipe_trainer_batches_received_total", "shard")
     # producers label their series with their own --worker number, the trainer with shards: totals agree
     assert sum(sent.values()) == sum(received.values()), "every batch sent was received"
     assert sum(sent.values()) == t.get("lmpipe_trainer_steps_total"), "one batch per step (--accum 1)"

@@ -198,8 +198,8 @@ def test_the_autoscaling_query_asks_for_the_producers_the_trainer_needs(
         'lmpipe_trainer_producers_connected{job="trainer"}': "2+0x20",
         'lmpipe_trainer_step_seconds_sum{job="trainer"}': "0+60x20",
         'lmpipe_trainer_data_waiting_seconds_total{job="trainer"}': f"0+{wait_per_min}x20",
-        'lmpipe_producer_send_blocked_seconds_total{job="producer",worker="0"}': f"0+{blocked_per_min}x20",
-        'lmpipe_producer_send_blocked_seconds_total{job="producer",worker="1"}': f"0+{blocked_per_min}x20",
+        'lmpipe_producer_send_blocked_seconds_total{job="producer",producer="0"}': f"0+{blocked_per_min}x20",
+        'lmpipe_producer_send_blocked_seconds_total{job="producer",producer="1"}': f"0+{blocked_per_min}x20",
     }
     r = _rule_test(tmp_path, series, want)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, f"{case}: {r.stdout}{r.stderr}"
