@@ -480,6 +480,8 @@ class Coordinator:
         self.stop_reason = reason
         if reason and self._router is not None:
             for p in self.producers.values():
+                if p.identity in self._closing:  # its connection closed already: no bye will come
+                    continue
                 self._send(p.identity, messages.Stop(reason))
                 # Every open connection, not only producers heard from lately: behind a congested link
                 # a live producer's hellos arrive late. A dead one's connection closes (heartbeats).

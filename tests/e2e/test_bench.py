@@ -70,3 +70,12 @@ def test_bench_host_times_each_part_of_a_step_and_writes_outside_bench_results(t
     rows = [line for line in parts[1].split("\n\n")[1].splitlines() if line.startswith("|")][2:]
     assert rows and all(float(r.split("|")[2].replace(",", "")) >= 0 for r in rows), parts[1][:2000]
     assert digest() == before, "a smoke run changed bench/results"
+
+
+@pytest.mark.parametrize("module", ["bench.warm_start", "bench.checkpoint_write", "bench.mixture"])
+def test_the_session_s_gpu_benchmarks_start(module):
+    """Their measurements ran on an H200 (bench/results/*-h200-2026-11-28*.md); here, within CI's budget,
+    that each still imports and parses its command line (bench.checkpoint_cost keeps a smoke run:
+    tests/e2e/test_checkpoint_cost.py)."""
+    out = bench(module, "--help")
+    assert out.returncode == 0 and "--out" in out.stdout, out.stderr[-2000:]

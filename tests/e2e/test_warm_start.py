@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO, lmpipe_env, run_lmpipe, small_run
+from tests.helpers import run_lmpipe, small_run
 
 
 def test_a_resumed_compile_run_starts_warm_and_splits_its_first_step(tmp_path, port, monkeypatch):
@@ -50,31 +49,3 @@ def test_a_resumed_compile_run_starts_warm_and_splits_its_first_step(tmp_path, p
     assert re.search(
         r"first step [\d.]+ s after start \(start-up [\d.]+ s, compile [\d.]+ s, cache warm, ", line
     )
-
-
-def test_the_warm_start_benchmark_runs_in_its_smoke_form(tmp_path):
-    """bench.warm_start as the GPU machine runs it, tiny and uncompiled on CPU: a cold start killed -9 after its
-    checkpoint, the restart, the reference loop's cold start; its table, never into bench/results."""
-    wikitext = tmp_path / "wt2"
-    wikitext.mkdir()
-    text = "".join(
-        f" = Heading {i} = \n\n Sentence {i} of a document about item {i % 7} .\n\n" for i in range(300)
-    )
-    for name in ("valid.txt", "test.txt"):
-        (wikitext / name).write_text(text)
-    results = sorted(p.name for p in (REPO / "bench" / "results").iterdir())
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.warm_start", "--smoke", "--work", str(tmp_path / "work"), "--out",
-         str(tmp_path / "out")],
-        cwd=REPO, env={**lmpipe_env(), "LMPIPE_WIKITEXT": str(wikitext)}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    rows = [
-        ln for ln in out.stdout.splitlines() if ln.startswith("| lmpipe") or ln.startswith("| DataLoader")
-    ]
-    assert [r.split("|")[2].strip() for r in rows] == [
-        "cold start", "warm restart (--resume auto after kill -9)", "cold start"
-    ], out.stdout[-3000:]  # fmt: skip
-    assert all(float(r.split("|")[3]) > 0 for r in rows), rows
-    assert list((tmp_path / "out").glob("warm-start-*.md"))
-    assert sorted(p.name for p in (REPO / "bench" / "results").iterdir()) == results
