@@ -31,15 +31,6 @@ from lmpipe.shared.sockets import endpoints
 from tests.helpers import REPO
 
 
-@dataclass
-class Result:
-    """What a command line gave: its exit status and what it wrote."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @contextlib.contextmanager
 def process_state():
     """What main() sets up for the process it runs in and a fresh process never gets back: the root logger
@@ -56,32 +47,10 @@ def process_state():
             signal.signal(s, h)
 
 
-def _exit(code: int) -> None:
-    raise SystemExit(code)  # main() leaves a torchrun rank by os._exit, which would end pytest
-
-
 @pytest.fixture
-def lmpipe(monkeypatch, capsys):
-    """`lmpipe ARGS` as the console script runs it, in this process, with only `env` of LMPIPE_ variables."""
-
-    def run(*args: str, env: dict[str, str] | None = None) -> Result:
-        with monkeypatch.context() as m:
-            for k in [k for k in os.environ if k.startswith("LMPIPE_")]:
-                m.delenv(k)
-            for k, v in (env or {}).items():
-                m.setenv(k, v)
-            m.chdir(REPO)
-            m.setattr(os, "_exit", _exit)
-            capsys.readouterr()
-            with process_state():
-                try:
-                    code = cli.main(list(args))
-                except SystemExit as exc:  # argparse: a usage mistake (2) or --help (0)
-                    code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-            out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    return run
+def lmpipe(lmpipe_cli):
+    """`lmpipe ARGS` as the console script runs it, in this process (tests/conftest.py's lmpipe_cli)."""
+    return lmpipe_cli
 
 
 @dataclass
