@@ -418,29 +418,36 @@ def short_texts(n: int, seed: int = 0) -> list[str]:
 
 
 @contextlib.contextmanager
-def cli_in_process(monkeypatch, env: dict[str, str] | None = None) -> Iterator[None]:
-    """Run `lmpipe.cli.main` here as a fresh process would: only `env` of LMPIPE_ variables, cwd the repo,
-    os._exit raising SystemExit, the root logger and the signal handlers main() sets put back after."""
+def process_state() -> Iterator[None]:
+    """What main() sets up for the process it runs in and a fresh process never gets back: the root logger
+    (shared/log.py's setup) and the SIGINT/SIGTERM handlers (the launcher's). Put back afterwards."""
     import logging
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for s, h in signals.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def cli_in_process(monkeypatch, env: dict[str, str] | None = None) -> Iterator[None]:
+    """Run `lmpipe.cli.main` here as a fresh process would: only `env` of LMPIPE_ variables, cwd the repo,
+    os._exit raising SystemExit, the root logger and the signal handlers main() sets put back after."""
 
     def _exit(code: int) -> None:
         raise SystemExit(code)
 
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, process_state():
         for k in [k for k in os.environ if k.startswith("LMPIPE_")]:
             m.delenv(k)
         for k, v in (env or {}).items():
             m.setenv(k, v)
         m.chdir(REPO)
         m.setattr(os, "_exit", _exit)
-        try:
-            yield
-        finally:
-            root.handlers[:] = handlers
-            root.setLevel(level)
-            for s, h in signals.items():
-                signal.signal(s, h)
+        yield

@@ -9,13 +9,10 @@ corpus file changed under it) stops the run with one line too.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import logging
 import os
 import shutil
-import signal
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,23 +25,7 @@ import torch
 from lmpipe import cli
 from lmpipe.shared.config import PipelineConfig
 from lmpipe.shared.sockets import endpoints
-from tests.helpers import REPO
-
-
-@contextlib.contextmanager
-def process_state():
-    """What main() sets up for the process it runs in and a fresh process never gets back: the root logger
-    (shared/log.py's setup) and the SIGINT/SIGTERM handlers (the launcher's). Put back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-        for s, h in signals.items():
-            signal.signal(s, h)
+from tests.helpers import REPO, process_state
 
 
 @pytest.fixture
