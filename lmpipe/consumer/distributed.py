@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,14 +91,21 @@ class Dist:
         if self.enabled:
             dist.barrier(group=self.host_group)
 
-    def lost(self, exc: BaseException) -> RankLost | None:
+    def lost(self, exc: BaseException, wait: float = 2.0) -> RankLost | None:
         """A collective's failure (gloo: "Connection closed by peer") as the rank that was lost, where a
         rank on this host has ended; None where none has (another failure, or a rank on another host)."""
         if not self.enabled or not isinstance(exc, RuntimeError):
             return None
         here = socket.gethostname()
-        gone = [f"rank {r} (pid {pid})" for r, (host, pid) in enumerate(self.peers)
-                if r != self.rank and host == here and _gone(pid)]  # fmt: skip
+        # A killed process's sockets close before it turns zombie: the collective can fail while the peer
+        # still looks alive, so look again for a moment before calling it another failure.
+        deadline = time.monotonic() + wait
+        while True:
+            gone = [f"rank {r} (pid {pid})" for r, (host, pid) in enumerate(self.peers)
+                    if r != self.rank and host == here and _gone(pid)]  # fmt: skip
+            if gone or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
         if not gone:
             return None
         return RankLost(f"{', '.join(gone)} of the torchrun job ended mid-run; rank {self.rank} stops too "
