@@ -4,6 +4,7 @@ reference path, then the fast paths that --fast picks (consumer/fast/)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, cast
 
@@ -91,12 +92,21 @@ def wrap(model: torch.nn.Module, pcfg: PipelineConfig, tcfg: TrainConfig, device
         # 100 MB buckets: compiled under DDP, the graph is split at every bucket (DDPOptimizer, so that the
         # all-reduce overlaps backward); fewer splits kept more fusion. GPT-2 124M on 4 H100s, 2 ranks:
         # 0.945 of 2x one GPU vs 0.919 at the default 25 MB (bench/results/ddp-*.md).
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[device] if device.type == "cuda" else None,
-            bucket_cap_mb=100,
-            gradient_as_bucket_view=True,
-        )
+        # built on the stream that will capture the step as CUDA graphs (consumer/fast/step_graph.py): the
+        # reducer keeps the parameters' gradient accumulators, whose stream a capture must share
+        capture = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if capture is not None:
+            capture.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(capture) if capture is not None else contextlib.nullcontext():
+            ddp = DistributedDataParallel(
+                model,
+                device_ids=[device] if device.type == "cuda" else None,
+                bucket_cap_mb=100,
+                gradient_as_bucket_view=True,
+            )
+        if capture is not None:
+            torch.cuda.current_stream(device).wait_stream(capture)
+            ddp.capture_stream = capture  # type: ignore[assignment]
         if tcfg.grad_reduce == "bf16":
             if device.type != "cuda":  # torch's hook needs NCCL
                 raise ValueError("--grad-reduce bf16 needs CUDA GPUs (NCCL); on CPU leave it at fp32")
@@ -160,6 +170,9 @@ def build(
     runner = StepRunner(
         step_model, optimizer, tcfg, autocast_dtype, scaler, no_sync=no_sync, strategy=pcfg.strategy
     )
+    if dist.enabled:  # ranks capture the step as CUDA graphs together or not at all (fast/step_graph.py)
+        runner.all_ranks = dist.all
+        runner.capture_stream = getattr(getattr(step_model, "_orig_mod", step_model), "capture_stream", None)
     # a Hugging Face model is no GPT, but the trainer reads only what both have (parameters, state dict,
     # config, num_params, flops_per_token), and the paths that read GPT's modules refuse it (fast.unavailable)
     built = Built(

@@ -64,6 +64,14 @@ class Dist:
         dist.all_reduce(t, group=self.host_group)
         return int(t[0]), bool(t[1]), bool(t[2])
 
+    def all(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank."""
+        if not self.enabled:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.host_group)
+        return bool(t[0])
+
     def sum(self, values: list[float]) -> list[float]:
         if not self.enabled:
             return values

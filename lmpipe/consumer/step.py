@@ -71,6 +71,9 @@ class StepRunner:
         # the previous step's outputs (already read) may be overwritten
         self.cudagraphs = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
         self.graphs = False  # whether a step may be captured as CUDA graphs (consumer/fast/step_graph.py)
+        # under torchrun: whether a flag holds on every rank (a capture is collective), and DDP's stream
+        self.all_ranks: Callable[[bool], bool] | None = None
+        self.capture_stream: torch.cuda.Stream | None = None
         self.clip_in_step = False  # clip inside the optimizer's step (consumer/fast/clip.py)
         self.autocast_cache = True  # autocast's cache of cast weights in eager steps
 

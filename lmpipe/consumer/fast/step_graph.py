@@ -13,10 +13,13 @@ is captured once, by hand, as torch's "whole-network capture" recipe does:
   loss's denominator are device tensors written before each replay.
 
 Every tensor a graph reads (static inputs, lr, denominator, AdamW's tables, the GEMMs' workspace) is held
-here for the graphs' life. Taken only where capture is safe (unavailable): one CUDA device, no DDP, one
-micro-batch a step, no fp16 loss scaler, no fp8, the Triton AdamW, and batches of one shape (--strategy pack,
-pad). Anything else steps eagerly, as does a step whose capture fails (CaptureFailed: said once, nothing lost
-or trained twice).
+here for the graphs' life. Taken only where capture is safe (unavailable): CUDA, one micro-batch a step, no
+fp16 loss scaler, no fp8, the Triton AdamW, and batches of one shape (--strategy pack, pad). Anything else
+steps eagerly, as does a step whose capture fails (CaptureFailed: said once, nothing lost or trained twice).
+
+Under torchrun, graph 1 holds DDP's bucketed all-reduces too (NCCL ops can be captured), as torch's recipe for
+DDP asks: DDP built on the capturing stream, 11 eager steps first, and a capture is collective: every rank
+captures at the same step (Dist.all agrees on it) or none does.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ T = TypeVar("T")
 
 # eager steps of one shape before capture: compile, autotuning, the GEMM plans, the allocator's warm-up
 GRAPH_AFTER = 3
+# under DDP: torch's CUDA-graph notes ask for 11 eager iterations first (DDP's reducer settles its buckets and
+# its logging in the first ten)
+GRAPH_AFTER_DDP = 11
 
 # the block mask's tensors: torch's own list where it has one (2.13 adds the backward's dq orders)
 _MASK_TENSORS: tuple[str, ...] = tuple(getattr(BlockMask, "_TENSOR_ATTRS", (
@@ -117,7 +123,8 @@ class StepGraph:
         self.lr = torch.full((), lr, dtype=torch.float32, device=device)
         # the eager steps' cached blocks back to the driver: the graph's pool holds a step's activations of its own
         torch.cuda.empty_cache()
-        side = torch.cuda.Stream(device)
+        # DDP's stream where there is one: its reducer's gradient accumulators were made there (consumer/build.py)
+        side = runner.capture_stream or torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # torch's rule: warm up on the stream that captures
             runner.forward_backward(self.static, self.denom, cache=False)
@@ -255,7 +262,11 @@ class GraphedSteps(StepRunner):
                 # steps in a row of this shape: a graph is made for the shape the run keeps, not a short batch's
                 self._eager_steps = self._eager_steps + 1 if key == self._last_key else 1
                 self._last_key = key
-                if self._eager_steps > GRAPH_AFTER:  # compiled, tuned and planned by now: capture
+                ready = self._eager_steps > (GRAPH_AFTER if self.no_sync is None else GRAPH_AFTER_DDP)
+                # a capture holds NCCL's all-reduces: every rank captures at the same step or none does
+                if self.all_ranks is not None:
+                    ready = self.all_ranks(ready)
+                if ready:  # compiled, tuned and planned by now: capture
                     try:
                         self._graph = StepGraph(self, micro[0], denom, lr)
                         return self._graph.first
@@ -275,8 +286,10 @@ class GraphedSteps(StepRunner):
 def unavailable(built: Built) -> str | None:
     """Why the step cannot be captured in this build, or None."""
     runner, cfg = built.runner, built.tcfg
-    if runner.no_sync is not None:
-        return "DDP (torchrun) all-reduces inside the backward"
+    if runner.no_sync is not None and cfg.grad_reduce == "bf16":
+        return "--grad-reduce bf16's hook finishes DDP's all-reduce on the host"
+    if runner.no_sync is not None and runner.capture_stream is None:
+        return "DDP was built without a capture stream (not on CUDA)"
     if runner.scaler is not None:
         return "fp16's loss scaler decides on the host whether to step"
     if cfg.attention == "flash":
