@@ -19,7 +19,8 @@ steps eagerly, as does a step whose capture fails (CaptureFailed: said once, not
 
 Under torchrun, graph 1 holds DDP's bucketed all-reduces too (NCCL ops can be captured), as torch's recipe for
 DDP asks: DDP built on the capturing stream, 11 eager steps first, and a capture is collective: every rank
-captures at the same step (Dist.all agrees on it) or none does.
+captures at the same step (Dist.all agrees on it) or none does. Opt-in there (`--fast auto,step-graph`) until
+it has been measured on several GPUs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from lmpipe.consumer.fast import cublaslt, memset_nodes, mix  # torch alone: nvmath, cuda.bindings where used
+from lmpipe.consumer.fast import cublaslt, memset_nodes, mix
+from lmpipe.consumer.fast.names import parse  # torch alone: nvmath, cuda.bindings where used
 from lmpipe.consumer.inputs import ModelInputs, document_causal_mask_mod
 from lmpipe.consumer.model import AttnSpec
 from lmpipe.consumer.step import StepRunner
@@ -290,6 +292,8 @@ def unavailable(built: Built) -> str | None:
         return "--grad-reduce bf16's hook finishes DDP's all-reduce on the host"
     if runner.no_sync is not None and runner.capture_stream is None:
         return "DDP was built without a capture stream (not on CUDA)"
+    if runner.no_sync is not None and "step-graph" not in parse(cfg.fast).add:
+        return "under torchrun it is opt-in until measured on several GPUs (--fast auto,step-graph)"
     if runner.scaler is not None:
         return "fp16's loss scaler decides on the host whether to step"
     if cfg.attention == "flash":
