@@ -29,6 +29,19 @@ fi
 # lmpipe installs as one package (lmpipe.producer, lmpipe.consumer, lmpipe.shared map onto the folders here)
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || { echo "pip install -e . failed"; exit 1; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The lent machine sets PYTHONDONTWRITEBYTECODE and its packages come without .pyc: every process compiled
+# torch's Python source again, 10-15 s of each start (bench/results/startup-profile-h200-2026-11-28.md). A
+# pip install has its bytecode: give Python a cache, filled once per machine, so that start-up figures (and
+# every test process) get what a user's install gets.
+if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
+    unset PYTHONDONTWRITEBYTECODE
+    export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
+    if [ ! -f /tmp/pycache.done ]; then
+        purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        python3 -m compileall -q -j 0 "$purelib" /tmp/site "$PWD/lmpipe" >/dev/null 2>&1
+        touch /tmp/pycache.done
+    fi
+fi
 export LMPIPE_WIKITEXT=${LMPIPE_WIKITEXT:-$PWD/.benchdata}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-true}
 # NVLink multicast stays off on shared GPU hosts (it can take every GPU of the host out of service)

@@ -12,8 +12,10 @@ the summary (Summary.first_step_split, `--summary-json`).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -128,6 +130,29 @@ def compile_ahead(runner: StepRunner, inputs: ModelInputs, device: torch.device)
         torch.cuda.set_rng_state(cuda_rng, device)
 
 
+def uncached_bytecode(module_file: str | None = None) -> str | None:
+    """Why every start of this process compiles torch's Python source again (no .pyc to read, none written),
+    or None. On one H200 host that set PYTHONDONTWRITEBYTECODE with a torch installed without bytecode, it
+    was 10-15 s of each start (bench/results/startup-profile-h200-2026-11-28.md)."""
+    try:
+        source = module_file or torch.__file__ or ""
+        cached = importlib.util.cache_from_source(source)  # honours PYTHONPYCACHEPREFIX
+    except (NotImplementedError, ValueError):
+        return None
+    if os.path.exists(cached):
+        return None
+    folder = os.path.dirname(cached)
+    while folder and not os.path.isdir(folder):  # the __pycache__ (or prefix) folder may not exist yet
+        folder = os.path.dirname(folder)
+    if not sys.dont_write_bytecode and os.access(folder, os.W_OK):
+        return None  # written by this start, read by the next
+    torch_dir = os.path.dirname(source)
+    why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else f"{folder} is not writable"
+    return (f"torch's modules have no compiled bytecode here and {why}: every start compiles them again "
+            f"(10-15 s before the first step); compile them once (python -m compileall -q {torch_dir}) or "
+            "point PYTHONPYCACHEPREFIX at a writable folder")  # fmt: skip
+
+
 class Startup:
     """The trainer's way to its first step: the compile cache (opened once the sockets are bound), the compile
     ahead, and the marks (time.perf_counter()) that give the split of the time to the first step."""
@@ -147,6 +172,8 @@ class Startup:
         self, pcfg: PipelineConfig, tcfg: TrainConfig, built: Built, dist: Dist, vocab_size: int
     ) -> None:
         """What build() made: the cache's key (--compile), and what a compile ahead needs."""
+        if dist.is_main and (why := uncached_bytecode()):
+            log.warning("%s", why)
         if tcfg.compile:  # a cache with a key, even where it is off: the start says which
             folder = place(tcfg.compile_cache, tcfg.checkpoint_dir)
             model = model_identity(built.model)
