@@ -48,7 +48,8 @@ from lmpipe.shared import messages
 from lmpipe.shared.batch import Batch, Cursor, token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.messages import HELLO_EVERY
-from lmpipe.shared.metrics import ProducerMetrics, serve, short_hash
+from lmpipe.shared.metrics import serve, short_hash
+from lmpipe.shared.metrics_producer import ProducerMetrics
 from lmpipe.shared.security import check_connect
 from lmpipe.shared.sockets import (
     HANDSHAKE_EVENTS,
@@ -88,7 +89,7 @@ class Producer:
             )
         self.cfg, self.opts = cfg, opts
         self.worker = opts.worker
-        self.metrics = ProducerMetrics(cfg.strategy)  # every series labelled with its --worker number
+        self.metrics = ProducerMetrics(cfg.strategy)  # labelled with its --worker number (and by shard)
         # the first few logged by line, all counted: this process's, each bad record once (trainer: the run's)
         self._bad = BadRecords(log, who="this producer")
         self._bad_read: dict[tuple[int, int, str], int] = {}  # (shards, shard, reason) -> most read here
@@ -396,8 +397,7 @@ class Producer:
         m.padding.labels(self.cfg.strategy).inc(batch.pad_tokens)
         m.documents.inc(h.stream.stats.documents - h.docs_counted)
         h.docs_counted = h.stream.stats.documents
-        m.cursor_pos.set(batch.cursor.pos)
-        m.epoch.set(batch.cursor.epoch)
+        m.sent(h.shard, batch.cursor.epoch, batch.cursor.pos)
 
     def _connection(self, event: Mapping[str, Any]) -> None:
         """One event of the control connection, in its place among the trainer's messages (the control
@@ -451,7 +451,7 @@ class Producer:
         gone = self.holdings.keep_only(msg.shards)
         self._drop_pending(gone)
         new = [s for s in msg.shards if s not in self.holdings.shards]
-        self.metrics.shards_held.set(len(msg.shards))
+        self.metrics.hold(msg.shards)
         if gone or new or not msg.shards:
             log.info(
                 "the trainer assigned shards %s of %d%s (%d producers)",
@@ -479,7 +479,7 @@ class Producer:
         )
         self._drop_pending([msg.shard])
         self.holdings.start(msg.shard, msg.shards, msg.lease, cursor, msg.next_seq, msg.credit)
-        self.metrics.shards_held.set(len(self.holdings))
+        self.metrics.hold(self.holdings.assigned)
         if h is not None:
             self.metrics.resets.inc()
         log.log(
