@@ -252,9 +252,10 @@ def test_producers_beyond_the_shards_stand_by_and_one_takes_over_when_a_holder_d
     victim.wait()
     procs.wait_for(idle[0], "the trainer assigned shards ", timeout=30)
     assert train.wait(timeout=120) == 0, procs.log(train)
-    assert re.search(r"left \(connection closed\): shards \d moved \d->p\d", procs.log(train)), procs.log(
-        train
-    )
+    assert re.search(
+        r"producer #\d \(\S+\) left \(connection closed\): shards \d moved \d to producer #\d",
+        procs.log(train),
+    ), procs.log(train)
     assert_exactly_once(read_doc_log(log), builtin_lengths(tok, 600))
     assert all(p.wait(timeout=10) == 0 for p in ps if p is not victim)
 
