@@ -243,9 +243,8 @@ class Producer:
         if signum is not None:
             log.info("%s: stopping", signal.Signals(signum).name)
             self.interrupted = True
-            self._bye_due = (
-                True  # a stop of its own (scale-down, Ctrl-C): the trainer counts it as a leave, not a loss
-            )
+            # a stop of its own (scale-down, Ctrl-C): the trainer counts it as a leave, not a loss
+            self._bye_due = True
         self._stop = True
         self._stopping.set()
 
@@ -405,6 +404,7 @@ class Producer:
         producer again; a trainer (re)connected knows none of the counts."""
         if event["event"] == zmq.EVENT_DISCONNECTED and self.session:
             self._held = True
+            self.metrics.connected.set(0)  # until a trainer welcomes it again
         elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._skipped_sent.clear()
 
@@ -417,6 +417,7 @@ class Producer:
             return None
         if isinstance(msg, (messages.Assign, messages.Welcome)):
             held, self._held = self._held, False
+            self.metrics.connected.set(1)
             if msg.session != self.session:  # joined, or the trainer restarted: nothing carries over
                 # the session id is a capability on the data socket: named in no log (SECURITY.md)
                 log.info("joined the trainer" if not self.session else "trainer restarted; rejoined it")
@@ -426,7 +427,6 @@ class Producer:
                 self._skipped_sent.clear()
                 self._drop_pending()
                 self.metrics.handshakes.labels("welcome").inc()
-                self.metrics.connected.set(1)
             elif held:
                 log.info("the trainer welcomed this producer back; carrying on")
         if isinstance(msg, messages.Credit):  # a mixture's pacing: how far each shard may now send

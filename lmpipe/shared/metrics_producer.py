@@ -86,7 +86,10 @@ class ProducerMetrics:
             registry=r,
         )
         self._connected = Gauge(
-            "lmpipe_producer_connected", "1 while the trainer has welcomed this producer", w, registry=r
+            "lmpipe_producer_connected",
+            "1 while a trainer serves this producer: welcomed, and its connection up (0 while it waits for one)",
+            w,
+            registry=r,
         )
         self._handshakes = Counter(
             "lmpipe_producer_handshakes",

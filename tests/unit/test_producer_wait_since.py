@@ -1,4 +1,5 @@
-"""A producer that lost its trainer says how long it has waited since it lost it, not since it started."""
+"""A producer that lost its trainer says how long it has waited since it lost it, not since it started, and
+its `connected` gauge reads 0 meanwhile."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import threading
 
 import zmq
 
+from lmpipe.producer import manager
 from lmpipe.producer.control import ControlChannel
 from lmpipe.shared import messages
 from lmpipe.shared.config import PipelineConfig
@@ -42,3 +44,22 @@ def test_the_wait_is_counted_from_the_start_then_from_the_lost_connection(tmp_pa
         monitor.close(0)
         ctrl.close(0)
         ctx.term()
+
+
+def test_connected_reads_0_while_the_trainer_is_lost(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a b c\n\nd e f\n")
+    p = manager.Producer(
+        PipelineConfig(data=[str(corpus)], runtime_dir=str(tmp_path / "r")), manager.ProducerOptions(worker=0)
+    )
+
+    def connected() -> float | None:
+        return p.metrics.registry.get_sample_value("lmpipe_producer_connected", {"producer": "0"})
+
+    assert connected() == 0, "no trainer yet"
+    p._control(messages.pack(messages.Assign(session="s", shards=[0], total=1)))
+    assert connected() == 1
+    p._connection(DROP)
+    assert connected() == 0, "the trainer is lost: it holds its batches and waits"
+    p._control(messages.pack(messages.Assign(session="s", shards=[0], total=1)))  # welcomed back
+    assert connected() == 1
