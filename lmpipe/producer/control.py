@@ -77,6 +77,7 @@ class ControlChannel:
         self._clock = clock
         # when the present wait for a trainer began, and what began it; None while a trainer serves us
         self._since: tuple[float, str] | None = (clock(), "this producer started")
+        self._logged = 0.0  # when the waiting line was last logged (every 10 s; at once after a loss)
         self.inbox: queue.Queue[Item] = queue.Queue()
         self.dropped = False  # the connection dropped since the trainer last assigned or welcomed us
         self.parent_lost = False
@@ -104,7 +105,7 @@ class ControlChannel:
         poller = zmq.Poller()
         poller.register(self._ctrl, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
-        last_hello = logged = 0.0
+        last_hello = 0.0
         try:
             while not self._closing.is_set():
                 now = self._clock()
@@ -117,9 +118,9 @@ class ControlChannel:
                     last_hello = now
                     self._watch.stalled(now)  # connected, never authenticated: say why instead of waiting
                     # (a welcome read but not yet handled by the main thread is no wait)
-                    if not self._serving() and self._since is not None and now - logged > 10:
+                    if not self._serving() and self._since is not None and now - self._logged > 10:
                         log.info("%s", self.waiting_line(now))
-                        logged = now
+                        self._logged = now
                 wait = max(0.0, min(TICK, last_hello + self.every - self._clock()))
                 for sock, _ in poller.poll(timeout=int(1e3 * wait)):
                     if sock is self._monitor:
@@ -152,7 +153,7 @@ class ControlChannel:
         up = self._watch(event)  # raises HandshakeFailed once the trainer keeps refusing this producer
         if event["event"] == zmq.EVENT_DISCONNECTED and self._serving() and not self.dropped:
             self.dropped = True
-            self._since = (self._clock(), "the connection dropped")
+            self._since, self._logged = (self._clock(), "the connection dropped"), 0.0
             log.info("lost the connection to the trainer; holding batches until it welcomes this producer")
         self.inbox.put(("event", event))
         return up
