@@ -26,7 +26,7 @@ class Producer:
     """A producer process the trainer has welcomed (its control connection's routing id)."""
 
     identity: bytes
-    name: str  # p0, p1, ... in join order within this trainer session
+    name: str  # `producer 0`, or `producer #3` without a number of its own: producer_name()
     where: str  # host:pid, as it said in its hello
     worker: int  # its own --worker number (-1: none), for logs
     fd: int = -1  # its control connection (consumer/connections.py)
@@ -36,6 +36,17 @@ class Producer:
 
     def label(self) -> str:
         return f"{self.name} ({self.where})"
+
+
+def producer_name(worker: int, joined: int, taken: set[str]) -> str:
+    """The producer's name in the trainer's log lines: `producer N` for one with a number of its own N
+    (`--worker N`; `lmpipe run` numbers its producers, whose lines say `[producer N]`), `producer #K` for one
+    without (--worker -1: the K-th to join this session). A number another registered producer goes by
+    (a restarted one, its old registration not gone yet) gets its ` #K` too: names are unique."""
+    if worker < 0:
+        return f"producer #{joined}"
+    name = f"producer {worker}"
+    return name if name not in taken else f"{name} #{joined}"
 
 
 def balance(holdings: dict[bytes, set[int]], open_shards: set[int]) -> dict[bytes, set[int]]:
@@ -70,7 +81,7 @@ def shard_list(shards: set[int] | list[int]) -> str:
 
 
 def taken_from(moved: dict[int, tuple[Producer, str]], p: Producer) -> str:
-    """' (from p0, p1)' for a join line: whom its shards came from (`moved`: shard -> (new holder, old
+    """' (from producer 0, producer 1)' for a join line: whom its shards came from (`moved`: shard -> (new holder, old
     holder's name))."""
     src = sorted({old for new, old in moved.values() if new is p and old})
     return f" (from {', '.join(src)})" if src else ""

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from lmpipe.consumer.admission import Admission, SkippedRecords, version_skew
-from lmpipe.consumer.assign import Producer, balance, shard_list, taken_from
+from lmpipe.consumer.assign import Producer, balance, producer_name, shard_list, taken_from
 from lmpipe.consumer.connections import ControlConnections
 from lmpipe.consumer.ledger import Ledger
 from lmpipe.consumer.quiet import Quiet, Rejects, printable
@@ -79,7 +79,7 @@ class Coordinator:
         # Producers in join order; a producer is gone once its connection closed or it was silent for
         # HOLDER_SILENCE (being silent for ALIVE_SECONDS, a stopped or busy process, is not enough).
         self.producers: dict[bytes, Producer] = {}
-        self._joined = 0  # producers welcomed in this session: names p0, p1, ...
+        self._joined = 0  # producers welcomed in this session (assign.producer_name)
         self._skipped = SkippedRecords()
         self.skipped: dict[str, int] = {}  # bad records the producers skipped, by reason
         self._stopped: set[bytes] = set()  # producers refused for good; their hellos are refused again
@@ -88,7 +88,7 @@ class Coordinator:
         self._router: zmq.asyncio.Socket | None = None
         self.stopping = asyncio.Event()  # set once the run is over (the receive thread's loop)
         self.stop_reason = ""
-        self.awaiting_bye: dict[bytes, str] = {}  # identity -> "p1 (host:pid)" told to stop, not yet gone
+        self.awaiting_bye: dict[bytes, str] = {}  # identity -> "producer 1 (h:pid)" told to stop, not gone
         # a mixture's pacing (consumer/mixfeed.py): a holder may send this many messages of a shard past the
         # last consumed one; 0: no limit (welcomes carry credit None), a run without a mixture
         self.credit_window = 0
@@ -242,13 +242,14 @@ class Coordinator:
         twin = self._twin(where, hello)
         if twin is not None and hello.session == self.session:
             if not hello.rejoin:  # queued on a connection it has replaced since: nothing to answer
-                log.debug("dropped a stale hello of producer %s from a replaced connection", twin.label())
+                log.debug("dropped a stale hello of %s from a replaced connection", twin.label())
                 return
             return self._rekey(twin, identity, fd, now, hello)
         refusal = self.admission.admit(hello)
         if refusal is not None:
             return self._refuse(identity, where, *refusal)
-        p = Producer(identity, f"p{self._joined}", where, hello.producer, fd, now)
+        name = producer_name(hello.producer, self._joined, {q.name for q in self.producers.values()})
+        p = Producer(identity, name, where, hello.producer, fd, now)
         p.waiting = printable(hello.waiting, 200)
         self._count_skipped(hello.skipped)
         self._joined += 1
@@ -263,7 +264,7 @@ class Coordinator:
         if not p.shards:
             self._send_assign(p)  # its welcome: it stands by
         log.info(
-            "producer %s joined from %s: holds shards %s%s (%d producers, %d shards)",
+            "%s joined from %s: holds shards %s%s (%d producers, %d shards)",
             p.name,
             where,
             shard_list(p.shards),
@@ -295,7 +296,7 @@ class Coordinator:
             w = self.ledger[s]
             if w.identity == old:
                 w.identity, w.last_seen = identity, now
-        log.info("producer %s reconnected; it keeps shards %s", p.label(), shard_list(p.shards))
+        log.info("%s reconnected; it keeps shards %s", p.label(), shard_list(p.shards))
         self._count_skipped(hello.skipped)
         self._reconcile(p, hello)
 
@@ -311,7 +312,7 @@ class Coordinator:
             if not p.shards:
                 self._send_assign(p)
             log.info(
-                "producer %s joined from %s: holds shards %s (%d producers, %d shards)",
+                "%s joined from %s: holds shards %s (%d producers, %d shards)",
                 p.name,
                 p.where,
                 shard_list(p.shards),
@@ -347,16 +348,16 @@ class Coordinator:
         if self.stopping.is_set():
             return  # the run is over: nothing to hand on
         if not self._settled:  # it held nothing yet
-            log.info("producer %s (%s) left (%s) before shards were assigned", p.name, p.where, why)
+            log.info("%s (%s) left (%s) before shards were assigned", p.name, p.where, why)
             return
         for s in p.shards:
             w = self.ledger[s]
             if w.identity == p.identity:
                 w.identity, w.where = None, ""
         moved = self._rebalance()
-        to = ", ".join(f"{s}->{q.name}" for s, (q, _) in sorted(moved.items()))
+        to = ", ".join(f"{s} to {q.name}" for s, (q, _) in sorted(moved.items()))
         log.info(
-            "producer %s (%s) left (%s): shards %s %s (%d producers, %d shards)",
+            "%s (%s) left (%s): shards %s %s (%d producers, %d shards)",
             p.name,
             p.where,
             why,
@@ -486,7 +487,7 @@ class Coordinator:
                 # Every open connection, not only producers heard from lately: behind a congested link
                 # a live producer's hellos arrive late. A dead one's connection closes (heartbeats).
                 self.awaiting_bye[p.identity] = p.label()
-                log.debug("told producer %s to stop", p.label())
+                log.debug("told %s to stop", p.label())
         if not self.awaiting_bye:
             self.all_said_bye.set()
         self.stopping.set()

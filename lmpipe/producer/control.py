@@ -67,12 +67,17 @@ class ControlChannel:
         stopping: threading.Event,
         every: float,
         waiting_for: str,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self._ctrl, self._monitor, self._watch = ctrl, monitor, watch
         self._hello, self._serving, self._parent_gone = hello, serving, parent_gone
         self.stopping = stopping
         self.every = every
         self._waiting_for = waiting_for  # the trainer's endpoint, for the "waiting for the trainer" line
+        self._clock = clock
+        # when the present wait for a trainer began, and what began it; None while a trainer serves us
+        self._since: tuple[float, str] | None = (clock(), "this producer started")
+        self._logged = 0.0  # when the waiting line was last logged (every 10 s; at once after a loss)
         self.inbox: queue.Queue[Item] = queue.Queue()
         self.dropped = False  # the connection dropped since the trainer last assigned or welcomed us
         self.parent_lost = False
@@ -100,11 +105,10 @@ class ControlChannel:
         poller = zmq.Poller()
         poller.register(self._ctrl, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
-        last_hello = logged = 0.0
-        started = time.monotonic()
+        last_hello = 0.0
         try:
             while not self._closing.is_set():
-                now = time.monotonic()
+                now = self._clock()
                 if self._parent_gone():
                     self.parent_lost = True
                     self.stopping.set()
@@ -113,15 +117,11 @@ class ControlChannel:
                         self._ctrl.send(self._hello(), zmq.NOBLOCK)
                     last_hello = now
                     self._watch.stalled(now)  # connected, never authenticated: say why instead of waiting
-                    if not self._serving() and now - logged > 10:
-                        log.info(
-                            "waiting for the trainer at %s (%.0f s)%s",
-                            self._waiting_for,
-                            now - started,
-                            unresolved(self._waiting_for),
-                        )
-                        logged = now
-                wait = max(0.0, min(TICK, last_hello + self.every - time.monotonic()))
+                    # (a welcome read but not yet handled by the main thread is no wait)
+                    if not self._serving() and self._since is not None and now - self._logged > 10:
+                        log.info("%s", self.waiting_line(now))
+                        self._logged = now
+                wait = max(0.0, min(TICK, last_hello + self.every - self._clock()))
                 for sock, _ in poller.poll(timeout=int(1e3 * wait)):
                     if sock is self._monitor:
                         if self._event(parse_monitor_message(self._monitor.recv_multipart())):
@@ -139,11 +139,21 @@ class ControlChannel:
             self._monitor.close(0)
             self._ctrl.close(linger=1000)  # the bye just queued still goes out
 
+    def waiting_line(self, now: float) -> str:
+        """What a producer without a trainer logs every 10 s: how long it has waited, counted from when it
+        lost its trainer (or from its start, before the first one welcomed it)."""
+        since, what = self._since or (now, "a moment ago")
+        return (
+            f"waiting for the trainer at {self._waiting_for} ({now - since:.0f} s since {what})"
+            + unresolved(self._waiting_for)
+        )
+
     def _event(self, event: Mapping[str, Any]) -> bool:
         """One event of the connection's monitor; True when it is (back) up and a hello should go out."""
         up = self._watch(event)  # raises HandshakeFailed once the trainer keeps refusing this producer
         if event["event"] == zmq.EVENT_DISCONNECTED and self._serving() and not self.dropped:
             self.dropped = True
+            self._since, self._logged = (self._clock(), "the connection dropped"), 0.0
             log.info("lost the connection to the trainer; holding batches until it welcomes this producer")
         self.inbox.put(("event", event))
         return up
@@ -154,7 +164,7 @@ class ControlChannel:
         except WireError:
             msg = None  # the main thread's handling says so
         if isinstance(msg, (messages.Assign, messages.Welcome)):
-            self.dropped = False
+            self.dropped, self._since = False, None
         self.inbox.put(("msg", raw))
         if isinstance(msg, (messages.Stop, messages.Refuse)):
             self.stopping.set()  # after the put: whoever sees the flag finds the message queued

@@ -48,7 +48,8 @@ from lmpipe.shared import messages
 from lmpipe.shared.batch import Batch, Cursor, token_dtype
 from lmpipe.shared.config import PipelineConfig, fingerprint
 from lmpipe.shared.messages import HELLO_EVERY
-from lmpipe.shared.metrics import ProducerMetrics, serve, short_hash
+from lmpipe.shared.metrics import serve, short_hash
+from lmpipe.shared.metrics_producer import ProducerMetrics
 from lmpipe.shared.security import check_connect
 from lmpipe.shared.sockets import (
     HANDSHAKE_EVENTS,
@@ -88,7 +89,7 @@ class Producer:
             )
         self.cfg, self.opts = cfg, opts
         self.worker = opts.worker
-        self.metrics = ProducerMetrics(cfg.strategy)  # every series labelled with its --worker number
+        self.metrics = ProducerMetrics(cfg.strategy)  # labelled with its --worker number (and by shard)
         # the first few logged by line, all counted: this process's, each bad record once (trainer: the run's)
         self._bad = BadRecords(log, who="this producer")
         self._bad_read: dict[tuple[int, int, str], int] = {}  # (shards, shard, reason) -> most read here
@@ -242,9 +243,8 @@ class Producer:
         if signum is not None:
             log.info("%s: stopping", signal.Signals(signum).name)
             self.interrupted = True
-            self._bye_due = (
-                True  # a stop of its own (scale-down, Ctrl-C): the trainer counts it as a leave, not a loss
-            )
+            # a stop of its own (scale-down, Ctrl-C): the trainer counts it as a leave, not a loss
+            self._bye_due = True
         self._stop = True
         self._stopping.set()
 
@@ -396,8 +396,7 @@ class Producer:
         m.padding.labels(self.cfg.strategy).inc(batch.pad_tokens)
         m.documents.inc(h.stream.stats.documents - h.docs_counted)
         h.docs_counted = h.stream.stats.documents
-        m.cursor_pos.set(batch.cursor.pos)
-        m.epoch.set(batch.cursor.epoch)
+        m.sent(h.shard, batch.cursor.epoch, batch.cursor.pos)
 
     def _connection(self, event: Mapping[str, Any]) -> None:
         """One event of the control connection, in its place among the trainer's messages (the control
@@ -405,6 +404,7 @@ class Producer:
         producer again; a trainer (re)connected knows none of the counts."""
         if event["event"] == zmq.EVENT_DISCONNECTED and self.session:
             self._held = True
+            self.metrics.connected.set(0)  # until a trainer welcomes it again
         elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._skipped_sent.clear()
 
@@ -417,6 +417,7 @@ class Producer:
             return None
         if isinstance(msg, (messages.Assign, messages.Welcome)):
             held, self._held = self._held, False
+            self.metrics.connected.set(1)
             if msg.session != self.session:  # joined, or the trainer restarted: nothing carries over
                 # the session id is a capability on the data socket: named in no log (SECURITY.md)
                 log.info("joined the trainer" if not self.session else "trainer restarted; rejoined it")
@@ -426,7 +427,6 @@ class Producer:
                 self._skipped_sent.clear()
                 self._drop_pending()
                 self.metrics.handshakes.labels("welcome").inc()
-                self.metrics.connected.set(1)
             elif held:
                 log.info("the trainer welcomed this producer back; carrying on")
         if isinstance(msg, messages.Credit):  # a mixture's pacing: how far each shard may now send
@@ -451,7 +451,7 @@ class Producer:
         gone = self.holdings.keep_only(msg.shards)
         self._drop_pending(gone)
         new = [s for s in msg.shards if s not in self.holdings.shards]
-        self.metrics.shards_held.set(len(msg.shards))
+        self.metrics.hold(msg.shards)
         if gone or new or not msg.shards:
             log.info(
                 "the trainer assigned shards %s of %d%s (%d producers)",
@@ -479,7 +479,7 @@ class Producer:
         )
         self._drop_pending([msg.shard])
         self.holdings.start(msg.shard, msg.shards, msg.lease, cursor, msg.next_seq, msg.credit)
-        self.metrics.shards_held.set(len(self.holdings))
+        self.metrics.hold(self.holdings.assigned)
         if h is not None:
             self.metrics.resets.inc()
         log.log(

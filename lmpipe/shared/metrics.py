@@ -1,4 +1,5 @@
-"""Prometheus metrics of every process: one class per role, each on its own registry and HTTP port.
+"""Prometheus metrics of every process: one class per role, each on its own registry and HTTP port (the
+producer's in shared/metrics_producer.py).
 
 Names follow Prometheus rules: `lmpipe_` prefix, base units (seconds, bytes), counters end in `_total`
 (prometheus_client appends it), latencies are histograms. The Grafana dashboard, the alert rules
@@ -15,12 +16,10 @@ import hashlib
 import logging
 import math
 import platform
-from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.metrics import MetricWrapperBase
 
 from lmpipe.shared import __version__
 from lmpipe.shared.metrics_http import MetricsServer, raise_open_files_limit
@@ -50,10 +49,9 @@ REFUSAL_REASONS = ("config_mismatch", "wire_version", "worker_stopped", "malform
 HANDSHAKE_RESULTS = ("welcome", "refuse")
 CACHES = ("causal_mask",)
 GPU_MEMORY_KINDS = ("allocated", "reserved", "peak")
-UNASSIGNED = "unassigned"  # the producer's `producer` label before the trainer gave it an id (--worker -1)
 
 
-def _init_labels(metric, values) -> None:
+def init_labels(metric, values) -> None:
     for v in values:
         metric.labels(v)
 
@@ -99,128 +97,6 @@ def serve(registry: CollectorRegistry, port: int | None, addr: str = "127.0.0.1"
     _SERVERS.append(server)
     log.info("metrics on http://%s:%d/metrics", addr, server.port)
     return server.port
-
-
-class _Bound:
-    """A labelled family with its leading `producer` label filled in: `.labels(reason)` gives the child for
-    (producer, reason), so callers count per reason without knowing about the producer label."""
-
-    def __init__(self, family: MetricWrapperBase, producer: str):
-        self.family, self.producer = family, producer
-
-    def labels(self, *values: str) -> Any:
-        return self.family.labels(self.producer, *values)
-
-
-class ProducerMetrics:
-    """Every series carries `producer`: this producer's own number (`--worker`, or the one `lmpipe run` gave
-    it; `unassigned` with --worker -1), which names it in logs as `[producer N]`; the trainer's per-shard
-    series carry `shard` instead (a producer holds any number of shards). `bind` moves the series to another
-    number; the old number's counters stay and its gauges are removed."""
-
-    def __init__(self, strategy: str = "pack", registry: CollectorRegistry | None = None):
-        r = self.registry = registry or CollectorRegistry()
-        self.strategy = strategy
-        self.build = build_info(r, "producer")
-        self.info = Info("lmpipe_producer", "Producer identity and configuration", registry=r)
-        w = ["producer"]
-        self._documents = Counter("lmpipe_producer_documents", "Documents tokenized", w, registry=r)
-        self._tokens = Counter(
-            "lmpipe_producer_tokens", "Real tokens sent in batches", [*w, "strategy"], registry=r
-        )
-        self._padding = Counter(
-            "lmpipe_producer_padding_tokens", "Pad tokens sent in batches", [*w, "strategy"], registry=r
-        )
-        self._batches = Counter("lmpipe_producer_batches_sent", "Batches sent to the trainer", w, registry=r)
-        self._bad_records = Counter(
-            "lmpipe_producer_bad_records", "Corpus records skipped", [*w, "reason"], registry=r
-        )
-        self._tokenize = Histogram(
-            "lmpipe_producer_tokenize_seconds",
-            "Wall time of one encode_batch call (a chunk of documents)",
-            w,
-            registry=r,
-            buckets=LATENCY_BUCKETS,
-        )
-        self._send_blocked = Counter(
-            "lmpipe_producer_send_blocked_seconds",
-            "Time a ready batch waited for the trainer (backpressure); grows while it waits",
-            w,
-            registry=r,
-        )
-        self._storage_wait = Counter(
-            "lmpipe_producer_storage_wait_seconds",
-            "Time spent in object-storage calls and the sleeps between their retries; grows while it waits",
-            w,
-            registry=r,
-        )
-        self._connected = Gauge(
-            "lmpipe_producer_connected", "1 while the trainer has welcomed this producer", w, registry=r
-        )
-        self._handshakes = Counter(
-            "lmpipe_producer_handshakes",
-            "Answers to this producer's hello: welcome, or refuse (it exits)",
-            [*w, "result"],
-            registry=r,
-        )
-        self._resets = Counter(
-            "lmpipe_producer_stream_resets", "Stream restarts at a cursor the trainer sent", w, registry=r
-        )
-        self._cursor_pos = Gauge(
-            "lmpipe_producer_cursor_position",
-            "Position in this worker's document order of the last batch sent (NaN before the first)",
-            w,
-            registry=r,
-        )
-        self._epoch = Gauge(
-            "lmpipe_producer_epoch", "Epoch of the last batch sent (NaN before the first)", w, registry=r
-        )
-        self._shards_held = Gauge(
-            "lmpipe_producer_shards_held",
-            "Shards of the corpus the trainer gave this producer",
-            w,
-            registry=r,
-        )
-        self.worker = ""
-        self.bind(-1)
-
-    @property
-    def families(self) -> list[MetricWrapperBase]:
-        """The metric families (not their per-worker children)."""
-        return [m for m in vars(self).values() if isinstance(m, MetricWrapperBase) and not m._labelvalues]
-
-    def bind(self, worker: int) -> None:
-        """Count from now on as `worker` (-1: not assigned yet)."""
-        label = str(worker) if worker >= 0 else UNASSIGNED
-        if label == self.worker:
-            return
-        old, self.worker = self.worker, label
-        if old == UNASSIGNED:  # it only counted handshake answers, which the trainer counts too
-            for family in self.families:
-                children = getattr(family, "_metrics", {}) if family._labelnames else {}
-                for values in [v for v in children if v[0] == old]:
-                    family.remove(*values)
-        elif old:
-            for gauge in (self._connected, self._cursor_pos, self._epoch, self._shards_held):
-                gauge.remove(old)
-        self.documents = self._documents.labels(label)
-        self.batches = self._batches.labels(label)
-        self.tokenize = self._tokenize.labels(label)
-        self.send_blocked = self._send_blocked.labels(label)
-        self.storage_wait = self._storage_wait.labels(label)
-        self.resets = self._resets.labels(label)
-        self.connected = self._connected.labels(label)  # 0 until the trainer welcomes it as this worker
-        self.cursor_pos = self._cursor_pos.labels(label)
-        self.cursor_pos.set(NAN)
-        self.epoch = self._epoch.labels(label)
-        self.epoch.set(NAN)
-        self.shards_held = self._shards_held.labels(label)
-        self.tokens, self.padding = _Bound(self._tokens, label), _Bound(self._padding, label)
-        self.bad_records, self.handshakes = _Bound(self._bad_records, label), _Bound(self._handshakes, label)
-        self.tokens.labels(self.strategy)
-        self.padding.labels(self.strategy)
-        _init_labels(self.bad_records, BAD_RECORD_REASONS)
-        _init_labels(self.handshakes, HANDSHAKE_RESULTS)
 
 
 class TrainerMetrics:
@@ -465,13 +341,13 @@ class TrainerMetrics:
                   self.resumed_world_size):  # fmt: skip
             g.set(NAN)
         self.global_step.set(0)
-        _init_labels(self.refusals, REFUSAL_REASONS)
-        _init_labels(self.rejected, REJECT_REASONS)
-        _init_labels(self.stale, STALE_REASONS)
-        _init_labels(self.cache_hits, CACHES)
-        _init_labels(self.cache_misses, CACHES)
-        _init_labels(self.gpu_memory, GPU_MEMORY_KINDS)
-        _init_labels(self.shards_per_producer, ("min", "max"))
+        init_labels(self.refusals, REFUSAL_REASONS)
+        init_labels(self.rejected, REJECT_REASONS)
+        init_labels(self.stale, STALE_REASONS)
+        init_labels(self.cache_hits, CACHES)
+        init_labels(self.cache_misses, CACHES)
+        init_labels(self.gpu_memory, GPU_MEMORY_KINDS)
+        init_labels(self.shards_per_producer, ("min", "max"))
         for kind in GPU_MEMORY_KINDS:
             self.gpu_memory.labels(kind).set(NAN)
 

@@ -12,9 +12,12 @@ def dashboard() -> dict:
 
 
 def dashboard_panels() -> list[dict]:
+    """Every panel that queries: a row is a heading (no query), its panels are listed (collapsed into it or
+    following it)."""
     out = []
     for p in dashboard()["panels"]:
-        out.append(p)
+        if p.get("type") != "row":
+            out.append(p)
         out.extend(p.get("panels", []))  # panels collapsed into a row
     return out
 
@@ -29,6 +32,7 @@ NAN_ALLOWED: dict[str, str] = {
     "lmpipe_trainer_gpu_memory_bytes": "no GPU: no reading, and no reading is NaN rather than 0",
     "lmpipe_trainer_mfu_ratio": "MFU needs a known card's peak FLOP/s",
     "lmpipe_trainer_eval_loss": "no --eval-data in this run: no held-out loss yet",
+    "lmpipe_trainer_resumed_": "a fresh start: resumed from no checkpoint",
 }
 # Dashboard series that do not exist in a run without the feature they show.
 EMPTY_ALLOWED: dict[str, str] = {

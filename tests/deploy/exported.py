@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from lmpipe.shared.metrics import ProducerMetrics, TrainerMetrics
+from lmpipe.shared.metrics import TrainerMetrics
+from lmpipe.shared.metrics_producer import ProducerMetrics
 
 
 def metric_families() -> dict[str, tuple[str, set[str]]]:

@@ -252,9 +252,10 @@ def test_producers_beyond_the_shards_stand_by_and_one_takes_over_when_a_holder_d
     victim.wait()
     procs.wait_for(idle[0], "the trainer assigned shards ", timeout=30)
     assert train.wait(timeout=120) == 0, procs.log(train)
-    assert re.search(r"left \(connection closed\): shards \d moved \d->p\d", procs.log(train)), procs.log(
-        train
-    )
+    assert re.search(
+        r"producer #\d \(\S+\) left \(connection closed\): shards \d moved \d to producer #\d",
+        procs.log(train),
+    ), procs.log(train)
     assert_exactly_once(read_doc_log(log), builtin_lengths(tok, 600))
     assert all(p.wait(timeout=10) == 0 for p in ps if p is not victim)
 
@@ -399,6 +400,19 @@ def test_a_stalled_trainer_shows_live_and_a_restarted_one_gets_no_old_batches(pr
     os.kill(t1.pid, signal.SIGKILL)
     t1.wait()
     procs.wait_for(prod, "lost the connection to the trainer")
+    # its wait is counted from the loss, not from its start: the count is the time since the "lost" line
+    procs.wait_for(prod, "s since the connection dropped)")
+    text = procs.log(prod)
+    lost = re.search(r"(\d\d):(\d\d):(\d\d) \[producer\] lost the connection to the trainer", text)
+    waited = re.search(
+        r"(\d\d):(\d\d):(\d\d) \[producer\] waiting for the trainer at \S+ \((\d+) s since the conn", text
+    )
+    assert lost and waited, text[-2000:]
+    clock = [
+        int(lost[1]) * 3600 + int(lost[2]) * 60 + int(lost[3]),
+        int(waited[1]) * 3600 + int(waited[2]) * 60 + int(waited[3]),
+    ]
+    assert abs(int(waited[4]) - (clock[1] - clock[0]) % 86400) <= 1, text[-2000:]
     time.sleep(1.0)
     first_session = doc_log_entries(log)[0]["batches"][0]["session"]
     t2 = procs.start(*train_args(24), "--summary-json", str(summary), name="trainer2")

@@ -45,4 +45,6 @@ def test_the_wait_line_names_producers_waiting_on_storage(procs, port, tok):
         ctx.term()
     assert "Assign" in answers, answers
     line = next(x for x in procs.log(train).splitlines() if "waiting for batches" in x)
-    assert line.endswith(f"waiting for batches: 1 producer(s) connected; p0 waiting on {RETRY}"), line
+    assert line.endswith(f"waiting for batches: 1 producer(s) connected; producer #0 waiting on {RETRY}"), (
+        line
+    )

@@ -28,7 +28,7 @@ def test_a_stale_hello_registers_nothing_and_a_rejoin_keeps_name_shards_and_leas
     co._hello(b"a-again", hello(1, co.session, rejoin=True))
     assert set(co.producers) == {b"a-again", b"b"}
     p = co.producers[b"a-again"]
-    assert p is p0 and p.name == "p0" and p.shards == held
+    assert p is p0 and p.name == "producer #0" and p.shards == held
     assert {s: co.ledger[s].lease for s in held} == leases, "its streams go on"
     assert all(co.ledger[s].identity == b"a-again" for s in held)
     answers = co._router.sent[sent:]  # type: ignore[union-attr]
@@ -41,4 +41,4 @@ def test_a_new_process_at_the_same_host_and_pid_joins_as_before():
     co = coordinator(4, 1)
     co._hello(b"a", hello(1))
     co._hello(b"n", hello(1))  # another session (none yet): not a reconnection of p0
-    assert set(co.producers) == {b"a", b"n"} and co.producers[b"n"].name == "p1"
+    assert set(co.producers) == {b"a", b"n"} and co.producers[b"n"].name == "producer #1"

@@ -25,9 +25,9 @@ def test_connected_producers_waiting_on_storage_are_named_with_what_they_wait_on
     co._hello(b"a", hello(1, retry))
     co._hello(b"b", hello(2, retry))  # the second: the shards are assigned
     line = co.wait_line(time.monotonic())
-    assert line == f"2 producer(s) connected; p0 waiting on {retry}; p1 waiting on {retry}"
+    assert line == f"2 producer(s) connected; producer #0 waiting on {retry}; producer #1 waiting on {retry}"
     co._hello(b"a", hello(1))  # its heartbeat: storage answered
-    assert co.wait_line(time.monotonic()) == f"2 producer(s) connected; p1 waiting on {retry}"
+    assert co.wait_line(time.monotonic()) == f"2 producer(s) connected; producer #1 waiting on {retry}"
 
 
 def test_a_peers_waiting_text_is_made_printable_and_bounded():

@@ -164,7 +164,7 @@ def test_every_minimum_metric_is_served_by_its_process_with_sane_values(finite_r
     assert set(t.by_label("lmpipe_trainer_stale_batches_total", "reason").values()) == {0.0}
     assert t.get("lmpipe_trainer_producers_connected") == 2
 
-    workers = set()
+    workers, held = set(), set()
     for p in producers:
         # every producer series carries its number: `lmpipe run` starts producer i with --worker i
         (w,) = {dict(lb).get("producer") for (n, lb) in p.samples if n.startswith("lmpipe_producer_")}
@@ -179,9 +179,17 @@ def test_every_minimum_metric_is_served_by_its_process_with_sane_values(finite_r
         assert count > 0 and total > 0
         assert p.get("lmpipe_producer_send_blocked_seconds_total", producer=w) >= 0
         assert p.get("lmpipe_producer_handshakes_total", result="welcome", producer=w) == 1
-        assert p.get("lmpipe_producer_epoch", producer=w) == 0, "one epoch, counted from 0"
-        assert p.get("lmpipe_producer_cursor_position", producer=w) > 0
+        # per shard held (a producer holds several): one epoch, counted from 0, and where each shard stands
+        epochs = p.by_label("lmpipe_producer_epoch", "shard")
+        positions = p.by_label("lmpipe_producer_cursor_position", "shard")
+        assert epochs and set(epochs.values()) == {0} and set(positions) == set(epochs), (epochs, positions)
+        assert all(v > 0 for v in positions.values()), positions
+        assert not held & set(epochs), "a shard has one holder"
+        held |= set(epochs)
     assert workers == {"0", "1"}, "the producers' own numbers, as in their log lines' [producer N]"
+    assert held == set(t.by_label("lmpipe_trainer_batches_received_total", "shard")), (
+        "the producers' shard ids are the trainer's: the two join on `shard`"
+    )
 
     mid = finite_run.trainer_mid
     for name in ("lmpipe_trainer_tokens_total", "lmpipe_trainer_steps_total"):

@@ -140,6 +140,10 @@ def test_prometheus_scrapes_the_compose_commands_and_every_dashboard_query_retur
             "the replicas' progress, one series per replica"
         )
         assert all(float(r["value"][1]) == 1 for r in results["up"])
+        # the Topology row: one rank, reporting, with every shard; a fresh start resumed from nothing (NaN)
+        assert value("max(lmpipe_trainer_world_size)") == 1 == value("count(lmpipe_trainer_world_size)")
+        assert value("min(lmpipe_trainer_rank_shards)") == value("sum(lmpipe_trainer_rank_shards)") > 0
+        assert math.isnan(value("max(lmpipe_trainer_resumed_step)"))
         # the alert rules are loaded and evaluate without error against the live metrics
         url = f"http://127.0.0.1:{prom_port}/api/v1/rules"
         with urllib.request.urlopen(url, timeout=10) as r:

@@ -103,9 +103,11 @@ def test_every_metric_the_dashboard_uses_is_exported():
         "time() - max(lmpipe_trainer_checkpoint_timestamp_seconds)",
         "sum(lmpipe_trainer_checkpoint_seconds_sum) / sum(lmpipe_trainer_checkpoint_seconds_count)",
         "sum by (reason) (rate(lmpipe_trainer_handshake_refusals_total",
-        # producers serve shards that move between them: their series are told apart by replica (instance)
-        'max by (instance) (lmpipe_producer_epoch{instance=~"$producer"})',
-        'max by (instance) (lmpipe_producer_cursor_position{instance=~"$producer"})',
+        # producers serve shards that move between them: per replica (instance) its least advanced shard's
+        # epoch; positions per shard, of the least and the most advanced shard
+        'min by (instance) (lmpipe_producer_epoch{instance=~"$producer"})',
+        'min(lmpipe_producer_cursor_position{instance=~"$producer"})',
+        'max(lmpipe_producer_cursor_position{instance=~"$producer"})',
         'sum by (instance) (rate(lmpipe_producer_batches_sent_total{instance=~"$producer"}',
         "max by (stat) (lmpipe_trainer_shards_per_producer)",
         "sum(increase(lmpipe_trainer_producer_joins_total",
