@@ -133,17 +133,21 @@ class Receiver(threading.Thread):
         """What the step loop is waiting on, in words (any thread: reads a snapshot)."""
         return self.coordinator.wait_line(now)
 
-    def stop(self, reason: str = "") -> None:
-        """Tell every producer to stop (when `reason` is given), close the sockets, end the thread."""
+    def stop(self, reason: str = "", timeout: float = STOP_GRACE + 5) -> None:
+        """Tell every producer to stop (when `reason` is given), close the sockets, end the thread: waited
+        for up to `timeout` seconds (by default: it waits up to STOP_GRACE for the producers' `bye`); 0:
+        only told (a second stop() waits). Idempotent."""
         if self._loop is None or self._loop.is_closed():
             return
         try:
             self._loop.call_soon_threadsafe(self.coordinator.shutdown, reason)
         except RuntimeError:  # the loop closed in between (the thread failed)
             return
-        self.join(timeout=STOP_GRACE + 5)  # it waits up to STOP_GRACE for the producers' `bye`
+        if timeout <= 0:
+            return
+        self.join(timeout=timeout)
         if self.is_alive():
-            log.warning("the receive thread did not finish within %.0f s of the stop", STOP_GRACE + 5)
+            log.warning("the receive thread did not finish within %.0f s of the stop", timeout)
 
     # -- the thread ---------------------------------------------------------------------------------
 

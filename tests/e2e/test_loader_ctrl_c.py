@@ -1,18 +1,23 @@
-"""A Loader's `with` block ends, and takes every process with it, however a Ctrl-C times it: one that
-lands while the training loop holds the batch queue's lock (seen only on a loaded machine, placed there on
-purpose here)."""
+"""A Loader's `with` block ends, and takes every process with it, however a Ctrl-C or a producer times it:
+a Ctrl-C that lands while the training loop holds the batch queue's lock (seen only on a loaded machine,
+placed there on purpose here), and a producer deaf to the stop and to SIGTERM (killed after its grace, said
+in one line)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+import lmpipe.zygote
+from lmpipe import Loader
 from tests.helpers import REPO, free_ports, lmpipe_env
 
 
@@ -87,3 +92,21 @@ def test_a_ctrl_c_while_the_loop_holds_the_batch_queues_lock_still_stops_every_p
         assert f"[producer {i}] trainer says stop: SIGINT" in err, err[-3000:]
     assert "did not finish" not in err and "ignored SIGTERM" not in err, err[-3000:]
     assert not [pid for pid in [*pids, zygote] if alive(pid)]
+
+
+def test_a_producer_deaf_to_the_stop_and_to_sigterm_is_killed_after_its_grace(monkeypatch, caplog):
+    monkeypatch.setattr(lmpipe.zygote, "GRACE", 1.0)  # the seconds a producer has for each stage
+    loader = Loader(seq_len=32, batch_size=2, producers=2, shards=2, builtin_docs=200, device="cpu",
+                    port=free_ports(2))  # fmt: skip
+    raises = pytest.raises(ValueError, match="the user's loop failed")
+    with raises, caplog.at_level(logging.WARNING), loader:
+        next(iter(loader))
+        pids = loader.producer_pids
+        os.kill(pids[1], signal.SIGSTOP)  # hears neither the stop nor SIGTERM; SIGKILL still ends it
+        t0 = time.monotonic()
+        raise ValueError("the user's loop failed")
+    took = time.monotonic() - t0
+    assert took < 20, f"the with block took {took:.0f} s to end"  # before: 65 s for the stopped one's bye
+    said = [r.getMessage() for r in caplog.records]
+    assert f"producer pid {pids[1]} ignored SIGTERM; killing it" in said, said
+    assert not [pid for pid in pids if alive(pid)]
