@@ -40,6 +40,31 @@ log = logging.getLogger("lmpipe.trainer")
 __all__ = ["PipelineError", "Receiver"]
 
 
+class Latch:
+    """threading.Event's set/wait/is_set on a bare lock. Event.wait() takes its Condition's lock in Python
+    code, where a KeyboardInterrupt (Ctrl-C in a library user's process) can land with the lock taken and
+    never given back: the receive thread's set() would then block it for good, before it serves."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()  # held until set()
+        self._set = False
+
+    def set(self) -> None:  # from the receive thread only
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._lock.release()
+        return True
+
+
 class Receiver(threading.Thread):
     def __init__(
         self,
@@ -61,7 +86,7 @@ class Receiver(threading.Thread):
         self.data = DataReceiver(cfg, ledger, metrics, vocab_size, self.coordinator.resends, rejects)
         self.ready = self.data.ready
         self.limits = self.data.limits
-        self.bound = threading.Event()
+        self.bound = Latch()  # set once the sockets are bound (or could not be)
         self._error: BaseException | None = None
         self.endpoints = endpoints(cfg)  # creates and checks the runtime directory (ValueError if unsafe)
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -1,7 +1,7 @@
 """A Loader's `with` block ends, and takes every process with it, however a Ctrl-C or a producer times it:
 a Ctrl-C that lands while the training loop holds the batch queue's lock (seen only on a loaded machine,
-placed there on purpose here), and a producer deaf to the stop and to SIGTERM (killed after its grace, said
-in one line)."""
+placed there on purpose here), a producer deaf to the stop and to SIGTERM (killed after its grace, said in
+one line), and a Ctrl-C caught (a notebook's) while start() waits for the receive thread's sockets."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -110,3 +111,38 @@ def test_a_producer_deaf_to_the_stop_and_to_sigterm_is_killed_after_its_grace(mo
     said = [r.getMessage() for r in caplog.records]
     assert f"producer pid {pids[1]} ignored SIGTERM; killing it" in said, said
     assert not [pid for pid in pids if alive(pid)]
+
+
+def test_a_ctrl_c_while_start_waits_for_the_receive_threads_sockets_ends_that_thread(monkeypatch):
+    """Ctrl-C in a notebook: the KeyboardInterrupt is caught and the process goes on, so nothing the loader
+    started may stay behind. It lands inside Pipeline.start's wait for the receive thread's sockets, at the
+    first place after a lock was taken where Python runs a signal handler (threading.Event: its Condition's
+    __enter__, whose lock that thread's set() then waits for)."""
+
+    def hook(frame, event, arg):
+        waiting = frame if frame.f_code.co_name == "wait" else frame.f_back
+        while waiting is not None and waiting.f_code.co_name != "wait":
+            waiting = waiting.f_back
+        if waiting is None or waiting.f_back is None or waiting.f_back.f_code.co_name != "start":
+            return
+        if waiting.f_back.f_code.co_filename.endswith("pipeline.py") and (
+            (event == "return" and frame.f_code.co_name == "__enter__")
+            or (event == "c_return" and getattr(arg, "__name__", "") == "acquire")
+        ):
+            sys.setprofile(None)
+            time.sleep(0.5)  # the receive thread binds its sockets and says so meanwhile
+            os.kill(os.getpid(), signal.SIGINT)
+
+    loader = Loader(seq_len=32, batch_size=2, producers=1, shards=2, builtin_docs=40, device="cpu",
+                    port=free_ports(2))  # fmt: skip
+    sys.setprofile(hook)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loader.start()
+    finally:
+        sys.setprofile(None)
+    deadline = time.monotonic() + 15
+    while any(t.name == "lmpipe-receiver" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t for t in threading.enumerate() if t.name == "lmpipe-receiver"], "the receive thread ended"
+    assert loader.producer_pids == [] and loader._zygote is None, "the producers were reaped"
