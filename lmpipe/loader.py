@@ -40,7 +40,7 @@ from lmpipe.consumer.config import TrainConfig
 from lmpipe.consumer.ledger import Ledger
 from lmpipe.launch import CorpusFacts, check_inputs, rank_settings
 from lmpipe.shared.config import PipelineConfig
-from lmpipe.zygote import Zygote
+from lmpipe.zygote import GRACE, Zygote
 
 if TYPE_CHECKING:
     from lmpipe.consumer.pipeline import Pipeline  # imports torch: only when a loader is constructed
@@ -204,14 +204,28 @@ class Loader:
     def _epochs_done(self) -> None:
         """Every shard finished its epochs: the producers are told to stop and reaped now, not at close().
         The loader stays usable: state_dict() covers the last batch, and a new `for` yields nothing."""
-        if self._pipe is not None:
-            self._pipe.stop("every shard finished its epochs")
-        self._reap()
+        self._stop(self._pipe, "every shard finished its epochs")
 
-    def _reap(self) -> None:
+    def _stop(self, pipe: Pipeline | None, reason: str) -> None:
+        """Stop the receive side and the local producers, each wait bounded: the producers are told why,
+        then reaped (their `bye` and exit, else SIGTERM, then SIGKILL: Zygote.stop), then the receive thread,
+        which has no `bye` left to wait for, is joined. Remote producers: the receive thread waits for their
+        `bye` (Receiver.stop)."""
+        local = self._zygote is not None
+        try:
+            if pipe is not None:
+                pipe.stop(reason, timeout=0 if local else None)
+        finally:
+            try:  # no pipeline (a start that failed): nothing tells the producers to stop but SIGTERM
+                self._reap(None if pipe is not None else 0.0)
+            finally:
+                if pipe is not None and local:
+                    pipe.stop(reason, timeout=2 * GRACE)
+
+    def _reap(self, grace: float | None = None) -> None:
         if self._zygote is not None:
             try:
-                self._zygote.stop()
+                self._zygote.stop(grace)
             finally:
                 self._zygote = None
 
@@ -232,9 +246,8 @@ class Loader:
         try:
             if pipe is not None:
                 self._cursors = pipe.state_dict()  # state_dict() after close() still covers the last batch
-                pipe.stop(reason)
         finally:
-            self._reap()
+            self._stop(pipe, reason)
 
     def __enter__(self) -> Loader:
         self.start()

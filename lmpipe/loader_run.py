@@ -45,7 +45,11 @@ def build_pipeline(loader: Loader) -> Pipeline:
     # close() is freed at once (its __del__ stops the producers), not at some later garbage collection
     ref = weakref.ref(loader)
     pipe.health_check = lambda: None if (alive := ref()) is None else alive.producers_alive()
-    pipe.start(rows=cfg.batch_size)  # fixed-shape batches: a short last batch gets empty rows
+    try:
+        pipe.start(rows=cfg.batch_size)  # fixed-shape batches: a short last batch gets empty rows
+    except BaseException:  # a Ctrl-C half-way: the receive thread, if it started, ends (and frees its port)
+        pipe.stop("the loader did not start", timeout=0)
+        raise
     pipe.metrics.info.info(
         {
             "model": "none (library)",

@@ -128,20 +128,27 @@ def fork_producers(
 
 
 def reap(procs: Sequence[LocalProducer | ZygoteProducer | subprocess.Popen], grace: float = 5.0) -> None:
-    """Wait for producers that were told to stop; terminate, then kill, the ones that do not."""
+    """Wait for producers that were told to stop; terminate, then kill, the ones that do not. Each stage
+    has one deadline for all of them: `grace`, then 3 s after SIGTERM, then 5 s after SIGKILL."""
     deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.terminate()
+    deadline = time.monotonic() + 3.0
     for p in procs:
         try:
-            p.wait(timeout=3)
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("producer pid %d ignored SIGTERM; killing it", p.pid)
             p.kill()
-            p.wait()
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        try:  # bounded too: a process stuck in the kernel (an unresponsive disk) outlives even SIGKILL
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.error("producer pid %d did not exit 5 s after SIGKILL; not waiting longer", p.pid)
 
 
 def check_produce(cfg: PipelineConfig, opts: ProduceOptions) -> Corpora:

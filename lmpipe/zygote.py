@@ -180,7 +180,10 @@ class Zygote:
             code = self.proc.wait(timeout=GRACE)
         except subprocess.TimeoutExpired:  # it closed the pipe but lives on: it must not
             self.proc.kill()
-            code = self.proc.wait()
+            try:
+                code = self.proc.wait(timeout=GRACE)
+            except subprocess.TimeoutExpired:  # stuck in the kernel: close() says so
+                code = -signal.SIGKILL
         lost = [p for p in self.producers if p.returncode is None]
         if lost and self.error is None:
             how = f"exited with code {code}"
@@ -211,10 +214,13 @@ class Zygote:
                 return f"producer {p.index} exited with code {p.returncode}"
         return None
 
-    def stop(self, grace: float = GRACE) -> None:
-        """After the producers were told to stop: wait for them, terminate, then kill the ones that do not
-        (procs.reap, as `lmpipe run`), then end the zygote. Idempotent."""
+    def stop(self, grace: float | None = None) -> None:
+        """After the producers were told to stop: wait for them (up to `grace`, GRACE by default),
+        terminate, then kill the ones that do not (procs.reap, as `lmpipe run`), then end the zygote.
+        Idempotent."""
         from lmpipe.procs import reap
+
+        grace = GRACE if grace is None else grace
 
         if os.getpid() != self._owner:
             return
@@ -234,13 +240,28 @@ class Zygote:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             with suppress(OSError):  # the zygote is gone (EPIPE on the flush)
                 self.proc.stdin.close()
-        try:
+        try:  # it takes at most GRACE to stop its producers, then kills them
             self.proc.wait(timeout=2 * GRACE)
         except subprocess.TimeoutExpired:
+            log.warning("the producers' zygote (pid %d) did not exit %.0f s after its stop; killing it",
+                        self.pid, 2 * GRACE)  # fmt: skip
             self.proc.kill()
-        while self._events >= 0:
-            self.pump(GRACE)
-        self.proc.wait()
+        # its exits, up to the end of the pipe: it comes with the zygote's, as its producers closed their copy
+        deadline = time.monotonic() + GRACE
+        while self._events >= 0 and (left := deadline - time.monotonic()) > 0:
+            self.pump(left)
+        if self._events >= 0:
+            log.warning("the events pipe of the producers' zygote (pid %d) is still open %.0f s after its "
+                        "stop (a process it forked holds it); not reading it further", self.pid, GRACE)  # fmt: skip
+            with self._lock:
+                if self._events >= 0:
+                    self._ended()
+        try:
+            self.proc.wait(timeout=GRACE)
+        except subprocess.TimeoutExpired:
+            log.error(
+                "the producers' zygote (pid %d) did not exit after SIGKILL; not waiting longer", self.pid
+            )
 
 
 def _wait_gone(pid: int, seconds: float) -> None:

@@ -57,7 +57,13 @@ class DataReceiver:
     ):
         self.cfg, self.ledger, self.metrics, self.vocab_size = cfg, ledger, metrics, vocab_size
         self.resends, self._reject = resends, rejects
-        self.ready: queue.Queue = queue.Queue()  # slots and ends, in arrival order, for the step loop
+        # Slots and ends, in arrival order, for the step loop. A SimpleQueue: its get() and put() are C, and
+        # no Python code runs while they hold a lock. queue.Queue's get() takes its lock in
+        # Condition.__enter__, Python code, where a Ctrl-C (KeyboardInterrupt in a library user's loop) can
+        # land after the lock is taken and before the `with` that gives it back; the lock then stays held,
+        # the receive thread's next put() blocks its loop for good, and the stop never reaches the producers
+        # (a Loader's `with` hung on Ctrl-C).
+        self.ready: queue.SimpleQueue = queue.SimpleQueue()
         # What a valid batch can hold, not a constant: the same function the tests check batches against.
         self.limits = batch_limits(cfg.batch_size, cfg.seq_len)
         # ZeroMQ cuts a connection that sends a bigger frame (a memory guard; counted as a disconnect).

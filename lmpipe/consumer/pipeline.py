@@ -204,10 +204,14 @@ class Pipeline:
         """Raise the receive thread's error, if it failed."""
         self.feed.check_receiver()
 
-    def stop(self, reason: str) -> None:
-        """Tell the producers why and stop the receive thread; close the doc log. Idempotent."""
+    def stop(self, reason: str, timeout: float | None = None) -> None:
+        """Tell the producers why and stop the receive thread (waited for up to `timeout` s, None: the
+        receiver's default, 0: not waited for); close the doc log. Idempotent."""
         if self.receiver is not None:
-            self.receiver.stop(reason=reason)
+            if timeout is None:
+                self.receiver.stop(reason=reason)
+            else:
+                self.receiver.stop(reason=reason, timeout=timeout)
         if self.doc_log:
             doc_log, self.doc_log = self.doc_log, None
             doc_log.close()

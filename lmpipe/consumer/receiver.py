@@ -40,6 +40,31 @@ log = logging.getLogger("lmpipe.trainer")
 __all__ = ["PipelineError", "Receiver"]
 
 
+class Latch:
+    """threading.Event's set/wait/is_set on a bare lock. Event.wait() takes its Condition's lock in Python
+    code, where a KeyboardInterrupt (Ctrl-C in a library user's process) can land with the lock taken and
+    never given back: the receive thread's set() would then block it for good, before it serves."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()  # held until set()
+        self._set = False
+
+    def set(self) -> None:  # from the receive thread only
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._lock.release()
+        return True
+
+
 class Receiver(threading.Thread):
     def __init__(
         self,
@@ -61,7 +86,7 @@ class Receiver(threading.Thread):
         self.data = DataReceiver(cfg, ledger, metrics, vocab_size, self.coordinator.resends, rejects)
         self.ready = self.data.ready
         self.limits = self.data.limits
-        self.bound = threading.Event()
+        self.bound = Latch()  # set once the sockets are bound (or could not be)
         self._error: BaseException | None = None
         self.endpoints = endpoints(cfg)  # creates and checks the runtime directory (ValueError if unsafe)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -133,17 +158,21 @@ class Receiver(threading.Thread):
         """What the step loop is waiting on, in words (any thread: reads a snapshot)."""
         return self.coordinator.wait_line(now)
 
-    def stop(self, reason: str = "") -> None:
-        """Tell every producer to stop (when `reason` is given), close the sockets, end the thread."""
+    def stop(self, reason: str = "", timeout: float = STOP_GRACE + 5) -> None:
+        """Tell every producer to stop (when `reason` is given), close the sockets, end the thread: waited
+        for up to `timeout` seconds (by default: it waits up to STOP_GRACE for the producers' `bye`); 0:
+        only told (a second stop() waits). Idempotent."""
         if self._loop is None or self._loop.is_closed():
             return
         try:
             self._loop.call_soon_threadsafe(self.coordinator.shutdown, reason)
         except RuntimeError:  # the loop closed in between (the thread failed)
             return
-        self.join(timeout=STOP_GRACE + 5)  # it waits up to STOP_GRACE for the producers' `bye`
+        if timeout <= 0:
+            return
+        self.join(timeout=timeout)
         if self.is_alive():
-            log.warning("the receive thread did not finish within %.0f s of the stop", STOP_GRACE + 5)
+            log.warning("the receive thread did not finish within %.0f s of the stop", timeout)
 
     # -- the thread ---------------------------------------------------------------------------------
 

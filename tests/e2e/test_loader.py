@@ -135,15 +135,7 @@ def test_two_torchrun_ranks_read_disjoint_shares(tmp_path, tok):
     assert_exactly_once({**per_rank[0], **per_rank[1]}, builtin_lengths(tok, DOCS))
 
 
-# Known bug, open: with the producers forked by a zygote, the Ctrl-C case hung past 60 s in both full CI runs
-# of 2026-11-28 (two test files at once on 2 cores) and never alone or beside a CPU hog; until it is found,
-# it is expected to fail there rather than hold every other change back.
-CTRL_C_RACE = pytest.mark.xfail(
-    reason="a Ctrl-C hang seen only in full CI runs: under investigation", strict=False
-)
-
-
-@pytest.mark.parametrize("how", ["exception", pytest.param("ctrl-c", marks=CTRL_C_RACE), "dead producer"])
+@pytest.mark.parametrize("how", ["exception", "ctrl-c", "dead producer"])
 def test_no_process_outlives_the_with_block(tmp_path, how):
     p = start(tmp_path, "raise" if how == "exception" else "wait", free_ports(2))
     assert p.stdout is not None
