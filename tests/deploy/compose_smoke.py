@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.deploy.compose import load_compose
-from tests.deploy.dashboard import dashboard_exprs, expand, nan_allowed
+from tests.deploy.dashboard import GRAFANA_VARS, dashboard_exprs, empty_allowed, expand, nan_allowed
 from tests.deploy.shipped import COMPOSE, debian_image
 from tests.helpers import REPO
 
@@ -382,9 +382,11 @@ def check_serving(stack: Stack, producers: int, timeout: float) -> None:
             return f"trainer steps scraped: {steps[0]['value'][1] if steps else 'none'}"
         bad = {}
         for expr in exprs:
-            res = query(expand(expr, {"$__rate_interval": RATE_INTERVAL}))
+            res = query(expand(expr, {**GRAFANA_VARS, "$__rate_interval": RATE_INTERVAL}))
             values = [float(r["value"][1]) for r in res]
-            if not res or not (all(math.isfinite(v) for v in values) or nan_allowed(expr)):
+            if (not res and not empty_allowed(expr)) or not (
+                all(math.isfinite(v) for v in values) or nan_allowed(expr)
+            ):
                 bad[expr] = values or "no data"
         connected = query("max(lmpipe_trainer_producers_connected)")
         if not connected or float(connected[0]["value"][1]) != producers:
