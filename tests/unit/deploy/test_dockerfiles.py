@@ -37,7 +37,9 @@ def test_dockerfile_structure(role):
         if op == "FROM":
             image = rest.split()[0]
             image = re.sub(r"\$\{?(\w+)\}?", lambda m: args[m[1]], image)
-            stages.append(rest.split()[-1] if " AS " in rest.upper() else None)
+            earlier, _ = list(stages), stages.append(rest.split()[-1] if " AS " in rest.upper() else None)
+            if image in earlier:
+                continue  # on an earlier stage of this file
             repo, _, tag = image.rpartition(":")
             assert repo and tag and tag != "latest" and "/" not in tag, f"unpinned base image {image}"
     assert len(stages) >= 2, "a build stage and a runtime stage"
@@ -74,7 +76,10 @@ def _base_arg(ins: list[tuple[str, str]]) -> str:
     first = next(i for i, (op, _) in enumerate(ins) if op == "FROM")
     head = [rest for op, rest in ins[:first] if op == "ARG"]
     assert [a.partition("=")[0] for a in head] == ["BASE_IMAGE"], "BASE_IMAGE is the only global argument"
-    assert {rest.split()[0] for op, rest in ins if op == "FROM"} == {"${BASE_IMAGE}"}, "every stage on it"
+    stages = {rest.split()[-1] for op, rest in ins if op == "FROM" and " AS " in rest}
+    assert {rest.split()[0] for op, rest in ins if op == "FROM"} - stages == {"${BASE_IMAGE}"}, (
+        "every stage on it"
+    )
     return head[0].partition("=")[2]
 
 
@@ -90,7 +95,8 @@ def test_one_build_argument_picks_the_base_of_both_images():
 def _shared_part(path: Path) -> list[tuple[str, str]]:
     ins = _instructions(path)
     start = next(i for i, (op, _) in enumerate(ins) if op == "FROM")
-    end = next(i for i, (op, rest) in enumerate(ins) if op == "COPY" and rest.startswith("--from=build"))
+    # to the compile of lmpipe in the runtime stage, after its copy of /opt/venv and of lmpipe
+    end = next(i for i, (op, rest) in enumerate(ins) if op == "RUN" and "compileall" in rest)
     # only the defaults of the torch arguments differ: none in the producer, PyPI's build in the trainer
     return [(op, _arg_name(rest) if op == "ARG" else rest) for op, rest in ins[start : end + 1]]
 
@@ -115,10 +121,29 @@ def test_producer_and_trainer_share_their_layers_on_one_base():
     assert any("pip install" in rest and "torch==" in rest for _, rest in producer)
     assert _arg_default(DOCKERFILES["producer"], "TORCH_VERSION") == "", "no torch in the producer image"
     assert _arg_default(DOCKERFILES["trainer"], "TORCH_VERSION") == "2.13.0", "what CI uses (.ci/run)"
-    assert producer[-1] == ("COPY", "--from=build /opt/venv /opt/venv")
+    copies = [rest for op, rest in producer if op == "COPY" and rest.startswith("--from=")]
+    assert copies == ["--from=build /opt/venv /opt/venv", "--from=lmpipe /staging/opt/venv /opt/venv"]
     # pip's downloads stay in a build cache mount, never in a layer
     pip = [rest for op, rest in producer if op == "RUN" and "pip install" in rest]
+    assert len(pip) == 3, "torch, the dependencies, lmpipe"
     assert pip and all(rest.startswith("--mount=type=cache,target=/root/.cache/pip") for rest in pip)
+
+
+def test_a_code_change_rebuilds_only_a_small_layer():
+    """torch and lmpipe's dependencies are installed before lmpipe's code is copied, from pyproject.toml
+    alone, and reach the runtime stage in their own layer: a rebuild after a code change (or a README edit)
+    reuses that layer (about 1 GB in the CPU trainer) and adds a few MB, so the image it replaces, left
+    untagged, holds no second copy of torch."""
+    ins = _instructions(DOCKERFILES["trainer"])
+    build = ins[: next(i for i, (op, rest) in enumerate(ins) if op == "FROM" and rest.endswith("AS lmpipe"))]
+    copied = [src for op, rest in build if op == "COPY" for src in rest.split()[:-1]]
+    assert copied == ["pyproject.toml"], "the build stage sees neither lmpipe/ nor README.md"
+    assert any("pip install -r" in rest for op, rest in build if op == "RUN"), "the dependencies, there"
+    (staged,) = [rest for op, rest in ins if op == "RUN" and "--root /staging" in rest]
+    assert "--no-deps" in staged
+    final = ins[max(i for i, (op, _) in enumerate(ins) if op == "FROM") :]
+    labels = [rest for op, rest in final if op == "LABEL"]
+    assert labels == ["io.lmpipe.image=trainer"], "deploy/podman/compose.sh prunes replaced images by it"
 
 
 def test_debian_prometheus_image_runs_like_the_prom_prometheus_image():
