@@ -9,19 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.compose import load_compose
+from tests.deploy.dockerfile import instructions as _instructions
 from tests.deploy.shipped import COMPOSE, DOCKERFILE_PROMETHEUS, DOCKERFILES, debian_image
 from tests.helpers import REPO
-
-
-def _instructions(path: Path) -> list[tuple[str, str]]:
-    text = re.sub(r"\\\n", " ", path.read_text())
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            op, _, rest = line.partition(" ")
-            out.append((op.upper(), rest.strip()))
-    return out
 
 
 @pytest.mark.parametrize("role", sorted(DOCKERFILES))

@@ -3,8 +3,8 @@ the stack under podman-compose")."""
 
 from __future__ import annotations
 
+from tests.deploy.dockerfile import instructions as _instructions
 from tests.deploy.shipped import DOCKERFILES
-from tests.unit.deploy.test_dockerfiles import _instructions
 
 
 def test_a_code_change_rebuilds_only_a_small_layer():
