@@ -5,7 +5,7 @@
 #   deploy/podman/compose.sh up -d --scale producer=3     (any podman-compose command; `--in-pod false` is added)
 #   deploy/podman/compose.sh health                       (run every container's health check now)
 #
-# What it adds around podman-compose (deploy/README.md, "With podman"):
+# What it adds around podman-compose (deploy/README.md, "Operating the stack under podman-compose"):
 # - `up`: producer replicas beyond the number this `up` asks for (--scale producer=N, else LMPIPE_PRODUCERS,
 #   else 2) are stopped and removed first, as Docker Compose scales down. podman-compose acts only on the
 #   replicas it would create now (<project>_producer_1..N) and creates each with `--requires` on the trainer:
