@@ -3,10 +3,14 @@ Compose v2, or podman with podman-compose), check it, tear it down. Run by deplo
 
 1. Two producers (the compose default) and the CPU trainer: training steps; the compose Prometheus finds every
    producer replica by DNS and every Grafana dashboard query returns data from it; the health checks pass.
-2. Three producers (LMPIPE_PRODUCERS=3: compose adds a replica; the trainer gives it shards): the same checks.
-3. A finite epoch with a document log: the trainer's main process is killed (SIGKILL, as the OOM killer
-   does). Its restart policy brings the container back, it resumes from its latest checkpoint in the shared
-   volume, the producers rejoin, and the epoch ends with every token of every document trained exactly once.
+2. `up --scale producer=3`: compose adds a replica to the running stack (the trainer is not recreated and
+   gives it shards): the same checks.
+3. `up` again with changed settings and without --scale: the trainer is recreated with them and the producers
+   go back to 2 (podman-compose 1.6 alone keeps the old trainer here: deploy/podman/compose.sh). A finite
+   epoch with a document log: the trainer's main process is killed (SIGKILL, as the OOM killer does). Its
+   restart policy brings the container back, it resumes from its latest checkpoint in the shared volume, the
+   producers rejoin, and the epoch ends with every token of every document trained exactly once.
+4. `down` asking for fewer replicas than are up: no container of the project is left.
 
 Grafana is not started: its image cannot be pulled or installed on this project's machines; its
 provisioning and dashboard are checked statically (tests/unit/deploy/test_grafana.py).
@@ -38,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.deploy.compose import load_compose
-from tests.deploy.dashboard import dashboard_exprs, expand, nan_allowed
+from tests.deploy.dashboard import GRAFANA_VARS, dashboard_exprs, empty_allowed, expand, nan_allowed
 from tests.deploy.shipped import COMPOSE, debian_image
 from tests.helpers import REPO
 
@@ -135,8 +139,9 @@ def find_podman() -> Engine | str:
     r = run(["podman", "info", "--format", "{{.Host.OCIRuntime.Name}}"], timeout=60)
     if r.returncode != 0:
         return f"podman: `podman info` fails ({last_line(r.stderr)})"
-    # no pod: each replica gets its own network namespace and address, as with Docker Compose
-    return Engine("podman", [pc, "--in-pod", "false"])
+    # deploy/podman/compose.sh: podman-compose with `--in-pod false` (each replica in its own network
+    # namespace, as with Docker Compose), and up/down that act on every replica, as Docker Compose does
+    return Engine("podman", [str(REPO / "deploy" / "podman" / "compose.sh")], env={"PODMAN_COMPOSE": pc})
 
 
 def find_engine(choice: str) -> Engine:
@@ -267,12 +272,12 @@ class Stack:
         }
         self.override.write_text(json.dumps(doc, indent=1) + "\n")  # JSON is YAML
 
-    def containers(self, service: str) -> list[str]:
+    def containers(self, service: str | None = None) -> list[str]:
+        """The project's containers (of one service), running or not."""
+        only = ["--filter", f"label=com.docker.compose.service={service}"] if service else []
         r = self.engine.cli(
-            "ps", "-a", "-q", "--no-trunc",
-            "--filter", f"label=com.docker.compose.project={PROJECT}",
-            "--filter", f"label=com.docker.compose.service={service}",
-        )  # fmt: skip
+            "ps", "-a", "-q", "--no-trunc", "--filter", f"label=com.docker.compose.project={PROJECT}", *only
+        )
         return r.stdout.split()
 
     def inspect(self, cid: str) -> dict:
@@ -382,9 +387,11 @@ def check_serving(stack: Stack, producers: int, timeout: float) -> None:
             return f"trainer steps scraped: {steps[0]['value'][1] if steps else 'none'}"
         bad = {}
         for expr in exprs:
-            res = query(expand(expr, {"$__rate_interval": RATE_INTERVAL}))
+            res = query(expand(expr, {**GRAFANA_VARS, "$__rate_interval": RATE_INTERVAL}))
             values = [float(r["value"][1]) for r in res]
-            if not res or not (all(math.isfinite(v) for v in values) or nan_allowed(expr)):
+            if (not res and not empty_allowed(expr)) or not (
+                all(math.isfinite(v) for v in values) or nan_allowed(expr)
+            ):
                 bad[expr] = values or "no data"
         connected = query("max(lmpipe_trainer_producers_connected)")
         if not connected or float(connected[0]["value"][1]) != producers:
@@ -403,11 +410,12 @@ def check_serving(stack: Stack, producers: int, timeout: float) -> None:
 def check_health(stack: Stack) -> None:
     cids = [c for s in SERVICES for c in stack.containers(s)]
     if stack.engine.name == "podman":
-        # podman runs health checks from systemd timers; without systemd they run on request
-        for cid in cids:
-            r = stack.engine.cli("healthcheck", "run", cid, check=False)
-            if r.returncode != 0:
-                raise Failed(f"health check of {cid[:12]} fails: {r.stdout}{r.stderr}")
+        # podman runs health checks from systemd timers; without systemd they run on request: compose.sh
+        # health runs each container's once (exit 1 if one fails), after which podman reports them healthy
+        stack.compose("health")
+        states = {c[:12]: stack.inspect(c)["State"].get("Health", {}).get("Status") for c in cids}
+        if set(states.values()) != {"healthy"}:
+            raise Failed(f"after `compose.sh health`, podman reports {states}")
     else:
 
         def healthy() -> str | None:
@@ -416,6 +424,19 @@ def check_health(stack: Stack) -> None:
 
         wait_for("every container is healthy", healthy, 120)
     say(f"health checks pass ({len(cids)} containers)")
+
+
+def check_recreated(stack: Stack, old: str, setting: str, producers: int) -> None:
+    """`up` with a changed setting recreated the trainer with it, and replicas beyond the number asked for
+    are gone (podman-compose alone keeps the old trainer and the replicas: deploy/podman/compose.sh)."""
+    cid = stack.trainer()
+    env = stack.inspect(cid)["Config"]["Env"]
+    if cid == old or setting not in env:
+        raise Failed(f"`up` with {setting} did not recreate the trainer with it (container {cid[:12]})")
+    got = len(stack.containers("producer"))
+    if got != producers:
+        raise Failed(f"{got} producer containers after `up` without --scale, expected {producers}")
+    say(f"`up` with {setting} recreated the trainer with it, and scaled the producers back to {producers}")
 
 
 def kill_trainer_process(stack: Stack) -> int:
@@ -543,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="lmpipe-smoke."))
     say(f"engine: {engine.name} ({' '.join(engine.compose)}); logs in {work}")
     stack: Stack | None = None
+    torn_down = False
     try:
         t0 = time.monotonic()
         base = choose_base(engine, args.base, args.rebuild_base)
@@ -563,23 +585,21 @@ def main(argv: list[str] | None = None) -> int:
         say("Grafana: not started (no image of it can be pulled or installed here); its provisioning and "
             "dashboard are checked statically by tests/unit/deploy/test_grafana.py")  # fmt: skip
 
-        for producers in (2, 3):
+        stack.phase_env = {"LMPIPE_CHECKPOINT_EVERY": "5"}  # the checkpoint panel's queries need one
+        stack.write_override(["--log-every", "5"], {})
+        trainer = ""
+        for producers, scale in ((2, []), (3, ["--scale", "producer=3"])):
             t0 = time.monotonic()
-            # a checkpoint holds the cursors of exactly that many producers: each count gets its own directory
-            stack.phase_env = {
-                "LMPIPE_PRODUCERS": str(producers),
-                "LMPIPE_CHECKPOINT_DIR": f"/data/checkpoints-{producers}",
-                "LMPIPE_CHECKPOINT_EVERY": "5",  # the checkpoint panel's queries need one
-            }
-            stack.write_override(["--log-every", "5"], {})
             say(f"phase: {producers} producers, the CPU trainer, Prometheus")
-            stack.compose("up", "-d", "--no-build", *SERVICES)
+            stack.compose("up", "-d", "--no-build", *scale, *SERVICES)
+            if trainer and stack.trainer() != trainer:
+                raise Failed("`up --scale producer=3` with the settings unchanged recreated the trainer")
+            trainer = stack.trainer()
             check_serving(stack, producers, args.timeout)
             timings[f"{producers} producers"] = time.monotonic() - t0
 
         t0 = time.monotonic()
         stack.phase_env = {
-            "LMPIPE_PRODUCERS": "3",
             "LMPIPE_EPOCHS": "1",
             "LMPIPE_SEQ_LEN": "64",
             "LMPIPE_BATCH_SIZE": "8",
@@ -592,9 +612,22 @@ def main(argv: list[str] | None = None) -> int:
             {"LMPIPE_BUILTIN_DOCS": str(args.docs)},
         )
         say(f"phase: one epoch of {args.docs} documents, the trainer killed after its first checkpoint")
+        # `up` again with changed settings and without --scale, after `--scale producer=3`
         stack.compose("up", "-d", "--no-build", *SERVICES)
+        check_recreated(stack, trainer, "LMPIPE_EPOCHS=1", producers=2)
         check_restart_and_exactly_once(stack, args.docs, args.timeout)
         timings["kill and resume"] = time.monotonic() - t0
+
+        if not args.keep:
+            t0 = time.monotonic()
+            # fewer replicas asked for than are up, as by a plain `down` after `up --scale producer=3`
+            stack.phase_env = {**stack.phase_env, "LMPIPE_PRODUCERS": "1"}
+            stack.compose("down", "-v", "-t", "5")
+            if left := stack.containers():
+                raise Failed(f"`down` left {len(left)} containers of the project behind")
+            torn_down = True
+            say("`down` removed every container of the project")
+            timings["teardown"] = time.monotonic() - t0
     except Skip as exc:
         say(f"SKIPPED: {exc}")
         return SKIPPED
@@ -607,10 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         if stack is not None:
             if args.keep:
                 say(f"--keep: the stack stays up (project {PROJECT})")
-            else:
-                t0 = time.monotonic()
+            elif not torn_down:
                 stack.compose("down", "-v", "--remove-orphans", "-t", "5", check=False)
-                timings["teardown"] = time.monotonic() - t0
             stack.log.close()
     total = time.monotonic() - t_start
     say("PASSED in " + f"{total:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + ")")

@@ -9,19 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.compose import load_compose
+from tests.deploy.dockerfile import instructions as _instructions
 from tests.deploy.shipped import COMPOSE, DOCKERFILE_PROMETHEUS, DOCKERFILES, debian_image
 from tests.helpers import REPO
-
-
-def _instructions(path: Path) -> list[tuple[str, str]]:
-    text = re.sub(r"\\\n", " ", path.read_text())
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            op, _, rest = line.partition(" ")
-            out.append((op.upper(), rest.strip()))
-    return out
 
 
 @pytest.mark.parametrize("role", sorted(DOCKERFILES))
@@ -37,7 +27,9 @@ def test_dockerfile_structure(role):
         if op == "FROM":
             image = rest.split()[0]
             image = re.sub(r"\$\{?(\w+)\}?", lambda m: args[m[1]], image)
-            stages.append(rest.split()[-1] if " AS " in rest.upper() else None)
+            earlier, _ = list(stages), stages.append(rest.split()[-1] if " AS " in rest.upper() else None)
+            if image in earlier:
+                continue  # on an earlier stage of this file
             repo, _, tag = image.rpartition(":")
             assert repo and tag and tag != "latest" and "/" not in tag, f"unpinned base image {image}"
     assert len(stages) >= 2, "a build stage and a runtime stage"
@@ -74,7 +66,10 @@ def _base_arg(ins: list[tuple[str, str]]) -> str:
     first = next(i for i, (op, _) in enumerate(ins) if op == "FROM")
     head = [rest for op, rest in ins[:first] if op == "ARG"]
     assert [a.partition("=")[0] for a in head] == ["BASE_IMAGE"], "BASE_IMAGE is the only global argument"
-    assert {rest.split()[0] for op, rest in ins if op == "FROM"} == {"${BASE_IMAGE}"}, "every stage on it"
+    stages = {rest.split()[-1] for op, rest in ins if op == "FROM" and " AS " in rest}
+    assert {rest.split()[0] for op, rest in ins if op == "FROM"} - stages == {"${BASE_IMAGE}"}, (
+        "every stage on it"
+    )
     return head[0].partition("=")[2]
 
 
@@ -90,7 +85,8 @@ def test_one_build_argument_picks_the_base_of_both_images():
 def _shared_part(path: Path) -> list[tuple[str, str]]:
     ins = _instructions(path)
     start = next(i for i, (op, _) in enumerate(ins) if op == "FROM")
-    end = next(i for i, (op, rest) in enumerate(ins) if op == "COPY" and rest.startswith("--from=build"))
+    # to the compile of lmpipe in the runtime stage, after its copy of /opt/venv and of lmpipe
+    end = next(i for i, (op, rest) in enumerate(ins) if op == "RUN" and "compileall" in rest)
     # only the defaults of the torch arguments differ: none in the producer, PyPI's build in the trainer
     return [(op, _arg_name(rest) if op == "ARG" else rest) for op, rest in ins[start : end + 1]]
 
@@ -115,9 +111,11 @@ def test_producer_and_trainer_share_their_layers_on_one_base():
     assert any("pip install" in rest and "torch==" in rest for _, rest in producer)
     assert _arg_default(DOCKERFILES["producer"], "TORCH_VERSION") == "", "no torch in the producer image"
     assert _arg_default(DOCKERFILES["trainer"], "TORCH_VERSION") == "2.13.0", "what CI uses (.ci/run)"
-    assert producer[-1] == ("COPY", "--from=build /opt/venv /opt/venv")
+    copies = [rest for op, rest in producer if op == "COPY" and rest.startswith("--from=")]
+    assert copies == ["--from=build /opt/venv /opt/venv", "--from=lmpipe /staging/opt/venv /opt/venv"]
     # pip's downloads stay in a build cache mount, never in a layer
     pip = [rest for op, rest in producer if op == "RUN" and "pip install" in rest]
+    assert len(pip) == 3, "torch, the dependencies, lmpipe"
     assert pip and all(rest.startswith("--mount=type=cache,target=/root/.cache/pip") for rest in pip)
 
 
