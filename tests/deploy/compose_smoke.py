@@ -506,7 +506,7 @@ def check_restart_and_exactly_once(stack: Stack, docs: int, timeout: float) -> N
     # the session id is no longer logged (it is a capability): the restarted trainer's own log names the
     # producers that joined it
     after = text[text.rindex("resumed from") :]
-    joined = len(re.findall(r"producer p\d+ joined from", after))
+    joined = len(re.findall(r"producer (?:#)?\d+(?: #\d+)? joined from", after))  # `producer #K` unnumbered
     expected = len(stack.containers("producer"))
     if joined != expected:
         raise Failed(f"the restarted trainer saw {joined} producers join, expected {expected}")
