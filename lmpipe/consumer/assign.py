@@ -80,6 +80,14 @@ def shard_list(shards: set[int] | list[int]) -> str:
     return ",".join(map(str, sorted(shards))) or "none"
 
 
+def moved_to(moved: dict[int, tuple[Producer, str]]) -> str:
+    """'0,1,2 to producer 0, 3 to producer 2' for a leave line: the shards each producer took."""
+    by: dict[str, set[int]] = {}
+    for s, (q, _) in moved.items():
+        by.setdefault(q.name, set()).add(s)
+    return ", ".join(f"{shard_list(v)} to {n}" for n, v in sorted(by.items(), key=lambda kv: min(kv[1])))
+
+
 def taken_from(moved: dict[int, tuple[Producer, str]], p: Producer) -> str:
     """' (from producer 0, producer 1)' for a join line: whom its shards came from (`moved`: shard -> (new holder, old
     holder's name))."""

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from lmpipe.consumer.admission import Admission, SkippedRecords, version_skew
-from lmpipe.consumer.assign import Producer, balance, producer_name, shard_list, taken_from
+from lmpipe.consumer.assign import Producer, balance, moved_to, producer_name, shard_list, taken_from
 from lmpipe.consumer.connections import ControlConnections
 from lmpipe.consumer.ledger import Ledger
 from lmpipe.consumer.quiet import Quiet, Rejects, printable
@@ -355,7 +355,7 @@ class Coordinator:
             if w.identity == p.identity:
                 w.identity, w.where = None, ""
         moved = self._rebalance()
-        to = ", ".join(f"{s} to {q.name}" for s, (q, _) in sorted(moved.items()))
+        to = moved_to(moved)
         log.info(
             "%s (%s) left (%s): shards %s %s (%d producers, %d shards)",
             p.name,

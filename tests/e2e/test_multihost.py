@@ -166,7 +166,7 @@ def test_three_producer_hosts_feed_one_trainer(bed, tmp_path, tok):
     print(f"3 hosts: {time.monotonic() - t0:.1f} s, {steps_logged(log)} steps")
     text = bed.log(trainer)
     for host in producers:
-        assert re.search(rf"producer p\d joined from {host}:\d+: holds shards ", text), text
+        assert re.search(rf"producer #\d joined from {host}:\d+: holds shards ", text), text
         assert producers[host].wait(timeout=15) == 0, bed.log(producers[host])
     out = json.loads(summary.read_text())
     assert out["stopped_by"] == "end of data" and out["rejected"] == 0 and out["stale"] == 0
@@ -307,7 +307,7 @@ def test_a_host_replaced_while_cut_off_rejoins_when_it_returns_and_nothing_is_tr
     assert shards_of(bed, spare), "the spare took shards at once, from the busiest producers"
     wait_until(lambda: "left (connection closed)" in bed.log(trainer), 60, "the trainer to drop the cut host")
     assert re.search(
-        r"producer p\d \(p2:\d+\) left \(connection closed\): shards [\d,]+ moved", bed.log(trainer)
+        r"producer #\d \(p2:\d+\) left \(connection closed\): shards [\d,]+ moved", bed.log(trainer)
     )
     steps_before = steps_logged(log)
     bed.restore("p2")

@@ -33,7 +33,7 @@ def test_a_paused_trainer_keeps_one_registration_per_producer(procs, tmp_path, p
     text = procs.log(train)
     # each producer joined once, and at most once more if its old connection's close was seen before its
     # rejoin; none registered twice at a time (a phantom holds shards until it is "silent for" 40 s)
-    joins = re.findall(r"producer p\d+ joined from (\S+):", text)
+    joins = re.findall(r"producer #?\d+ joined from (\S+):", text)
     assert len(set(joins)) == 2 and all(joins.count(w) <= 2 for w in joins), joins
     assert "silent for" not in text and "all 8 shards finished" in text
     for p in producers:
