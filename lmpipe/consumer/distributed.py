@@ -47,6 +47,7 @@ class Dist:
     local_rank: int = 0
     host_group: Any = field(default=None, repr=False)  # gloo group for host scalars
     peers: list[tuple[str, int]] = field(default_factory=list)  # every rank's (host name, pid)
+    restarts: int = 0  # torchrun's restarts of this host's workers so far (TORCHELASTIC_RESTART_COUNT)
 
     @property
     def enabled(self) -> bool:
@@ -116,23 +117,68 @@ class Dist:
             dist.destroy_process_group()
 
 
+ROUND_KEY = "lmpipe/round-store"  # in torchrun's store: where this round's rank 0 serves the ranks' store
+
+
+def _reachable_ip(host: str, port: int) -> str:
+    """This host's address on the route to `host` (no packet is sent: a UDP socket's connect only routes)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return str(s.getsockname()[0])
+
+
+def round_store(rank: int, timeout: datetime.timedelta) -> Any | None:
+    """The store this restart's ranks meet in, where torchrun shares its agent's store with its workers
+    (TORCHELASTIC_USE_AGENT_STORE, c10d rendezvous): that store outlives the workers, so after an elastic
+    restart it still holds the killed round's keys, and gloo/NCCL read a dead rank's address there and fail
+    to connect (torch issue 135712). Rank 0 serves a fresh store and says where in the agent's store; the
+    other ranks connect to the address they read there, and read again while it does not answer: only the
+    live round's rank 0 answers (the agent stops every worker of a round before the next starts). None:
+    no agent store (torch's own rendezvous is fresh each round)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    if rank == 0:
+        ip = _reachable_ip(addr, port)
+        own = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        agent.set(ROUND_KEY, f"{ip} {own.port}")
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        ip, _, p = agent.get(ROUND_KEY).decode().partition(" ")
+        try:  # a dead round's address: refused until the attempt's timeout
+            store = dist.TCPStore(ip, int(p), is_master=False, timeout=datetime.timedelta(seconds=1))
+        except (RuntimeError, OSError):  # DistNetworkError / DistStoreError are RuntimeErrors
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+            continue
+        store.set_timeout(timeout)  # gloo's waits for the other ranks' keys: the long one
+        return store
+
+
 def from_env(device: str) -> Dist:
     """The torchrun world this process is part of (a world of one without torchrun)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     if world <= 1:
-        return Dist()
+        return Dist(restarts=restarts)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = device != "cpu" and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local_rank)
     # The first step waits for every rank's producers; don't let NCCL's watchdog call that a hang.
     timeout = datetime.timedelta(minutes=30)
+    store = round_store(rank, timeout)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         timeout=timeout,
         device_id=torch.device("cuda", local_rank) if cuda else None,
+        **({"store": store, "rank": rank, "world_size": world} if store is not None else {}),
     )
     host = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     peers: list[Any] = [None] * world  # so that a lost rank can be named (Dist.lost)
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=host)
-    return Dist(rank, world, local_rank, host, [(str(h), int(p)) for h, p in peers])
+    return Dist(rank, world, local_rank, host, [(str(h), int(p)) for h, p in peers], restarts)

@@ -249,7 +249,8 @@ class Trainer:
             restore(self, load(self.resume_path, self._identity()))
         elif tcfg.resume:
             log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
-        reshard.said(self.layout, tcfg.accum, self.pcfg.batch_size, self.metrics, self.dist.is_main)
+        reshard.said(self.layout, tcfg.accum, self.pcfg.batch_size, self.metrics, self.dist.is_main,
+                     self.dist.restarts)  # fmt: skip
         if fast_line:
             log.info("%s", fast_line)
 
@@ -330,7 +331,7 @@ class Trainer:
             cfg, self.dist, m, self.feed, self.device, self.scaler, self._published, flops_per_token,
             trained=self.model is not None, started=self._started, step=self.step,
         )  # fmt: skip
-        stats.summary.topology = reshard.summary(self.layout)
+        stats.summary.topology = reshard.summary(self.layout, self.dist.restarts)
         stats.sinks = self.sinks
         try:
             self._loop(stats, progress)
