@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -108,9 +109,20 @@ class Dist:
                 break
             time.sleep(0.02)
         if not gone:
-            return None
+            # a rank on another host: its pid cannot be looked at from here, but gloo names the address
+            # whose connection closed (a process that ended, or a host lost)
+            m = re.search(r"\[([^\]\s]+)\]:\d+", str(exc))  # "[10.0.0.2]:4242"
+            others = sorted({h for h, _ in self.peers if h != here})
+            if m is None or not others or not re.search(r"Connection (closed|reset) by peer", str(exc)):
+                return None
+            gone = [f"the rank at {m.group(1)} (hosts {', '.join(others)})"]
         return RankLost(f"{', '.join(gone)} of the torchrun job ended mid-run; rank {self.rank} stops too "
                         "(resume from the last checkpoint)")  # fmt: skip
+
+    def will_restart(self) -> bool:
+        """torchrun's agent has restarts left for this host's workers (a lost rank is then resumed)."""
+        left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - self.restarts
+        return self.enabled and left > 0
 
     def close(self) -> None:
         if self.enabled and dist.is_initialized():

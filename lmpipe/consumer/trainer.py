@@ -126,6 +126,7 @@ class Trainer:
         )
         self._resume(tcfg, "" if tcfg.consume_only else built.fast_line)
         self._stop_reason = ""
+        self.restarting = False  # a rank was lost and torchrun restarts the job (run())
         self.failure: str | None = None  # why the run stopped on a problem (the command then exits 1)
         self.health_check: Callable[[], str | None] | None = None  # a reason to stop (e.g. a dead producer)
         self.metrics.info.info(
@@ -315,12 +316,15 @@ class Trainer:
             )
             self._stop_reason = self._stop_reason or why
             if (lost := self.dist.lost(exc)) is not None:  # said in one line, not gloo's traceback
+                # torchrun starts the job again: producers on other hosts are not told to stop, they hold
+                # their batches until the restarted rank welcomes them (its own, forked, die with it)
+                self.restarting = self.dist.will_restart()
                 raise lost from None
             raise
         finally:
             if self.writer is not None and self.dist.is_main:  # none is left in flight after _run
                 self.writer.abandon(self._stop_reason or "training finished")
-            self.pipe.stop(self._stop_reason or "training finished")
+            self.pipe.stop("" if self.restarting else self._stop_reason or "training finished")
             self.sinks.close()
             self.dist.close()
 
