@@ -46,7 +46,7 @@ def test_two_trainer_hosts_lose_one_and_the_other_trains_every_document_once(tmp
             agents[host] = bed.start(
                 host, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{bed['t0'].addr}:{RDZV}", "--rdzv-id", "job", "--local-addr", bed[host].addr,
-                "--rdzv-conf", f"is_host={host == 't0'},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2",
+                "--rdzv-conf", f"is_host={host == 't0'},last_call_timeout=3",
                 "-m", "lmpipe", "train", *common, "--port", str(PORT), "--host", "0.0.0.0", "--metrics-port", "-1",
                 "--steps", "0", "--threads", "1", "--log-every", "5", "--checkpoint-dir", str(ck),
                 "--checkpoint-every", "4", "--resume", "auto", "--doc-log", str(log),
