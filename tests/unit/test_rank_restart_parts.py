@@ -12,7 +12,9 @@ import torch.distributed as dist
 from lmpipe.consumer.config import TrainConfig, per_rank
 from lmpipe.consumer.distributed import ROUND_KEY, round_store
 from lmpipe.consumer.report import Summary
+from lmpipe.consumer.reshard import plan, said
 from lmpipe.shared.config import PipelineConfig
+from lmpipe.shared.metrics import TrainerMetrics
 
 
 def test_a_restarted_round_meets_in_its_own_store_not_at_the_killed_rounds_address(monkeypatch):
@@ -40,7 +42,10 @@ def test_a_restarted_round_meets_in_its_own_store_not_at_the_killed_rounds_addre
     assert round_store(0, timeout) is None  # torch's rendezvous is fresh each round: used as it is
 
 
-def test_the_summary_says_torchruns_restart():
+def test_the_summary_and_the_metrics_say_torchruns_restart():
+    metrics = TrainerMetrics()
+    said(plan(None, 0, 2, 16), 1, 4, metrics, main=True, restarts=1)
+    assert metrics.registry.get_sample_value("lmpipe_trainer_restarts") == 1.0
     s = Summary(steps=20, first_step=6, seconds=1.0, first_loss=5.0, last_loss=4.0, stopped_by="end of data")
     s.topology = {"world_size": 2, "shards": 16, "shard_space": 32, "resumed_step": 6, "resumed_world_size": 2,
                   "restarts": 1}  # fmt: skip
