@@ -11,6 +11,7 @@ whether every rank still has data and nobody asked to stop (ranks stop together,
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import re
 import socket
@@ -155,7 +156,9 @@ def round_store(rank: int, timeout: datetime.timedelta) -> Any | None:
     if rank == 0:
         ip = _reachable_ip(addr, port)
         own = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        agent.set(ROUND_KEY, f"{ip} {own.port}")
+        # the store listens on every interface; a loopback route means torchrun's store is on this host
+        # (whose name may resolve to 127.0.1.1 here): the other hosts reach it by torchrun's own address
+        agent.set(ROUND_KEY, f"{addr if ipaddress.ip_address(ip).is_loopback else ip} {own.port}")
         return own
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
