@@ -15,6 +15,7 @@ step; those after it are trained again by the restarted round).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -115,7 +116,11 @@ def main() -> None:
         os.kill(victim, signal.SIGKILL)
         rc = job.wait(timeout=1800)
     finally:
-        if job.poll() is None:
+        if job.poll() is None:  # torchrun starts each worker in a session of its own, with its producers
+            for task in Path(f"/proc/{job.pid}/task").iterdir():
+                for child in (task / "children").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(int(child), signal.SIGKILL)
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
     time.sleep(0.2)  # the reader's last lines

@@ -5,6 +5,7 @@ by the next round, and left out of the count as in tests/e2e/test_resume.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -73,7 +74,10 @@ def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint_every_document_
         wait_until(lambda: all(_gone(p) for p in producers), 5, "the killed rank's producer to end")
         rc = job.wait(timeout=150)
     finally:
-        if job.poll() is None:
+        if job.poll() is None:  # torchrun starts each worker in a session of its own, with its producers
+            for worker in _children(job.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(worker, signal.SIGKILL)
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
     text = log.read_text(errors="replace")
