@@ -271,6 +271,9 @@ def run_trainer(
         if not trainer.interrupted:
             linger(opts.metrics_linger)  # local producers linger as long, side by side
     finally:
+        if trainer.restarting:  # not told to stop (Trainer.run): they would wait for the restarted rank
+            for p in procs:
+                p.terminate()
         reap(procs)
     if any(p.returncode not in (0, -signal.SIGTERM) for p in procs):
         log.error("producer exit codes: %s", [p.returncode for p in procs])

@@ -99,6 +99,20 @@ def _producer_main(cfg: PipelineConfig, opts: ProduceOptions, log_level: str) ->
     sys.exit(code)
 
 
+def _forked_main(cfg: PipelineConfig, opts: ProduceOptions, log_level: str, parent: int) -> None:
+    """A producer forked by `lmpipe run`: it dies with the process that forked it. Under torchrun a rank's
+    process is not in the agent's process group, so a rank killed with SIGKILL left its producers running
+    until they next looked at their parent, holding their metrics ports and talking to the rank that
+    replaced it; the parent-death signal ends them at once (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+    _producer_main(cfg, opts, log_level)
+
+
 def fork_producers(
     cfg: PipelineConfig, metrics_base: int | None, linger_s: float, log_level: str
 ) -> list[LocalProducer]:
@@ -121,7 +135,9 @@ def fork_producers(
         else:
             port = 0 if metrics_base == 0 else metrics_base + 1 + i
         opts = ProduceOptions(worker=i, metrics_port=port, metrics_linger=linger_s, exit_with_parent=True)
-        proc = ctx.Process(target=_producer_main, args=(cfg, opts, log_level), name=f"lmpipe-producer-{i}")
+        proc = ctx.Process(
+            target=_forked_main, args=(cfg, opts, log_level, os.getpid()), name=f"lmpipe-producer-{i}"
+        )
         proc.start()
         procs.append(LocalProducer(proc))
     return procs

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and time lmpipe on a CUDA machine in one go: the CUDA tests, then the benchmarks.
-#   scripts/gpu_check.sh [tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|hf-feed|mixture|elastic|checkpoint-cost|warm-start|all]
+#   scripts/gpu_check.sh [tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|hf-feed|mixture|elastic|rank-restart|checkpoint-cost|warm-start|all]
 #                        [extra benchmark args...]
 # fast: the CUDA tests (each fast path's parity test against --fast none among them), the trainer tests again
 # with LMPIPE_FAST=none (reference-tests alone), and the ablation's "all on" against --fast none, in one run.
@@ -105,7 +105,8 @@ case $stage in
     warm-start) run warm-start python3 -m bench.warm_start --out "$OUT" "$@" ;;&
     elastic) run elastic python3 -m bench.elastic --data "$LMPIPE_WIKITEXT"/*.txt --doc-split heading \
         --seq-len 1024 --batch-size 16 --before 1 --after 4 --out "$OUT" "$@" ;;&
-    tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|hf-feed|mixture|elastic|checkpoint-cost|warm-start|all) ;;
+    rank-restart) run rank-restart python3 -m bench.rank_restart --out "$OUT" "$@" ;;&  # 2 GPUs
+    tests|fast|reference-tests|ceiling|kernels|attention|ablation|overhead|fp8|precision|resume|loss|loss-memory|optimizer|qkv|host|gemm-tune|memsets|ddp|scaling|peers|hf-feed|mixture|elastic|rank-restart|checkpoint-cost|warm-start|all) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

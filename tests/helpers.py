@@ -272,7 +272,7 @@ def trained_pieces(entries: list[dict], first_session: str, resumed_step: int) -
     pieces: Pieces = {}
     for e in entries:
         sessions = {b["session"] for b in e["batches"]}
-        assert len(sessions) == 1
+        assert len(sessions) <= 1  # none: a rank whose shards finished stepped on nothing beside the others
         if sessions == {first_session} and e["step"] >= resumed_step:
             continue  # trained after the last checkpoint by the killed trainer: replayed later
         for b in e["batches"]:

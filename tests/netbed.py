@@ -200,13 +200,16 @@ class NetBed:
 
     # -- processes ----------------------------------------------------------------------------------
 
-    def start(self, host: str, *args: str, name: str, env: dict[str, str]) -> subprocess.Popen:
-        """`python -m lmpipe ARGS` on `host`, in its own UTS namespace so it reports the host's name."""
+    def start(
+        self, host: str, *args: str, name: str, env: dict[str, str], module: str = "lmpipe"
+    ) -> subprocess.Popen:
+        """`python -m lmpipe ARGS` on `host` (`module` for another, e.g. torch.distributed.run), in its own
+        UTS namespace so it reports the host's name."""
         h = self.hosts[host]
         log_path = self.tmp / f"{name}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
         cmd = ["ip", "netns", "exec", h.ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-               h.name, sys.executable, "-m", "lmpipe", *args]  # fmt: skip
+               h.name, sys.executable, "-m", module, *args]  # fmt: skip
         p = subprocess.Popen(
             cmd,
             stdout=log,

@@ -32,7 +32,10 @@ class Admission:
         """(reason, REFUSAL_REASONS code) when a new producer's hello is refused; None when it is
         welcome, after pinning what it is the first to say."""
         pinned = bool(self.fingerprint.get("data"))
-        diff = mismatches(self.fingerprint, hello.fingerprint, skip=() if pinned else ("data",))
+        # the welcome names the global shards a producer makes (wire 6): its --rank/--world-size, those of the
+        # job it was started for, decide nothing, and a job that torchrun restarted with fewer ranks takes it
+        skip = ("rank", "world_size") + (() if pinned else ("data",))
+        diff = mismatches(self.fingerprint, hello.fingerprint, skip=skip)
         if diff:
             return "config mismatch: " + "; ".join(diff), "config_mismatch"
         if self.data_content and hello.data_content and hello.data_content != self.data_content:

@@ -296,7 +296,7 @@ def per_rank(
         )
     pcfg = replace(pcfg, rank=rank, world_size=world, port=pcfg.port + 2 * rank)
     metrics = tcfg.metrics_port
-    if metrics:  # 0 (any free port) and -1/None (off) stay as they are
+    if metrics and metrics > 0:  # 0 (any free port) and -1/None (off) stay as they are
         metrics += rank * (pcfg.producers + 1)
     doc_log = tcfg.doc_log
     if doc_log:

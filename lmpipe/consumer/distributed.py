@@ -11,7 +11,9 @@ whether every rank still has data and nobody asked to stop (ranks stop together,
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ class Dist:
     local_rank: int = 0
     host_group: Any = field(default=None, repr=False)  # gloo group for host scalars
     peers: list[tuple[str, int]] = field(default_factory=list)  # every rank's (host name, pid)
+    restarts: int = 0  # torchrun's restarts of this host's workers so far (TORCHELASTIC_RESTART_COUNT)
 
     @property
     def enabled(self) -> bool:
@@ -115,32 +118,90 @@ class Dist:
                 break
             time.sleep(0.02)
         if not gone:
-            return None
+            # a rank on another host: its pid cannot be looked at from here, but gloo names the address
+            # whose connection closed (a process that ended, or a host lost)
+            m = re.search(r"\[([^\]\s]+)\]:\d+", str(exc))  # "[10.0.0.2]:4242"
+            others = sorted({h for h, _ in self.peers if h != here})
+            if m is None or not others or not re.search(r"Connection (closed|reset) by peer", str(exc)):
+                return None
+            gone = [f"the rank at {m.group(1)} (hosts {', '.join(others)})"]
         return RankLost(f"{', '.join(gone)} of the torchrun job ended mid-run; rank {self.rank} stops too "
                         "(resume from the last checkpoint)")  # fmt: skip
+
+    def will_restart(self) -> bool:
+        """torchrun's agent has restarts left for this host's workers (a lost rank is then resumed)."""
+        left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - self.restarts
+        return self.enabled and left > 0
 
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
 
 
+ROUND_KEY = "lmpipe/round-store"  # in torchrun's store: where this round's rank 0 serves the ranks' store
+
+
+def _reachable_ip(host: str, port: int) -> str:
+    """This host's address on the route to `host` (no packet is sent: a UDP socket's connect only routes)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return str(s.getsockname()[0])
+
+
+def round_store(rank: int, timeout: datetime.timedelta) -> Any | None:
+    """The store this restart's ranks meet in, where torchrun shares its agent's store with its workers
+    (TORCHELASTIC_USE_AGENT_STORE, c10d rendezvous): that store outlives the workers, so after an elastic
+    restart it still holds the killed round's keys, and gloo/NCCL read a dead rank's address there and fail
+    to connect (torch issue 135712). Rank 0 serves a fresh store and says where in the agent's store; the
+    other ranks connect to the address they read there, and read again while it does not answer: only the
+    live round's rank 0 answers (the agent stops every worker of a round before the next starts). None:
+    no agent store (torch's own rendezvous is fresh each round)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    if rank == 0:
+        ip = _reachable_ip(addr, port)
+        own = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        # the store listens on every interface; a loopback route means torchrun's store is on this host
+        # (whose name may resolve to 127.0.1.1 here): the other hosts reach it by torchrun's own address
+        agent.set(ROUND_KEY, f"{addr if ipaddress.ip_address(ip).is_loopback else ip} {own.port}")
+        return own
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        ip, _, p = agent.get(ROUND_KEY).decode().partition(" ")
+        try:  # a dead round's address: refused until the attempt's timeout
+            store = dist.TCPStore(ip, int(p), is_master=False, timeout=datetime.timedelta(seconds=1))
+        except (RuntimeError, OSError):  # DistNetworkError / DistStoreError are RuntimeErrors
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+            continue
+        store.set_timeout(timeout)  # gloo's waits for the other ranks' keys: the long one
+        return store
+
+
 def from_env(device: str) -> Dist:
     """The torchrun world this process is part of (a world of one without torchrun)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     if world <= 1:
-        return Dist()
+        return Dist(restarts=restarts)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = device != "cpu" and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local_rank)
     # The first step waits for every rank's producers; don't let NCCL's watchdog call that a hang.
     timeout = datetime.timedelta(minutes=30)
+    store = round_store(rank, timeout)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         timeout=timeout,
         device_id=torch.device("cuda", local_rank) if cuda else None,
+        **({"store": store, "rank": rank, "world_size": world} if store is not None else {}),
     )
     host = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     peers: list[Any] = [None] * world  # so that a lost rank can be named (Dist.lost)
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=host)
-    return Dist(rank, world, local_rank, host, [(str(h), int(p)) for h, p in peers])
+    return Dist(rank, world, local_rank, host, [(str(h), int(p)) for h, p in peers], restarts)

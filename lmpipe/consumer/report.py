@@ -102,7 +102,9 @@ class Summary:
 
     def _render_resized(self) -> str:
         was, now = self.topology.get("resumed_world_size"), self.topology.get("world_size")
-        return f", from {was} rank{'s' if was != 1 else ''} on {now}" if was and now and was != now else ""
+        out = f", from {was} rank{'s' if was != 1 else ''} on {now}" if was and now and was != now else ""
+        n = self.topology.get("restarts")
+        return out + (f", after torchrun's restart {n}" if n else "")
 
     def to_dict(self) -> dict:
         d = asdict(self)

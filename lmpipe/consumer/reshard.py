@@ -177,9 +177,10 @@ def _source_share(per_rank: list[dict[str, Any]], layout: Layout) -> dict[str, A
     return {"target": mine + deficit / layout.world, "trained": mine, "rr": 0, "epoch": epoch}
 
 
-def said(layout: Layout, accum: int, batch_size: int, metrics: Any, main: bool) -> None:
+def said(layout: Layout, accum: int, batch_size: int, metrics: Any, main: bool, restarts: int = 0) -> None:
     """The topology in /metrics; on rank 0, where a resume changed the world size, one line saying so."""
     metrics.world_size.set(layout.world)
+    metrics.restarts.set(restarts)
     metrics.rank_shards.set(layout.count)
     if layout.from_world:
         metrics.resumed_step.set(layout.from_step)
@@ -188,9 +189,12 @@ def said(layout: Layout, accum: int, batch_size: int, metrics: Any, main: bool) 
         log.info("%s", say_resize(layout, accum, batch_size))
 
 
-def summary(layout: Layout) -> dict[str, int]:
-    """The run summary's topology (--summary-json "topology"): rank 0's share."""
+def summary(layout: Layout, restarts: int = 0) -> dict[str, int]:
+    """The run summary's topology (--summary-json "topology"): rank 0's share, and torchrun's restarts of
+    rank 0's workers where there were any."""
     out = {"world_size": layout.world, "shards": layout.count, "shard_space": layout.space}
     if layout.from_world:
         out.update(resumed_step=layout.from_step, resumed_world_size=layout.from_world)
+    if restarts:
+        out["restarts"] = restarts
     return out

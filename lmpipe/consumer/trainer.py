@@ -126,6 +126,7 @@ class Trainer:
         )
         self._resume(tcfg, "" if tcfg.consume_only else built.fast_line)
         self._stop_reason = ""
+        self.restarting = False  # a rank was lost and torchrun restarts the job (run())
         self.failure: str | None = None  # why the run stopped on a problem (the command then exits 1)
         self.health_check: Callable[[], str | None] | None = None  # a reason to stop (e.g. a dead producer)
         self.metrics.info.info(
@@ -249,7 +250,8 @@ class Trainer:
             restore(self, load(self.resume_path, self._identity()))
         elif tcfg.resume:
             log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
-        reshard.said(self.layout, tcfg.accum, self.pcfg.batch_size, self.metrics, self.dist.is_main)
+        reshard.said(self.layout, tcfg.accum, self.pcfg.batch_size, self.metrics, self.dist.is_main,
+                     self.dist.restarts)  # fmt: skip
         if fast_line:
             log.info("%s", fast_line)
 
@@ -314,12 +316,15 @@ class Trainer:
             )
             self._stop_reason = self._stop_reason or why
             if (lost := self.dist.lost(exc)) is not None:  # said in one line, not gloo's traceback
+                # torchrun starts the job again: producers on other hosts are not told to stop, they hold
+                # their batches until the restarted rank welcomes them (its own, forked, die with it)
+                self.restarting = self.dist.will_restart()
                 raise lost from None
             raise
         finally:
             if self.writer is not None and self.dist.is_main:  # none is left in flight after _run
                 self.writer.abandon(self._stop_reason or "training finished")
-            self.pipe.stop(self._stop_reason or "training finished")
+            self.pipe.stop("" if self.restarting else self._stop_reason or "training finished")
             self.sinks.close()
             self.dist.close()
 
@@ -330,7 +335,7 @@ class Trainer:
             cfg, self.dist, m, self.feed, self.device, self.scaler, self._published, flops_per_token,
             trained=self.model is not None, started=self._started, step=self.step,
         )  # fmt: skip
-        stats.summary.topology = reshard.summary(self.layout)
+        stats.summary.topology = reshard.summary(self.layout, self.dist.restarts)
         stats.sinks = self.sinks
         try:
             self._loop(stats, progress)

@@ -221,6 +221,8 @@ class TrainerMetrics:
         self.rank_shards = Gauge("lmpipe_trainer_rank_shards", "Shards this rank trains, per source", registry=r)  # fmt: skip
         self.resumed_step = Gauge("lmpipe_trainer_resumed_step", "The step this run resumed from", registry=r)
         self.resumed_world_size = Gauge("lmpipe_trainer_resumed_world_size", "The checkpoint's ranks", registry=r)  # fmt: skip
+        self.restarts = Gauge("lmpipe_trainer_restarts", "Times torchrun's agent restarted this rank's workers "
+                              "(TORCHELASTIC_RESTART_COUNT: after a lost rank, each resumes)", registry=r)  # fmt: skip
 
     def _producers(self, r: CollectorRegistry) -> None:
         """Producers joining and leaving, and the shards they hold."""
