@@ -260,12 +260,15 @@ class GraphedSteps(StepRunner):
             if graph is not None and graph.takes(micro[0]):
                 return graph.run(micro[0], denom, lr)
             key = shape_key(micro[0])
-            if graph is None and key is not None:
+            if graph is None and (key is not None or self.all_ranks is not None):
                 # steps in a row of this shape: a graph is made for the shape the run keeps, not a short batch's
-                self._eager_steps = self._eager_steps + 1 if key == self._last_key else 1
-                self._last_key = key
-                ready = self._eager_steps > (GRAPH_AFTER if self.no_sync is None else GRAPH_AFTER_DDP)
-                # a capture holds NCCL's all-reduces: every rank captures at the same step or none does
+                if key is not None:
+                    self._eager_steps = self._eager_steps + 1 if key == self._last_key else 1
+                    self._last_key = key
+                after = GRAPH_AFTER if self.no_sync is None else GRAPH_AFTER_DDP
+                ready = key is not None and self._eager_steps > after
+                # a capture holds NCCL's all-reduces: every rank asks at every step until the capture, and
+                # all capture at the same step or none does
                 if self.all_ranks is not None:
                     ready = self.all_ranks(ready)
                 if ready:  # compiled, tuned and planned by now: capture
