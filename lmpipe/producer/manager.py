@@ -1,26 +1,18 @@
 """One producer process: handshake with the trainer, then tokenize, batch and stream until told to stop.
 
-Sockets (made by shared/sockets.py): a DEALER to the trainer's ROUTER for control, a PUSH to its PULL for
-data. The PUSH socket has a small high-water mark, so when the trainer is slower than the producers, sends
-stop succeeding and the producer stops making batches (its memory stays flat; the wait is counted as
-backpressure). A monitor on the control socket watches the connection and its handshakes: a trainer that
-refuses this producer's key, or wants keys it lacks, makes it exit with the reason instead of waiting.
+Sockets (shared/sockets.py): a DEALER to the trainer's ROUTER for control, a PUSH to its PULL for data, whose
+small high-water mark stops the producer when the trainer is slower (backpressure, counted). A monitor on
+the control socket watches its handshakes: a refused key, or keys it lacks, make the producer exit saying why.
 
-The trainer decides which shards of the corpus this producer serves (`assign`, possibly none: it stands
-by) and where each starts (`welcome`, one per shard, with the lease its batches carry); producer/held.py
-keeps them and builds their batches round robin. The control socket lives in a thread of its own
-(producer/control.py): it says hello every second (naming the shards held; a heartbeat, also while a long
-document is tokenized or storage is retried) and hands the trainer's messages and the connection's events to
-the loop, which handles them in the order they came, between batches (the shards are mid-update while one
-is built), so an `assign` or `welcome` (a shard moved to or away from this producer, the trainer restarted
-from a checkpoint) is seen even while a batch waits to be sent. A stop (a signal, the trainer's `stop` or
-`refuse`, the launching process gone) also sets a flag that the tokenizer's calls and the storage retries'
-sleeps check, so it ends the batch being built at once (never sent: the trainer's cursors say where each
-shard resumes). When the control connection drops (the trainer died), the producer holds its batches until
-a trainer welcomes it again, instead of streaming into a session that is gone; the hellos say `rejoin`.
-A producer the trainer refuses (another wire version, another config, a stopped shard) exits 2 with the
-reason at once: a refusal is never retried. In a mixture (producer/corpora.py) each shard sends only as far
-as the trainer's credit for it goes; with no shard able to send, the loop waits on the control queue.
+The trainer decides which shards this producer serves (`assign`; none: it stands by) and where each starts
+(`welcome`, with the lease its batches carry); producer/held.py builds their batches round robin. The
+control socket lives in a thread (producer/control.py) that says hello every second (the heartbeat, naming
+the shards held) and hands the trainer's messages and connection events to the loop, which handles them in
+order between batches. A stop (a signal, `stop` or `refuse`, the launcher gone) also sets a flag that the
+tokenizer's calls and storage retries check, so the batch being built ends at once (never sent: cursors say
+where each shard resumes). When the control connection drops, the producer holds its batches until a
+trainer welcomes it again; a restarted trainer gets a new data connection too. A refusal is never retried
+(exit 2). In a mixture (producer/corpora.py) each shard sends only as far as the trainer's credit goes.
 """
 
 from __future__ import annotations
@@ -225,8 +217,7 @@ class Producer:
         )
 
     def _check_stop(self) -> None:
-        """Between the tokenizer's calls: _Stopping, ending the batch being built, once the producer is to
-        stop (the control thread sets the flag when a `stop` or `refuse` comes)."""
+        """Between the tokenizer's calls: _Stopping (the batch being built ends) once the producer is to stop."""
         if self._stop or self._stopping.is_set() or self._parent_gone():
             raise _Stopping
 
@@ -234,17 +225,15 @@ class Producer:
         self.waiting = what[:200]
 
     def _storage_sleep(self, seconds: float) -> None:
-        """Between storage retries: the control thread's hellos go on meanwhile; a stop (the trainer's, a
-        signal, the launching process gone) ends the sleep at once, and the batch being built with it."""
+        """Between storage retries (the hellos go on meanwhile): a stop ends the sleep and the batch at once."""
         if self._stopping.wait(seconds) or self._stop:
             raise _Stopping
 
     def request_stop(self, signum=None, _frame=None) -> None:
         if signum is not None:
             log.info("%s: stopping", signal.Signals(signum).name)
-            self.interrupted = True
             # a stop of its own (scale-down, Ctrl-C): the trainer counts it as a leave, not a loss
-            self._bye_due = True
+            self.interrupted = self._bye_due = True
         self._stop = True
         self._stopping.set()
 
@@ -262,11 +251,9 @@ class Producer:
         # the monitor exists before the connection does, so not even the first handshake goes unseen
         monitor = ctrl.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
         ctrl.connect(ep.control)
-        # The data socket has a context of its own, terminated before the `bye` goes out: libzmq aborts
-        # (session_base.cpp, clean_pipes) when a socket closed mid-batch sees the trainer close the
-        # connection at the same moment, and the bye is what lets the trainer close.
-        data_ctx = zmq.Context()
-        data = open_socket(data_ctx, PRODUCER_DATA, self.cfg, ep)
+        # The data socket has a context of its own, terminated before the `bye`: libzmq aborts (clean_pipes)
+        # when a socket closed mid-batch sees the trainer close at once, and the bye lets the trainer close.
+        self._open_data()
         self._publish()
         channel = self._channel = ControlChannel(
             ctrl,
@@ -281,7 +268,7 @@ class Producer:
         )
         channel.start()
         try:
-            return self._loop(channel, data)
+            return self._loop(channel)
         except Refused as exc:
             log.error("trainer refused this producer: %s", exc)
             return 2
@@ -289,8 +276,7 @@ class Producer:
             log.error("cannot connect: %s", exc)
             return 2
         finally:
-            data.close(0)
-            data_ctx.term()  # returns once the data connection is torn down
+            self._close_data()
             channel.finish(self._last_words() if self._bye_due else [])
             ctx.term()
             # the process's storage calls report to this producer no more
@@ -307,10 +293,21 @@ class Producer:
         last = due[len(out) * k :]
         return out + [messages.pack(messages.Bye(skipped=dict(last)))]
 
-    def _loop(self, channel: ControlChannel, data: zmq.Socket) -> int:
+    def _open_data(self) -> None:
+        self._data_ctx, self._reopen_data = zmq.Context(), False
+        self._data = open_socket(self._data_ctx, PRODUCER_DATA, self.cfg, self.endpoints)
+
+    def _close_data(self) -> None:
+        self._data.close(0)
+        self._data_ctx.term()  # returns once the data connection is torn down
+
+    def _loop(self, channel: ControlChannel) -> int:
         self._pending = None
         blocked: float | None = None  # when the last poll for the data socket found it full
         while not self._stop and not self._parent_gone():
+            if self._reopen_data:  # a new trainer: not one batch into the old one's connection
+                self._close_data()
+                self._open_data()
             if self._stopping.is_set():  # a stop or refusal the control thread read waits in its queue
                 self._handle_all(channel)
                 break
@@ -332,14 +329,14 @@ class Producer:
             # Counted as it accrues, so a stall shows in /metrics while it lasts, not when it ends; from the
             # end of the last poll on, so the loop's own turns between polls count too.
             t0 = time.perf_counter()
-            writable = data.poll(timeout=50, flags=zmq.POLLOUT)
+            writable = self._data.poll(timeout=50, flags=zmq.POLLOUT)
             now = time.perf_counter()
             self.metrics.send_blocked.inc(now - (t0 if blocked is None else blocked))
             blocked = None if writable else now
             if writable:
                 _, frames, is_batch = self._pending
                 try:
-                    data.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    self._data.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     continue  # the trainer went away between poll and send; keep the batch
                 self._pending = None
@@ -421,6 +418,9 @@ class Producer:
             if msg.session != self.session:  # joined, or the trainer restarted: nothing carries over
                 # the session id is a capability on the data socket: named in no log (SECURITY.md)
                 log.info("joined the trainer" if not self.session else "trainer restarted; rejoined it")
+                # a trainer restarted while this producer was cut off leaves a data connection that looks
+                # alive here: what is written into it (resends too) would be lost, so it starts anew
+                self._reopen_data = bool(self.session)
                 self.session = msg.session
                 self.holdings.clear()
                 self._skipped.clear()  # counts of the last session's shards (its split may differ)
