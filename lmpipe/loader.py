@@ -217,12 +217,12 @@ class Loader:
                 pipe.stop(reason, timeout=0 if local else None)
         finally:
             try:  # no pipeline (a start that failed): nothing tells the producers to stop but SIGTERM
-                self._reap(None if pipe is not None else 0.0)
+                self._reap(GRACE if pipe is not None else 0.0)
             finally:
                 if pipe is not None and local:
                     pipe.stop(reason, timeout=2 * GRACE)
 
-    def _reap(self, grace: float | None = None) -> None:
+    def _reap(self, grace: float = GRACE) -> None:
         if self._zygote is not None:
             try:
                 self._zygote.stop(grace)

@@ -99,17 +99,26 @@ def _producer_main(cfg: PipelineConfig, opts: ProduceOptions, log_level: str) ->
     sys.exit(code)
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """This process is killed when `parent` (the process that forked it) dies: the parent-death signal
+    (Linux); it exits at once where the parent died before the signal was armed."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _forked_main(cfg: PipelineConfig, opts: ProduceOptions, log_level: str, parent: int) -> None:
     """A producer forked by `lmpipe run`: it dies with the process that forked it. Under torchrun a rank's
     process is not in the agent's process group, so a rank killed with SIGKILL left its producers running
     until they next looked at their parent, holding their metrics ports and talking to the rank that
-    replaced it; the parent-death signal ends them at once (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(1)
+    replaced it."""
+    die_with_parent(parent)
     _producer_main(cfg, opts, log_level)
 
 

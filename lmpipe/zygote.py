@@ -46,7 +46,6 @@ from lmpipe.shared.config import PipelineConfig
 log = logging.getLogger("lmpipe")
 GRACE = 5.0  # seconds the producers get to stop after a SIGTERM before a SIGKILL
 PARENT_EVERY = 1.0  # seconds between the zygote's looks at its parent (its stdin's end is the quick way)
-PR_SET_PDEATHSIG = 1
 
 
 # -- the Loader's side ----------------------------------------------------------------------------------
@@ -214,13 +213,10 @@ class Zygote:
                 return f"producer {p.index} exited with code {p.returncode}"
         return None
 
-    def stop(self, grace: float | None = None) -> None:
-        """After the producers were told to stop: wait for them (up to `grace`, GRACE by default),
-        terminate, then kill the ones that do not (procs.reap, as `lmpipe run`), then end the zygote.
-        Idempotent."""
+    def stop(self, grace: float = GRACE) -> None:
+        """After the producers were told to stop: wait for them (up to `grace`), terminate, then kill the
+        ones that do not (procs.reap, as `lmpipe run`), then end the zygote. Idempotent."""
         from lmpipe.procs import reap
-
-        grace = GRACE if grace is None else grace
 
         if os.getpid() != self._owner:
             return
@@ -327,14 +323,9 @@ def _producer(
         for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if sys.platform.startswith("linux"):
-            import ctypes  # imported by the zygote: nothing to load here
+        from lmpipe.procs import _producer_main, die_with_parent
 
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the zygote died before the signal was armed
-            os._exit(1)
-        from lmpipe.procs import _producer_main
-
+        die_with_parent(parent)  # the zygote
         _producer_main(cfg, opts, log_level)
         code = 0
     except SystemExit as exc:

@@ -85,9 +85,10 @@ def residual_dtype(
 
 
 def wrap(model: torch.nn.Module, pcfg: PipelineConfig, tcfg: TrainConfig, device: torch.device, dist: Dist):
-    """(what the step calls, DDP's no_sync or None): the model under DDP (torchrun) and/or torch.compile."""
+    """(what the step calls, DDP's no_sync or None, the stream DDP was built on or None): the model under DDP
+    (torchrun) and/or torch.compile."""
     step_model: torch.nn.Module = model
-    no_sync = None
+    no_sync = capture = None
     if dist.enabled:
         # 100 MB buckets: compiled under DDP, the graph is split at every bucket (DDPOptimizer, so that the
         # all-reduce overlaps backward); fewer splits kept more fusion. GPT-2 124M on 4 H100s, 2 ranks:
@@ -106,7 +107,6 @@ def wrap(model: torch.nn.Module, pcfg: PipelineConfig, tcfg: TrainConfig, device
             )
         if capture is not None:
             torch.cuda.current_stream(device).wait_stream(capture)
-            ddp.capture_stream = capture  # type: ignore[assignment]
         if tcfg.grad_reduce == "bf16":
             if device.type != "cuda":  # torch's hook needs NCCL
                 raise ValueError("--grad-reduce bf16 needs CUDA GPUs (NCCL); on CPU leave it at fp32")
@@ -124,7 +124,7 @@ def wrap(model: torch.nn.Module, pcfg: PipelineConfig, tcfg: TrainConfig, device
             mode = None if tcfg.compile_mode == "default" else tcfg.compile_mode
             compiled = torch.compile(step_model, dynamic=False, mode=mode)
         step_model = cast(torch.nn.Module, compiled)
-    return step_model, no_sync
+    return step_model, no_sync, capture
 
 
 def build(
@@ -166,13 +166,13 @@ def build(
     scaler = make_scaler(tcfg.loss_scale, device) if precision == "fp16" else None
     if scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):
         log.warning("fp16 with a non-fused optimizer: the scaler reads found_inf on the host every step")
-    step_model, no_sync = wrap(model, pcfg, tcfg, device, dist)
+    step_model, no_sync, capture = wrap(model, pcfg, tcfg, device, dist)
     runner = StepRunner(
         step_model, optimizer, tcfg, autocast_dtype, scaler, no_sync=no_sync, strategy=pcfg.strategy
     )
     if dist.enabled:  # ranks capture the step as CUDA graphs together or not at all (fast/step_graph.py)
         runner.all_ranks = dist.all
-        runner.capture_stream = getattr(getattr(step_model, "_orig_mod", step_model), "capture_stream", None)
+        runner.capture_stream = capture
     # a Hugging Face model is no GPT, but the trainer reads only what both have (parameters, state dict,
     # config, num_params, flops_per_token), and the paths that read GPT's modules refuse it (fast.unavailable)
     built = Built(

@@ -208,10 +208,7 @@ class Pipeline:
         """Tell the producers why and stop the receive thread (waited for up to `timeout` s, None: the
         receiver's default, 0: not waited for); close the doc log. Idempotent."""
         if self.receiver is not None:
-            if timeout is None:
-                self.receiver.stop(reason=reason)
-            else:
-                self.receiver.stop(reason=reason, timeout=timeout)
+            self.receiver.stop(reason=reason, timeout=timeout)
         if self.doc_log:
             doc_log, self.doc_log = self.doc_log, None
             doc_log.close()

@@ -158,10 +158,11 @@ class Receiver(threading.Thread):
         """What the step loop is waiting on, in words (any thread: reads a snapshot)."""
         return self.coordinator.wait_line(now)
 
-    def stop(self, reason: str = "", timeout: float = STOP_GRACE + 5) -> None:
+    def stop(self, reason: str = "", timeout: float | None = None) -> None:
         """Tell every producer to stop (when `reason` is given), close the sockets, end the thread: waited
-        for up to `timeout` seconds (by default: it waits up to STOP_GRACE for the producers' `bye`); 0:
-        only told (a second stop() waits). Idempotent."""
+        for up to `timeout` seconds (None: STOP_GRACE + 5, as it waits up to STOP_GRACE for the producers'
+        `bye`); 0: only told (a second stop() waits). Idempotent."""
+        timeout = STOP_GRACE + 5 if timeout is None else timeout
         if self._loop is None or self._loop.is_closed():
             return
         try:
