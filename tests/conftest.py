@@ -5,13 +5,16 @@ The helpers they are built on live in tests/helpers.py, which is where tests imp
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from lmpipe.shared.tokenizer import load_tokenizer
-from tests.helpers import Procs, cli_in_process, free_port_pair
+from tests.helpers import PORTS_DIR, Procs, cli_in_process, free_port_pair
 
 torch.set_num_threads(2)
 
@@ -62,10 +65,38 @@ def lmpipe_cli(monkeypatch, capsys):
     return run
 
 
+_ports_key = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """One folder of port reservations per session (helpers.free_ports), made by the process that starts
+    the xdist workers, which inherit it."""
+    if PORTS_DIR not in os.environ:
+        os.environ[PORTS_DIR] = tempfile.mkdtemp(prefix="lmpipe-test-ports-")
+        config.stash[_ports_key] = os.environ[PORTS_DIR]
+
+
+def pytest_unconfigure(config):
+    if where := config.stash.get(_ports_key, None):
+        shutil.rmtree(where, ignore_errors=True)
+        os.environ.pop(PORTS_DIR, None)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report kept on the item (`rep_call`): a fixture's teardown can see if the test failed."""
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
 @pytest.fixture
-def procs(tmp_path):
+def procs(tmp_path, request):
     ps = Procs(tmp_path)
     yield ps
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:  # a hang's stacks: every thread of every process still running
+        ps.dump_stacks()
     ps.cleanup()
 
 

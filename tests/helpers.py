@@ -36,7 +36,10 @@ WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
 
 def free_ports(n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
     """A port p such that p..p+n-1 are free and none is in `avoid` (`lmpipe run` puts producer i's
-    /metrics on port+1+i)."""
+    /metrics on port+1+i), and none was handed to another test of this session. A trainer on the default
+    transport listens on ipc://.../<port>.data, not on the TCP port: without the reservation a test on the
+    other xdist worker could be handed the same number while this one's producers still dial it, and a
+    trainer there admitted them (then waited 60 s for their `bye`)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -47,10 +50,32 @@ def free_ports(n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
             for q in range(p + 1, p + n):
                 with socket.socket() as s2:
                     s2.bind(("127.0.0.1", q))
-            return p
         except OSError:
             continue
+        if _reserve(range(p, p + n)):
+            return p
     raise RuntimeError(f"no {n} consecutive free ports")
+
+
+PORTS_DIR = "TEST_PORTS_OF_LMPIPE"  # names the session's reservations (conftest.py: made in pytest_configure)
+
+
+def _reserve(ports: range) -> bool:
+    """Claim `ports` for this test session, across its xdist workers (one file per port, created or not
+    atomically); False when any was claimed before."""
+    where = os.environ.get(PORTS_DIR)
+    if where is None:  # helpers used outside pytest
+        return True
+    made: list[Path] = []
+    for q in ports:
+        try:
+            (Path(where) / str(q)).touch(exist_ok=False)
+        except FileExistsError:
+            for f in made:  # the others go back
+                f.unlink()
+            return False
+        made.append(Path(where) / str(q))
+    return True
 
 
 def free_port_pair() -> int:
@@ -65,6 +90,7 @@ def lmpipe_env() -> dict[str, str]:
     # LMPIPE_FAST passes: scripts/gpu_check.sh runs the trainer tests once more with --fast none
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMPIPE_") or k == "LMPIPE_FAST"}
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT prints every thread's stack (Procs.dump_stacks)
     env["TOKENIZERS_PARALLELISM"] = "false"
     return env
 
@@ -112,6 +138,20 @@ class Procs:
             raise AssertionError(
                 f"{p.args} still running after {timeout} s:\n{self.log(p)[-3000:]}"
             ) from None
+
+    def dump_stacks(self) -> None:
+        """After a failed test: every process still running is aborted (its faulthandler writes each
+        thread's stack to its log) and the logs' tails are printed, so that a race seen once in CI shows
+        where each process was waiting."""
+        running = [p for p in self.procs if p.poll() is None]
+        for p in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGABRT)
+        for p in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+        for p in running:
+            print(f"==== {p.args} was still running; its log's tail:\n{self.log(p)[-6000:]}")
 
     def cleanup(self) -> None:
         for p in self.procs:

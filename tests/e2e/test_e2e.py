@@ -254,7 +254,7 @@ def test_a_trainer_stopped_before_its_first_step_says_so(procs, tmp_path, port):
     train = procs.start("train", *small_run(port, steps=5, summary_json=summary), name="trainer")
     procs.wait_for(train, "listening on")
     train.send_signal(signal.SIGTERM)
-    assert train.wait(timeout=60) == 0, procs.log(train)
+    assert procs.wait(train, timeout=60) == 0, procs.log(train)
     text = procs.log(train)
     assert "summary: no steps trained in" in text and "nan" not in text, text
 
