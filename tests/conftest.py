@@ -11,7 +11,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+# as lmpipe's own processes (cli.main): the in-process tests' torch threads sleep when idle instead of spinning
+# beside the other xdist worker's processes; set before torch loads libgomp
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from lmpipe.shared.tokenizer import load_tokenizer
 from tests.helpers import PORTS_DIR, Procs, cli_in_process, free_port_pair
