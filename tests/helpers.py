@@ -460,12 +460,16 @@ def short_texts(n: int, seed: int = 0) -> list[str]:
 @contextlib.contextmanager
 def process_state() -> Iterator[None]:
     """What main() sets up for the process it runs in and a fresh process never gets back: the root logger
-    (shared/log.py's setup) and the SIGINT/SIGTERM handlers (the launcher's). Put back afterwards."""
+    (shared/log.py's setup) and the SIGINT/SIGTERM handlers (the launcher's). Put back afterwards, and the
+    --checkpoint-dir locks it took let go, as its exit would."""
     import logging
+
+    from lmpipe import checks
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    locks = len(checks._LOCKS)
     try:
         yield
     finally:
@@ -473,6 +477,8 @@ def process_state() -> Iterator[None]:
         root.setLevel(level)
         for s, h in signals.items():
             signal.signal(s, h)
+        while len(checks._LOCKS) > locks:
+            os.close(checks._LOCKS.pop())
 
 
 @contextlib.contextmanager
