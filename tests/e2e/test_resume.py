@@ -219,7 +219,9 @@ def test_mismatched_checkpoints_are_refused_and_left_alone(procs, tmp_path, port
         """A trainer refuses to resume, before it binds a socket: run in this process (`name` says which
         case), not as a process of its own (4 CPU-seconds of imports apiece)."""
         before = _tree_digest(ck)
-        r = lmpipe_cli("train", *base, "--steps", "8", "--checkpoint-dir", str(ck), "--resume", "auto", *extra)
+        r = lmpipe_cli(
+            "train", *base, "--steps", "8", "--checkpoint-dir", str(ck), "--resume", "auto", *extra
+        )
         assert r.returncode == 2, (name, r.stderr)
         assert expect in r.stderr, (name, r.stderr)
         assert _tree_digest(ck) == before, "a refused resume must not touch the checkpoints"
