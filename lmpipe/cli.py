@@ -412,8 +412,8 @@ def _role(cmd: str, configs: list) -> str:
 
 
 # torch's OpenMP threads spin while they wait for work by default; beside producers on the same cores (lmpipe
-# run on a CPU machine, two jobs on one) the spinning took 1.6x the wall time and 1.7x the CPU time of two
-# default jobs run at once on 2 cores (OMP_WAIT_POLICY=PASSIVE: 52 s, not 84 s). libgomp reads it when torch
+# run on a CPU machine, two jobs on one) the spinning took 1.6x the wall and CPU time of two default jobs run
+# at once on 2 cores (OMP_WAIT_POLICY=PASSIVE: 52 s, not 84 s). libgomp reads it when torch
 # loads, so it is set before anything imports torch; a user's own value stays.
 OMP_WAIT_POLICY = "PASSIVE"
 

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from lmpipe.cli import OMP_WAIT_POLICY  # torch-free
+
 # as lmpipe's own processes (cli.main): the in-process tests' torch threads sleep when idle instead of spinning
 # beside the other xdist worker's processes; set before torch loads libgomp
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
 
 import torch  # noqa: E402
 

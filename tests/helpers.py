@@ -39,7 +39,7 @@ def free_ports(n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
     /metrics on port+1+i), and none was handed to another test of this session. A trainer on the default
     transport listens on ipc://.../<port>.data, not on the TCP port: without the reservation a test on the
     other xdist worker could be handed the same number while this one's producers still dial it, and a
-    trainer there admitted them (then waited 60 s for their `bye`)."""
+    trainer there could admit them (then wait 60 s for their `bye`)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -68,13 +68,14 @@ def _reserve(ports: range) -> bool:
         return True
     made: list[Path] = []
     for q in ports:
+        claim = Path(where) / str(q)
         try:
-            (Path(where) / str(q)).touch(exist_ok=False)
+            claim.touch(exist_ok=False)
         except FileExistsError:
             for f in made:  # the others go back
                 f.unlink()
             return False
-        made.append(Path(where) / str(q))
+        made.append(claim)
     return True
 
 

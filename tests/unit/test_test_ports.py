@@ -1,6 +1,7 @@
 """The test suite's port reservations (tests/helpers.py): a trainer on the default transport listens on
 ipc://.../<port>.data and leaves the TCP port free, so a free TCP port alone let both xdist workers be handed
-the same number (CI once saw a trainer admit the other worker's producers and wait 60 s for their bye)."""
+the same number, and a trainer could admit the other worker's producers and wait 60 s for their bye (one way
+a trainer stopped in CI could have outlived the test's 60 s)."""
 
 import socket
 
