@@ -72,7 +72,8 @@ def lmpipe_start(a, cache: Path, ck: Path, resume: bool, kill_after_checkpoint: 
            "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size), "--producers", str(a.workers),
            "--shuffle-window", "1000", "--steps", "1000000", "--log-every", "10", "--checkpoint-dir", str(ck),
            "--checkpoint-every", str(a.checkpoint_every), "--metrics-port", "-1", "--port", str(free_port_pair()),
-           "--device", a.device, *(["--compile"] if a.compile else []), *(["--resume", "auto"] if resume else [])]  # fmt: skip
+           "--device", a.device, *(["--compile", "--compile-scope", a.compile_scope] if a.compile else []),
+           *(["--resume", "auto"] if resume else [])]  # fmt: skip
     log = Path(a.work) / "warm-start" / "run.log"
     t0 = time.monotonic()
     with open(log, "wb") as f:
@@ -150,6 +151,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4, help="lmpipe's producers and the DataLoader's workers")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--compile-scope", default="model", choices=("model", "blocks"), help="lmpipe's")
     p.add_argument(
         "--checkpoint-every", type=int, default=10, help="the cold start is killed after this step"
     )
@@ -197,7 +199,8 @@ def report(a, results: list[tuple[str, str, dict]]) -> None:
     warm = lm[LMPIPE_STARTS[1][0]]["total"]
     cold = lm[LMPIPE_STARTS[0][0]]["total"]
     body = (
-        f"{a.model}, T={a.seq_len}, {a.batch_size} rows, {'torch.compile' if a.compile else 'uncompiled'}, "
+        f"{a.model}, T={a.seq_len}, {a.batch_size} rows, "
+        f"{f'torch.compile (lmpipe: --compile-scope {a.compile_scope})' if a.compile else 'uncompiled'}, "
         f"{a.workers} producers / DataLoader workers, WikiText-2 raw text, on {a.device}. Seconds from each "
         "process's start to the end of its first step; start-up: imports, model, checkpoint (lmpipe: and its "
         "sockets bound); compile: lmpipe's compile cache, the compile ahead and the first step (the reference: "

@@ -21,6 +21,7 @@ import pickle
 import re
 import shutil
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,11 +366,40 @@ def _read_state(path: Path, header: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def load(path: Path, expected: dict[str, Any]) -> Loaded:
-    """Read and check a checkpoint; raises CheckpointError, never returns something half-valid."""
-    header = read_header(path)
+class ReadAhead:
+    """state.pt read (checksum, then torch.load) on a thread of its own from the moment the checkpoint to
+    resume is known, while the model is built and compiled: on a GPU machine, 1-2 s of a restart's start.
+    Its result, or what went wrong, is taken by load(); nothing is trusted before load() compared the header."""
+
+    def __init__(self, path: Path, header: dict[str, Any]):
+        self.path, self.header = path, header
+        self._state: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+        # a daemon: a start refused before load() exits without waiting for the read
+        self._thread = threading.Thread(target=self._read, name="checkpoint-read", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            self._state = _read_state(self.path, self.header)
+        except BaseException as exc:  # raised where load() takes it, as a read there would have raised it
+            self._error = exc
+
+    def state(self) -> dict[str, Any]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._state is not None
+        return self._state
+
+
+def load(path: Path, expected: dict[str, Any], ahead: ReadAhead | None = None) -> Loaded:
+    """Read and check a checkpoint (`ahead`: the read already under way, of this path's header); raises
+    CheckpointError, never returns something half-valid."""
+    header = ahead.header if ahead is not None and ahead.path == path else read_header(path)
     compare(header, expected, path)
-    return Loaded(path, header, _read_state(path, header))
+    state = ahead.state() if ahead is not None and ahead.path == path else _read_state(path, header)
+    return Loaded(path, header, state)
 
 
 def resolve_resume(arg: str | None, directory: str | None) -> Path | None:

@@ -155,6 +155,15 @@ class TrainConfig:
         help="torch.compile mode (reduce-overhead: CUDA graphs; autotune-attention: FlexAttention's tiles "
         "tuned at the first step, matmuls left to cuBLAS)",
     )
+    # blocks: each transformer block compiled on its own (regional compilation): Dynamo traces one block and
+    # the others reuse its graph, so a compile, cold or from the cache, is seconds shorter; the price is the
+    # fusion across block boundaries (bench/results/warm-start-*.md says both, measured)
+    compile_scope: str = setting(
+        "model",
+        choices=("model", "blocks"),
+        help="with --compile, what one graph holds: the whole model, or each transformer block (blocks: "
+        "faster compiles and warm restarts, at some fusion)",
+    )
     # A restart (requeue, preemption, crash loop) loads what the last run compiled instead of compiling again:
     # consumer/compile_cache.py, checked against torch, CUDA, the GPU and these settings before it is used
     compile_cache: str = setting(

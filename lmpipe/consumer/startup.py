@@ -65,6 +65,7 @@ def cache_key(
         "model_config": model,
         "precision": precision,
         "compile_mode": tcfg.compile_mode,
+        "compile_scope": tcfg.compile_scope,
         "attention": tcfg.attention,
         "hf_attention": tcfg.hf_attention,
         "fused_ce": tcfg.fused_ce,

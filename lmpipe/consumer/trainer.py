@@ -27,6 +27,7 @@ from lmpipe.consumer.build import build
 from lmpipe.consumer.checkpoint import (
     NO_MODEL,
     CheckpointManager,
+    ReadAhead,
     load,
     read_header,
     resolve_resume,
@@ -144,6 +145,8 @@ class Trainer:
         with --keep-global-batch, --accum. The rank and world size are `pcfg`'s (torchrun's: per_rank)."""
         self.resume_path = resolve_resume(tcfg.resume, tcfg.checkpoint_dir)
         header = read_header(self.resume_path) if self.resume_path is not None else None
+        # state.pt read while the model is built (load() takes it at _resume, after the header's checks)
+        self._ahead = ReadAhead(self.resume_path, header) if self.resume_path and header is not None else None
         self.layout = reshard.plan(header, pcfg.rank, pcfg.world_size, tcfg.shards, self.resume_path)
         return reshard.global_batch(self.layout, tcfg, self.resume_path)
 
@@ -247,7 +250,8 @@ class Trainer:
         """Resume from --resume's checkpoint, if there is one; then say which fast paths run (after the
         checkpoint's checks, so that a refused checkpoint stays one line)."""
         if self.resume_path is not None:
-            restore(self, load(self.resume_path, self._identity()))
+            restore(self, load(self.resume_path, self._identity(), self._ahead))
+            self._ahead = None  # the state is the model's and the optimizer's now: no second copy kept
         elif tcfg.resume:
             log.info("--resume %s: no checkpoint in %s yet; starting fresh", tcfg.resume, tcfg.checkpoint_dir)
         reshard.said(self.layout, tcfg.accum, self.pcfg.batch_size, self.metrics, self.dist.is_main,

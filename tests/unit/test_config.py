@@ -54,7 +54,7 @@ PIPELINE = PipelineConfig(
 TRAIN = TrainConfig(
     model="small", consume_only=True, steps=7, accum=2, keep_global_batch=True, lr=1e-4, min_lr_ratio=0.5, warmup=3, lr_decay_steps=50, weight_decay=0.0,
     beta1=0.8, beta2=0.9, grad_clip=0.5, device="cpu", precision="bf16", residual_dtype="bf16", loss_scale="static:128",
-    fused_ce=True, fast="none", vocab_size=512, attention="dense", hf_attention="eager", fused_adamw=False, grad_checkpointing=True, compile=True, compile_mode="max-autotune",
+    fused_ce=True, fast="none", vocab_size=512, attention="dense", hf_attention="eager", fused_adamw=False, grad_checkpointing=True, compile=True, compile_mode="max-autotune", compile_scope="blocks",
     compile_cache="cc", compile_ahead=False,
     grad_reduce="bf16", copy_stream=False, tf32=False, log_every=2, slots=6, threads=1, seed=9, metrics_port=-1, shards=5, doc_log="d.jsonl",
     wait_timeout=1.5, checkpoint_dir="ck", checkpoint_every=5, keep_checkpoints=2, resume="auto", checkpoint_mode="async",
