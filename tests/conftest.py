@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -81,6 +82,12 @@ def pytest_configure(config):
     if PORTS_DIR not in os.environ:
         os.environ[PORTS_DIR] = tempfile.mkdtemp(prefix="lmpipe-test-ports-")
         config.stash[_ports_key] = os.environ[PORTS_DIR]
+    # A suite started in the background by a shell without job control (`nohup pytest &`, some CI runners)
+    # inherits SIGINT ignored, and Python then leaves it ignored: the Ctrl-C tests' processes (and this one)
+    # would never see theirs. Python's own handler, as a process started in a terminal has: a caught signal
+    # is back to its default in every process started from here, which then installs the same.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config):
