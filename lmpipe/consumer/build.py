@@ -123,9 +123,8 @@ def wrap(model: torch.nn.Module, pcfg: PipelineConfig, tcfg: TrainConfig, device
             if tcfg.compile_mode == "autotune-attention"
             else {"mode": None if tcfg.compile_mode == "default" else tcfg.compile_mode}
         )
-        if (
-            tcfg.compile_scope == "blocks"
-        ):  # in place: DDP and the step call the model as they would uncompiled
+        # blocks: compiled in place, so that DDP and the step call the model as they would uncompiled
+        if tcfg.compile_scope == "blocks":
             for block in blocks(model):
                 block.compile(dynamic=False, **how)
         else:

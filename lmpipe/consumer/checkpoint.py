@@ -368,7 +368,7 @@ def _read_state(path: Path, header: dict[str, Any]) -> dict[str, Any]:
 
 class ReadAhead:
     """state.pt read (checksum, then torch.load) on a thread of its own from the moment the checkpoint to
-    resume is known, while the model is built and compiled: on a GPU machine, 1-2 s of a restart's start.
+    resume is known, while the model is built: on a GPU machine, 1-2 s of a restart's start.
     Its result, or what went wrong, is taken by load(); nothing is trusted before load() compared the header."""
 
     def __init__(self, path: Path, header: dict[str, Any]):
