@@ -396,10 +396,11 @@ class ReadAhead:
 def load(path: Path, expected: dict[str, Any], ahead: ReadAhead | None = None) -> Loaded:
     """Read and check a checkpoint (`ahead`: the read already under way, of this path's header); raises
     CheckpointError, never returns something half-valid."""
-    header = ahead.header if ahead is not None and ahead.path == path else read_header(path)
+    if ahead is not None and ahead.path != path:
+        ahead = None  # another checkpoint's read: this one is read here
+    header = ahead.header if ahead is not None else read_header(path)
     compare(header, expected, path)
-    state = ahead.state() if ahead is not None and ahead.path == path else _read_state(path, header)
-    return Loaded(path, header, state)
+    return Loaded(path, header, ahead.state() if ahead is not None else _read_state(path, header))
 
 
 def resolve_resume(arg: str | None, directory: str | None) -> Path | None:
